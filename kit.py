@@ -1,0 +1,267 @@
+"""Shared plumbing for the kit's scripts: config parsing, user errors, atomic writes, manifests, tarballs.
+
+Not run on its own; train_dpo.py, build_pairs.py and entrypoint.py import it. Everything here is
+standard library only, so `--help` and the unit tests never pay for torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import sys
+import tarfile
+import tempfile
+import typing
+from pathlib import Path
+
+EXIT_USAGE = 2  # a user's mistake: bad flag, bad file, bad combination
+
+
+class UserError(Exception):
+    """A mistake in what the user gave us: printed as `FILE:LINE: message`, exit status 2."""
+
+    def __init__(self, message: str, path: str | os.PathLike | None = None, line: int | None = None):
+        super().__init__(message)
+        self.message, self.path, self.line = message, path, line
+
+    def __str__(self) -> str:
+        where = "" if self.path is None else f"{self.path}:" if self.line is None else f"{self.path}:{self.line}:"
+        return f"{where} {self.message}" if where else self.message
+
+
+# ---------------------------------------------------------------------------------------------
+# Config: one dataclass per script is the only place defaults live.
+# ---------------------------------------------------------------------------------------------
+
+def field(default, help: str, **meta):
+    """A dataclass field with help text (and optional `choices`) for the generated CLI."""
+    return dataclasses.field(default=default, metadata={"help": help, **meta})
+
+
+def parse_bool(text: str) -> bool:
+    lowered = str(text).strip().lower()
+    if lowered in {"1", "true", "yes", "y", "on"}:
+        return True
+    if lowered in {"0", "false", "no", "n", "off"}:
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _base_type(tp):
+    """int for `int`, `int | None` and `Optional[int]`; the type argparse converts with."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if args else tp
+
+
+def build_parser(cfg_cls, description: str, positional: str | None = None) -> argparse.ArgumentParser:
+    """An argparse parser with one `--name` flag per dataclass field, named exactly as the field."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     argument_default=argparse.SUPPRESS)
+    parser.add_argument("--config", metavar="FILE.yaml", help="read options from a YAML (or JSON) file; flags override it")
+    hints = typing.get_type_hints(cfg_cls)
+    for f in dataclasses.fields(cfg_cls):
+        tp = _base_type(hints[f.name])
+        helptext = f.metadata.get("help", "")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if f.name == positional:
+            parser.add_argument(f.name, nargs="?", help=f"{helptext} (default: {default})")
+            continue
+        kwargs = {"help": f"{helptext} (default: {default})", "dest": f.name}
+        if "choices" in f.metadata:
+            kwargs["choices"] = f.metadata["choices"]
+        if tp is bool:
+            parser.add_argument(f"--{f.name}", type=parse_bool, nargs="?", const=True, metavar="BOOL", **kwargs)
+            parser.add_argument(f"--no_{f.name}", action="store_const", const=False, dest=f.name, help=argparse.SUPPRESS)
+        else:
+            parser.add_argument(f"--{f.name}", type=tp, metavar=tp.__name__.upper(), **kwargs)
+    return parser
+
+
+def _read_config_file(path: str) -> dict:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise UserError(f"cannot read config file: {e.strerror}", path) from None
+    try:
+        if path.endswith(".json"):
+            data = json.loads(text)
+        else:
+            import yaml  # a dependency of transformers; only needed when --config is used
+
+            data = yaml.safe_load(text)
+    except Exception as e:  # noqa: BLE001 - any parse error is the user's file
+        line = getattr(getattr(e, "problem_mark", None), "line", None)
+        raise UserError(f"not valid YAML/JSON: {e}", path, None if line is None else line + 1) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError("a config file must hold a mapping of option: value", path, 1)
+    return data
+
+
+def coerce(cfg_cls, values: dict, source: str) -> dict:
+    """Check the names and convert the values of a config mapping (from YAML) against the dataclass."""
+    hints = typing.get_type_hints(cfg_cls)
+    names = {f.name: f for f in dataclasses.fields(cfg_cls)}
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise UserError(f"unknown option(s): {', '.join(unknown)}", source)
+    out = {}
+    for key, value in values.items():
+        tp = _base_type(hints[key])
+        if value is None:
+            out[key] = None
+        elif tp is bool:
+            out[key] = value if isinstance(value, bool) else parse_bool(value)
+        else:
+            try:
+                out[key] = tp(value)
+            except (TypeError, ValueError):
+                raise UserError(f"option {key}: expected {tp.__name__}, got {value!r}", source) from None
+        choices = names[key].metadata.get("choices")
+        if choices and out[key] not in choices:
+            raise UserError(f"option {key}: {out[key]!r} is not one of {', '.join(map(str, choices))}", source)
+    return out
+
+
+def parse_config(cfg_cls, argv: list[str] | None, description: str, positional: str | None = None):
+    """Defaults from the dataclass, then `--config FILE`, then flags; then every problem at once.
+
+    A config class may define `problems(self) -> list[str]`; all of them are reported together.
+    """
+    parser = build_parser(cfg_cls, description, positional)
+    args = vars(parser.parse_args(argv))  # unknown flags: argparse prints usage and exits 2
+    values = {}
+    config_path = args.pop("config", None)
+    if config_path:
+        values.update(coerce(cfg_cls, _read_config_file(config_path), config_path))
+    values.update({k: v for k, v in args.items()})
+    cfg = cfg_cls(**values)
+    problems = cfg.problems() if hasattr(cfg, "problems") else []
+    if problems:
+        raise UserError("bad options:\n  - " + "\n  - ".join(problems))
+    return cfg
+
+
+def run_cli(main, argv=None) -> int:
+    """Run `main(argv)`, turning a UserError into `FILE:LINE: message` on stderr and exit 2."""
+    try:
+        return main(argv) or 0
+    except UserError as e:
+        print(f"error: {e}" if e.path is None else str(e), file=sys.stderr)
+        return EXIT_USAGE
+
+
+# ---------------------------------------------------------------------------------------------
+# Files: nothing half-written is ever left where a finished file belongs.
+# ---------------------------------------------------------------------------------------------
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write to a temporary file beside `path`, fsync, then rename over it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the mode open() would
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_hashes(root: str | os.PathLike, skip: tuple[str, ...] = ("manifest.json",)) -> dict[str, str]:
+    """sha256 of every regular file below root, keyed by its POSIX path relative to root, sorted."""
+    root = Path(root)
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if p.is_file() and rel not in skip:
+            out[rel] = sha256_file(p)
+    return out
+
+
+def make_tarball(src_dir: str | os.PathLike, dest: str | os.PathLike) -> str:
+    """Pack src_dir as `<name>/...` into dest (.tar.gz) reproducibly; returns the tarball's sha256.
+
+    Entries are sorted, owned by 0:0 with mode 0644/0755 and a fixed mtime, and gzip carries no
+    timestamp, so the same files always give the same bytes. A `<dest>.sha256` file is written
+    beside it in the format `sha256sum -c` reads.
+    """
+    import gzip
+
+    src_dir, dest = Path(src_dir), Path(dest)
+    buf = io.BytesIO()
+    with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0) as gz, tarfile.open(fileobj=gz, mode="w") as tar:
+        for p in [src_dir, *sorted(src_dir.rglob("*"))]:
+            if p.is_symlink() or not (p.is_file() or p.is_dir()):
+                continue
+            info = tar.gettarinfo(str(p), arcname=str(Path(src_dir.name) / p.relative_to(src_dir)))
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            info.mtime = 0
+            info.mode = 0o755 if p.is_dir() else 0o644
+            if p.is_file():
+                with open(p, "rb") as f:
+                    tar.addfile(info, f)
+            else:
+                tar.addfile(info)
+    data = buf.getvalue()
+    atomic_write_bytes(dest, data)
+    digest = hashlib.sha256(data).hexdigest()
+    atomic_write_text(f"{dest}.sha256", f"{digest}  {dest.name}\n")
+    return digest
+
+
+def package_versions(names=("torch", "transformers", "trl", "peft", "bitsandbytes", "accelerate",
+                            "datasets", "safetensors", "gguf")) -> dict[str, str | None]:
+    from importlib import metadata
+
+    out = {}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def git_commit(cwd: str | os.PathLike | None = None) -> str | None:
+    """The kit's own commit (with `-dirty` when the tree has changes), or None outside git."""
+    import subprocess
+
+    cwd = cwd or Path(__file__).resolve().parent
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
+        if rev.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return rev.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None

