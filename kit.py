@@ -60,7 +60,7 @@ def _base_type(tp):
 def build_parser(cfg_cls, description: str, positional: str | None = None) -> argparse.ArgumentParser:
     """An argparse parser with one `--name` flag per dataclass field, named exactly as the field."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     argument_default=argparse.SUPPRESS)
+                                     argument_default=argparse.SUPPRESS, allow_abbrev=False)
     parser.add_argument("--config", metavar="FILE.yaml", help="read options from a YAML (or JSON) file; flags override it")
     hints = typing.get_type_hints(cfg_cls)
     for f in dataclasses.fields(cfg_cls):
@@ -73,11 +73,12 @@ def build_parser(cfg_cls, description: str, positional: str | None = None) -> ar
         kwargs = {"help": f"{helptext} (default: {default})", "dest": f.name}
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
+        names = [f.metadata["short"], f"--{f.name}"] if "short" in f.metadata else [f"--{f.name}"]
         if tp is bool:
-            parser.add_argument(f"--{f.name}", type=parse_bool, nargs="?", const=True, metavar="BOOL", **kwargs)
+            parser.add_argument(*names, type=parse_bool, nargs="?", const=True, metavar="BOOL", **kwargs)
             parser.add_argument(f"--no_{f.name}", action="store_const", const=False, dest=f.name, help=argparse.SUPPRESS)
         else:
-            parser.add_argument(f"--{f.name}", type=tp, metavar=tp.__name__.upper(), **kwargs)
+            parser.add_argument(*names, type=tp, metavar=tp.__name__.upper(), **kwargs)
     return parser
 
 
@@ -128,12 +129,36 @@ def coerce(cfg_cls, values: dict, source: str) -> dict:
     return out
 
 
+BOOL_WORDS = {"1", "0", "true", "false", "yes", "no", "y", "n", "on", "off"}
+
+
+def normalise_argv(cfg_cls, argv: list[str]) -> list[str]:
+    """`--a-b` -> `--a_b` (both spellings work, as with HfArgumentParser), and `--flag=true` for a
+    bare boolean flag followed by something that is not a boolean (such as a file name), which
+    `--flag [BOOL]` would otherwise swallow as its value."""
+    hints = typing.get_type_hints(cfg_cls)
+    bools = {f"--{f.name}" for f in dataclasses.fields(cfg_cls) if _base_type(hints[f.name]) is bool}
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + argv[i:]
+        if arg.startswith("--"):
+            name, eq, value = arg.partition("=")
+            arg = "--" + name[2:].replace("-", "_") + eq + value
+        nxt = argv[i + 1] if i + 1 < len(argv) else ""
+        if arg in bools and nxt and (nxt == "-" or not nxt.startswith("-")) and nxt.lower() not in BOOL_WORDS:
+            arg += "=true"
+        out.append(arg)
+    return out
+
+
 def parse_config(cfg_cls, argv: list[str] | None, description: str, positional: str | None = None):
     """Defaults from the dataclass, then `--config FILE`, then flags; then every problem at once.
 
     A config class may define `problems(self) -> list[str]`; all of them are reported together.
     """
     parser = build_parser(cfg_cls, description, positional)
+    argv = normalise_argv(cfg_cls, list(sys.argv[1:] if argv is None else argv))
     args = vars(parser.parse_args(argv))  # unknown flags: argparse prints usage and exits 2
     values = {}
     config_path = args.pop("config", None)

@@ -394,6 +394,9 @@ def main(argv=None) -> int:
 
     pairs, data = formats.load_pairs(cfg.data, cfg.skip_invalid)
     data.update(path=cfg.data, sha256=kit.sha256_file(cfg.data))
+    # 2. Models are found (and the bundled one converted) before a run directory exists.
+    model_path = resolve_model_path(cfg.model_name_or_path)
+    ref_path = resolve_model_path(cfg.ref_model_name_or_path) if cfg.ref_model_name_or_path else None
     run = Run(cfg.output_dir, cfg.run_name or default_run_name(data["sha256"], dt.datetime.now(dt.timezone.utc)))
     resolved = dataclasses.asdict(cfg) | {"run_name": run.name}
     resume_from = prepare_run_dir(run, resolved, data["sha256"])
@@ -405,7 +408,7 @@ def main(argv=None) -> int:
     interrupt = Interrupt()
     old_handlers = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        metrics = train(cfg, run, pairs, data, resolved, resume_from, interrupt, started)
+        metrics = train(cfg, run, model_path, ref_path, pairs, data, resume_from, interrupt, started)
     except KeyboardInterrupt:
         run.set_status("cancelled", error="interrupted before training started")
         print(f"[run] cancelled; resume with --run_name {run.name}", file=sys.stderr)
@@ -457,7 +460,7 @@ def prepare_run_dir(run: Run, resolved: dict, data_sha: str):
     return last or ""
 
 
-def train(cfg, run, pairs, data, resolved, resume_from, interrupt, started):
+def train(cfg, run, model_path, ref_path, pairs, data, resume_from, interrupt, started):
     import torch
     from datasets import Dataset
     from peft import LoraConfig, prepare_model_for_kbit_training
@@ -466,15 +469,14 @@ def train(cfg, run, pairs, data, resolved, resume_from, interrupt, started):
 
     on_gpu = torch.cuda.is_available()
     bf16_ok = on_gpu and torch.cuda.is_bf16_supported()
-    model_path = resolve_model_path(cfg.model_name_or_path)
     t0 = time.time()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = load_model(model_path, cfg, on_gpu, bf16_ok)
     if cfg.load_in_4bit:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
     ref_model = None
-    if cfg.ref_model_name_or_path:
-        ref_model = load_model(resolve_model_path(cfg.ref_model_name_or_path), cfg, on_gpu, bf16_ok)
+    if ref_path:
+        ref_model = load_model(ref_path, cfg, on_gpu, bf16_ok)
     targets = (detect_lora_targets(model) if cfg.lora_target_modules == "auto"
                else [t.strip() for t in cfg.lora_target_modules.split(",") if t.strip()])
     print(f"[model] {model_path} loaded in {time.time() - t0:.1f}s on {'cuda' if on_gpu else 'cpu'}; "

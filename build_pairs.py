@@ -1,0 +1,664 @@
+"""Turn an agent's run logs (JSONL, one run per line) into DPO preference pairs, by the rules of the retraining process.
+
+    python build_pairs.py data/runs.jsonl -o pairs.jsonl --report report.json
+
+An attempt *succeeded* when it ran and scored > 0 (`--score_key`, default space_freed). Per run:
+  never_ran, never_succeeded  no pair of its own (its strategy can still be a cross_run rejected)
+  mixed                       strategy -> best successful code  vs  each failed attempt's code
+  first_try_strategy          run's prompt -> strategy          vs  a garbled strategy
+  first_try_code              strategy -> best code             vs  garbled code that never compiles
+  cross_run                   shared prompt -> best run's strategy vs each never-succeeded run's strategy
+`-` as input reads standard input; `-o -` writes standard output. `-o` is short for --output, and
+--dashed-names work as well as --underscored_names. The summary goes to standard error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import tempfile
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+
+import kit
+from formats import ROLES
+
+RULES = ("mixed", "first_try_strategy", "first_try_code", "cross_run")
+OUTCOMES = ("first_try", "mixed", "never_succeeded", "never_ran")
+GARBLE_TRIES = 20  # rule-garbling rounds before the always-failing fallback
+MODEL_TEMPERATURE = 1.5  # "high-temperature garbled output", as the retraining document puts it
+MODEL_TRIES = 3  # samples per answer before the rules garbler stands in
+MAX_WARNINGS = 10  # skipped-line messages shown with --skip_invalid; the rest are only counted
+
+
+@dataclass
+class PairsConfig:
+    """Every option of build_pairs.py; the field names are the flags (`--max_pairs_per_run 4`)."""
+
+    runs: str = kit.field("", "run logs, JSONL with one run per line; - reads standard input")
+    output: str = kit.field("pairs.jsonl", "where the pairs go, JSONL; - writes standard output", short="-o")
+    report: str | None = kit.field(None, "also write the summary here as JSON")
+    format: str = kit.field("trl", "trl: prompt/chosen/rejected/meta (what train_dpo.py reads); "
+                            "openai: OpenAI preference fine-tuning (no meta)", choices=("trl", "openai"))
+    score_key: str = kit.field("space_freed", "attempt key holding the score; succeeded = ran and score > 0")
+    max_pairs_per_run: int = kit.field(4, "mixed runs: at most this many failed attempts per run, earliest first")
+    cross_run: bool = kit.field(True, "runs sharing a prompt compete: best strategy vs never-succeeded ones "
+                                 "(--no_cross_run turns it off)")
+    max_pairs_per_prompt: int = kit.field(4, "cross_run: at most this many pairs per distinct prompt")
+    garble: str = kit.field("rules", "rejected answer for first-try runs: rules (deterministic edits) or "
+                            f"model (sample --model at temperature {MODEL_TEMPERATURE})", choices=("rules", "model"))
+    model: str | None = kit.field(None, "causal LM directory for --garble model")
+    seed: int = kit.field(0, "garbling seed; the same input and seed give byte-identical output")
+    skip_invalid: bool = kit.field(False, "skip and count bad lines instead of stopping at the first one")
+
+    def problems(self) -> list[str]:
+        out = []
+        if not self.runs:
+            out.append("give the run log file to read (or - for standard input)")
+        for name in ("max_pairs_per_run", "max_pairs_per_prompt"):
+            if getattr(self, name) < 1:
+                out.append(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.score_key:
+            out.append("score_key must not be empty")
+        if self.garble == "model" and not self.model:
+            out.append("--garble model needs --model PATH (a causal LM directory)")
+        if self.model and self.garble != "model":
+            out.append("--model is only used with --garble model")
+        same_file = self.runs not in ("", "-") and self.output != "-" and \
+            os.path.abspath(self.runs) == os.path.abspath(self.output)
+        if same_file:
+            out.append("the output would overwrite the input")
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Run records: parse and check one line's object.
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Attempt:
+    code: str
+    ran: bool
+    score: int | float | None  # None: did not run, or ran with no score recorded
+
+    @property
+    def succeeded(self) -> bool:
+        return self.ran and self.score is not None and self.score > 0
+
+
+@dataclass(frozen=True)
+class Run:
+    run_id: str
+    messages: list  # [{"role", "content"}], the prompt that asked for the strategy
+    tags: list | None  # one tag (or None) per message; None when no message had one
+    strategy: str
+    attempts: tuple
+
+
+@dataclass(frozen=True)
+class Pair:
+    prompt: list
+    chosen: str
+    rejected: str
+    meta: dict
+
+
+def _kind(value) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number")
+
+
+def _checked(text: str, what: str, bad) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # json.loads lets "\ud800" through; no UTF-8 writer will
+        raise bad(f"{what} holds an unpaired surrogate (\\u{ord(text[e.start]):04x})") from None
+    return text
+
+
+def _parse_prompt(prompt, bad) -> tuple[list, list | None]:
+    if not isinstance(prompt, list) or not prompt:
+        raise bad("prompt must be a non-empty list of messages")
+    messages, tags = [], []
+    for i, item in enumerate(prompt):
+        tag = item.get("tag") if isinstance(item, dict) else None
+        if isinstance(item, list):  # the agent's own chat history: [message, tag]
+            if len(item) != 2:
+                raise bad(f"prompt[{i}]: a [message, tag] pair has 2 items, not {len(item)}")
+            item, tag = item
+        if not isinstance(item, dict):
+            raise bad(f"prompt[{i}]: expected a message object or a [message, tag] pair, got {_kind(item)}")
+        role, content = item.get("role"), item.get("content")
+        if role not in ROLES:
+            raise bad(f"prompt[{i}]: role must be one of {', '.join(sorted(ROLES))}, got {role!r}")
+        if not isinstance(content, str):
+            raise bad(f"prompt[{i}]: content must be a string, got {_kind(content)}")
+        if tag is not None and not isinstance(tag, str):
+            raise bad(f"prompt[{i}]: tag must be a string, got {_kind(tag)}")
+        messages.append({"role": role, "content": _checked(content, f"prompt[{i}]", bad)})
+        tags.append(tag)
+    return messages, (tags if any(t is not None for t in tags) else None)
+
+
+def _parse_attempt(a, i: int, score_key: str, bad) -> Attempt:
+    if not isinstance(a, dict):
+        raise bad(f"attempts[{i}]: expected an object, got {_kind(a)}")
+    code = a.get("code")
+    if not isinstance(code, str) or not code.strip():
+        raise bad(f"attempts[{i}]: code is missing or empty")
+    ran = a.get("ran")
+    if not isinstance(ran, bool):
+        raise bad(f"attempts[{i}]: ran must be true or false, got {'nothing' if ran is None else repr(ran)}")
+    score = a.get(score_key) if ran else None
+    number = isinstance(score, (int, float)) and not isinstance(score, bool) and math.isfinite(score)
+    if score is not None and not number:
+        raise bad(f"attempts[{i}]: {score_key} must be a finite number, got {score!r}")
+    return Attempt(_checked(code, f"attempts[{i}].code", bad), ran, score)
+
+
+def parse_run(obj, path, line: int, score_key: str = "space_freed") -> Run:
+    """One decoded JSON line -> Run; raises kit.UserError(`FILE:LINE: what is wrong`)."""
+    def bad(message):
+        return kit.UserError(message, path, line)
+
+    if not isinstance(obj, dict):
+        raise bad(f"expected a run (a JSON object), got {_kind(obj)}")
+    run_id = obj.get("run_id", f"line-{line}")
+    if isinstance(run_id, bool) or not isinstance(run_id, (str, int)) or run_id == "":
+        raise bad(f"run_id must be a non-empty string or an integer, got {run_id!r}")
+    messages, tags = _parse_prompt(obj.get("prompt"), bad)
+    strategy = obj.get("strategy")
+    if not isinstance(strategy, str) or not strategy.strip():
+        raise bad("strategy is missing or empty")
+    attempts = obj.get("attempts")
+    if not isinstance(attempts, list):
+        raise bad(f"attempts must be a list, got {'nothing' if attempts is None else _kind(attempts)}")
+    return Run(_checked(str(run_id), "run_id", bad), messages, tags, _checked(strategy, "strategy", bad),
+               tuple(_parse_attempt(a, i, score_key, bad) for i, a in enumerate(attempts)))
+
+
+# ---------------------------------------------------------------------------------------------
+# The rules.
+# ---------------------------------------------------------------------------------------------
+
+def outcome(run: Run) -> str:
+    """first_try (every attempt succeeded), mixed, never_succeeded (something ran) or never_ran."""
+    ok = [a.succeeded for a in run.attempts]
+    if ok and all(ok):
+        return "first_try"
+    if any(ok):
+        return "mixed"
+    return "never_succeeded" if any(a.ran for a in run.attempts) else "never_ran"
+
+
+def best_attempt(run: Run) -> Attempt | None:
+    """The successful attempt with the highest score, the earliest on ties; None if none succeeded."""
+    best = None
+    for a in run.attempts:
+        if a.succeeded and (best is None or a.score > best.score):
+            best = a
+    return best
+
+
+def _meta(run_id: str, rule: str, chosen_score, rejected_score, tags=None, **extra) -> dict:
+    meta = {"run_id": run_id, "rule": rule, "chosen_score": chosen_score, "rejected_score": rejected_score, **extra}
+    if tags is not None:
+        meta["tags"] = list(tags)
+    return meta
+
+
+def pairs_for_run(run: Run, cfg: PairsConfig, garbler=None, stats: Counter | None = None) -> list[Pair]:
+    """Rules 1-3 for one run. `stats` (if given) counts skipped same-code and capped attempts."""
+    garbler = garbler or RuleGarbler(cfg.seed)
+    stats = Counter() if stats is None else stats
+    kind, best = outcome(run), best_attempt(run)
+    ask = [{"role": "user", "content": run.strategy}]  # rules 2 and 3b: the strategy asks for the code
+    if kind == "first_try":
+        return [Pair(run.messages, run.strategy, garbler.garble(run.strategy, "text", run.run_id, run.messages),
+                     _meta(run.run_id, "first_try_strategy", best.score, None, run.tags)),
+                Pair(ask, best.code, garbler.garble(best.code, "code", run.run_id, ask),
+                     _meta(run.run_id, "first_try_code", best.score, None))]
+    if kind != "mixed":
+        return []  # rule 1: nothing succeeded, nothing to choose
+    pairs, seen = [], {best.code.strip()}
+    for a in run.attempts:
+        if a.succeeded:
+            continue
+        if a.code.strip() in seen:  # the same code as the chosen (or an earlier rejected) teaches nothing
+            stats["same_code_skipped"] += 1
+        elif len(pairs) == cfg.max_pairs_per_run:
+            stats["pairs_capped"] += 1
+        else:
+            seen.add(a.code.strip())
+            pairs.append(Pair(ask, best.code, a.code, _meta(run.run_id, "mixed", best.score, a.score)))
+    return pairs
+
+
+def prompt_key(messages: list) -> bytes:
+    """sha256 of the canonical JSON of the prompt's roles and contents (tags ignored)."""
+    canon = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(canon.encode("utf-8")).digest()
+
+
+@dataclass
+class _PromptGroup:
+    messages: list
+    tags: list | None
+    best: tuple | None = None  # (run_id, strategy, score) of the best-scoring run so far
+    failed: dict = dataclasses.field(default_factory=dict)  # strategy -> (run_id, strategy, score, outcome)
+    overflow: int = 0  # failed strategies not kept: the cap (plus one spare) was full
+
+
+class CrossRunIndex:
+    """Rule 4: runs with the same prompt compete; the best run's strategy beats each never-succeeded one.
+
+    Streams: one small record per distinct prompt (messages once, the best strategy, at most
+    max_pairs + 1 failed strategies), never whole runs. Pairs come out in first-seen prompt order.
+    """
+
+    def __init__(self, max_pairs_per_prompt: int = 4):
+        self.cap = max_pairs_per_prompt
+        self.groups: dict[bytes, _PromptGroup] = {}
+        self.recovered = Counter()  # failed runs that made it into a pair, by outcome
+        self.capped = 0  # failed strategies left out by the per-prompt cap (counted by pairs())
+
+    def add(self, run: Run) -> None:
+        group = self.groups.setdefault(prompt_key(run.messages), _PromptGroup(run.messages, run.tags))
+        best = best_attempt(run)
+        if best is not None:
+            if group.best is None or best.score > group.best[2]:  # strict: the earliest run wins ties
+                group.best = (run.run_id, run.strategy, best.score)
+        elif run.strategy.strip() not in group.failed:
+            if len(group.failed) > self.cap:  # one spare slot: the final best may be among the failed
+                group.overflow += 1
+                return
+            scores = [a.score for a in run.attempts if a.score is not None]
+            group.failed[run.strategy.strip()] = (run.run_id, run.strategy, max(scores) if scores else None,
+                                                  outcome(run))
+
+    def pairs(self):
+        for group in self.groups.values():
+            if group.best is None:
+                continue
+            best_id, best_strategy, best_score = group.best
+            losers = [f for key, f in group.failed.items() if key != best_strategy.strip()]
+            self.capped += group.overflow + max(0, len(losers) - self.cap)
+            for run_id, strategy, score, kind in losers[:self.cap]:
+                self.recovered[kind] += 1
+                yield Pair(group.messages, best_strategy, strategy,
+                           _meta(run_id, "cross_run", best_score, score, group.tags, chosen_run_id=best_id))
+
+
+# ---------------------------------------------------------------------------------------------
+# Garbling: the rejected answer for runs that worked first time.
+# ---------------------------------------------------------------------------------------------
+
+def rng_for(seed: int, run_id: str, text: str) -> random.Random:
+    """A generator fixed by (seed, run, text) alone: the same answer garbles the same way in any order."""
+    digest = hashlib.sha256(f"{seed}\0{run_id}\0{text}".encode("utf-8", "surrogatepass")).digest()
+    return random.Random(int.from_bytes(digest[:8], "big"))
+
+
+def compiles(code: str) -> bool:
+    with warnings.catch_warnings():  # e.g. SyntaxWarning for "\d" must not reach the user's terminal
+        warnings.simplefilter("ignore")
+        try:
+            compile(code, "<garbled>", "exec", dont_inherit=True)
+        except (SyntaxError, ValueError, OverflowError, MemoryError, RecursionError):
+            return False
+    return True
+
+
+def _pick(items: list, rng: random.Random) -> int:
+    filled = [i for i, s in enumerate(items) if s.strip()] or list(range(len(items)))
+    return rng.choice(filled)
+
+
+def _swap_adjacent(items, rng):
+    if len(items) > 1:
+        i = rng.randrange(len(items) - 1)
+        items[i], items[i + 1] = items[i + 1], items[i]
+
+
+def _drop_item(items, rng):
+    if len(items) > 1:
+        del items[_pick(items, rng)]
+
+
+def _drop_char(items, rng):
+    i = _pick(items, rng)
+    if items[i]:
+        j = rng.randrange(len(items[i]))
+        items[i] = items[i][:j] + items[i][j + 1:]
+
+
+def _stray_char(items, rng):
+    i = _pick(items, rng)
+    j = rng.randint(0, len(items[i]))
+    items[i] = items[i][:j] + rng.choice("()[]{}:'\",=") + items[i][j:]
+
+
+def _shuffle_words(lines, rng):
+    i = _pick(lines, rng)
+    indent = lines[i][: len(lines[i]) - len(lines[i].lstrip())]
+    words = lines[i].split()
+    rng.shuffle(words)
+    lines[i] = indent + " ".join(words)
+
+
+def _bad_indent(lines, rng):
+    i = _pick(lines, rng)
+    lines[i] = rng.choice([" ", "   ", "\t "]) + lines[i]
+
+
+def _scramble_word(words, rng):
+    i = _pick(words, rng)
+    letters = list(words[i])
+    rng.shuffle(letters)
+    words[i] = "".join(letters)
+
+
+def _repeat_word(words, rng):
+    i = _pick(words, rng)
+    words.insert(rng.randint(0, len(words)), words[i])
+
+
+CODE_EDITS = (_swap_adjacent, _drop_item, _drop_char, _stray_char, _shuffle_words, _bad_indent)
+TEXT_EDITS = (_swap_adjacent, _drop_item, _scramble_word, _repeat_word, _drop_char)
+
+
+def garble_text(text: str, rng: random.Random) -> str:
+    """A few word-level edits (swap, drop, scramble, repeat); always differs from `text`."""
+    words = text.split()
+    for _ in range(GARBLE_TRIES):
+        out = list(words)
+        for _ in range(rng.randint(2, 4)):
+            rng.choice(TEXT_EDITS)(out, rng)
+        out = " ".join(out).split()  # a word emptied by _drop_char goes, with its space
+        if out and out != words:
+            return " ".join(out)
+    return text[::-1] + " ?"  # only a one-letter text gets here
+
+
+def garble_code(code: str, rng: random.Random) -> str:
+    """A few line- and character-level edits, repeated until the result no longer compiles."""
+    body, tail = code.rstrip(), code[len(code.rstrip()):]  # keep the trailing newline: no give-away
+    for _ in range(GARBLE_TRIES):
+        lines = body.splitlines()
+        for _ in range(rng.randint(2, 4)):
+            rng.choice(CODE_EDITS)(lines, rng)
+        out = "\n".join(lines).rstrip() + tail
+        if out.strip() != body.strip() and not compiles(out):
+            return out
+    out = body + "\n)" + tail  # an unmatched ')' on a line of its own never compiles
+    assert not compiles(out)
+    return out
+
+
+class RuleGarbler:
+    """Deterministic garbling: the same (seed, run_id, text) always gives the same rejected answer."""
+
+    fallbacks = 0
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+
+    def garble(self, text: str, kind: str, run_id: str, prompt: list) -> str:
+        rng = rng_for(self.seed, run_id, text)
+        return garble_code(text, rng) if kind == "code" else garble_text(text, rng)
+
+
+def strip_fences(text: str) -> str:
+    """The body of the first ``` fenced block, if the model wrapped its code in one."""
+    if "```" not in text:
+        return text.strip()
+    body = text.split("```", 2)[1]
+    return body.split("\n", 1)[1].strip() if "\n" in body else body.strip()
+
+
+class ModelGarbler:
+    """Rejected answers sampled from a causal LM at high temperature, as the retraining document describes.
+
+    The model loads once, on first use. A sample counts if it differs from the original and, for
+    code, does not compile; after MODEL_TRIES misses the rules garbler stands in (`fallbacks`).
+    """
+
+    def __init__(self, model_path: str, seed: int = 0):
+        self.path, self.seed, self.fallbacks = model_path, seed, 0
+        self.rules = RuleGarbler(seed)
+        self._tokenizer = self._model = None
+
+    def _load(self):
+        if self._model is None:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.path)
+                self._model = AutoModelForCausalLM.from_pretrained(self.path).eval()
+            except OSError as e:
+                raise kit.UserError(f"cannot load the garbling model: {e}", self.path) from None
+        return self._tokenizer, self._model
+
+    def _sample(self, prompt: list, max_new_tokens: int, seed: int) -> str:
+        import torch
+
+        tok, model = self._load()
+        if tok.chat_template:
+            text = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids
+        else:
+            ids = tok("\n\n".join(m["content"] for m in prompt) + "\n\n", return_tensors="pt").input_ids
+        torch.manual_seed(seed)
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                 temperature=MODEL_TEMPERATURE, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                                 pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+        return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+    def garble(self, text: str, kind: str, run_id: str, prompt: list) -> str:
+        tok, _ = self._load()
+        max_new = min(256, len(tok(text).input_ids) * 3 // 2 + 16)  # room for an answer about as long
+        base = rng_for(self.seed, run_id, text).getrandbits(31)
+        for i in range(MODEL_TRIES):
+            sample = self._sample(prompt, max_new, base + i)
+            sample = strip_fences(sample) if kind == "code" else sample
+            if sample and sample.strip() != text.strip() and not (kind == "code" and compiles(sample)):
+                return sample
+        self.fallbacks += 1
+        return self.rules.garble(text, kind, run_id, prompt)
+
+
+# ---------------------------------------------------------------------------------------------
+# Output: canonical lines, duplicates dropped, streamed to a file renamed into place at the end.
+# ---------------------------------------------------------------------------------------------
+
+def pair_digest(pair: Pair) -> bytes:
+    """sha256 of the canonical (prompt, chosen, rejected): what makes two pairs the same pair."""
+    canon = json.dumps([[[m["role"], m["content"]] for m in pair.prompt], pair.chosen, pair.rejected],
+                       ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(canon.encode("utf-8")).digest()[:16]  # 128 bits: no collision in practice, half the memory
+
+
+def to_record(pair: Pair, fmt: str = "trl") -> dict:
+    prompt = [{"role": m["role"], "content": m["content"]} for m in pair.prompt]
+    chosen = [{"role": "assistant", "content": pair.chosen}]
+    rejected = [{"role": "assistant", "content": pair.rejected}]
+    if fmt == "openai":  # OpenAI rejects unknown keys, so no meta
+        return {"input": {"messages": prompt}, "preferred_output": chosen, "non_preferred_output": rejected}
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected, "meta": pair.meta}
+
+
+def to_line(record: dict) -> str:
+    return json.dumps(record, ensure_ascii=False, separators=(", ", ": ")) + "\n"
+
+
+class PairWriter:
+    """Streams lines to a temporary file beside the destination; `commit` renames it into place.
+
+    Anything that stops the run first (bad input, no pairs) leaves the destination untouched.
+    kit.atomic_write_* need the whole text at once, hence this streaming variant.
+    """
+
+    def __init__(self, dest: str, fmt: str):
+        self.dest, self.fmt = dest, fmt
+        self.seen, self.by_rule, self.duplicates = set(), Counter(), 0
+        folder = tempfile.gettempdir() if dest == "-" else os.path.dirname(os.path.abspath(dest))
+        os.makedirs(folder, exist_ok=True)
+        fd, self.tmp = tempfile.mkstemp(prefix=f".{os.path.basename(dest)}.", suffix=".tmp", dir=folder)
+        self.file = os.fdopen(fd, "w", encoding="utf-8", newline="\n")
+
+    def write(self, pairs) -> None:
+        for pair in pairs:
+            digest = pair_digest(pair)
+            if digest in self.seen:
+                self.duplicates += 1
+                continue
+            self.seen.add(digest)
+            self.file.write(to_line(to_record(pair, self.fmt)))
+            self.by_rule[pair.meta["rule"]] += 1
+
+    def commit(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        if self.dest == "-":
+            sys.stdout.flush()
+            with open(self.tmp, "rb") as f:
+                if hasattr(sys.stdout, "buffer"):
+                    shutil.copyfileobj(f, sys.stdout.buffer)
+                else:  # a text-only stream (some embedding or capture)
+                    sys.stdout.write(f.read().decode("utf-8"))
+            sys.stdout.flush()
+            os.unlink(self.tmp)
+        else:
+            os.replace(self.tmp, self.dest)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()
+        if os.path.exists(self.tmp):
+            os.unlink(self.tmp)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI: read, apply the rules, write, summarise.
+# ---------------------------------------------------------------------------------------------
+
+def read_runs(path: str, score_key: str, skip_invalid: bool, stats: Counter):
+    """Yield Run records from a JSONL file (`-`: standard input), one line in memory at a time."""
+    name = "<stdin>" if path == "-" else path
+    try:
+        f = sys.stdin.buffer if path == "-" else open(path, "rb")
+    except OSError as e:
+        raise kit.UserError(f"cannot read the run logs: {e.strerror}", path) from None
+    try:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                run = _parse_line(raw, name, line_no, score_key)
+            except kit.UserError as e:
+                if not skip_invalid:
+                    raise
+                stats["invalid_lines_skipped"] += 1
+                if stats["invalid_lines_skipped"] <= MAX_WARNINGS:
+                    print(f"{e} (skipped)", file=sys.stderr)
+                continue
+            if run is not None:
+                yield run
+    finally:
+        if f is not sys.stdin.buffer:
+            f.close()
+
+
+def _parse_line(raw: bytes, name: str, line_no: int, score_key: str) -> Run | None:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        where = f"byte {raw[e.start]:#04x} at column {e.start + 1}"
+        raise kit.UserError(f"not valid UTF-8 ({where})", name, line_no) from None
+    text = text.lstrip("\ufeff") if line_no == 1 else text
+    if not text.strip():
+        return None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise kit.UserError(f"malformed JSON: {e.msg} at column {e.colno}", name, line_no) from None
+    return parse_run(obj, name, line_no, score_key)
+
+
+def summarize(cfg: PairsConfig, stats: Counter, outcomes: Counter, recovered: Counter, writer: PairWriter,
+              garbler) -> dict:
+    dropped = {k: outcomes[k] - recovered[k] for k in ("never_ran", "never_succeeded")}
+    dropped["only_same_code"] = stats["mixed_without_pairs"]
+    return {"input": cfg.runs, "output": cfg.output, "format": cfg.format, "seed": cfg.seed, "garble": cfg.garble,
+            "runs_read": sum(outcomes.values()),
+            "invalid_lines_skipped": stats["invalid_lines_skipped"],
+            "runs_by_outcome": {k: outcomes[k] for k in OUTCOMES},
+            "runs_dropped": dropped,
+            "failed_runs_recovered_by_cross_run": sum(recovered.values()),
+            "pairs_written": sum(writer.by_rule.values()),
+            "pairs_by_rule": {k: writer.by_rule[k] for k in RULES},
+            "duplicates_removed": writer.duplicates,
+            "pairs_capped": stats["pairs_capped"],
+            "cross_run_capped": stats["cross_run_capped"],
+            "same_code_skipped": stats["same_code_skipped"],
+            "attempts_missing_score": stats["attempts_missing_score"],
+            "garble_fallbacks": garbler.fallbacks}
+
+
+def print_summary(s: dict) -> None:
+    line = lambda d: ", ".join(f"{k} {v}" for k, v in d.items())  # noqa: E731
+    print(f"build_pairs: {s['runs_read']} runs read from {s['input']} "
+          f"({s['invalid_lines_skipped']} invalid lines skipped)\n"
+          f"  runs by outcome: {line(s['runs_by_outcome'])}\n"
+          f"  runs dropped:    {line(s['runs_dropped'])} "
+          f"({s['failed_runs_recovered_by_cross_run']} failed runs recovered by cross_run)\n"
+          f"  pairs written:   {s['pairs_written']} to {s['output']} ({s['format']}): {line(s['pairs_by_rule'])}\n"
+          f"  left out:        {s['duplicates_removed']} duplicate pairs, {s['same_code_skipped']} same-code attempts, "
+          f"{s['pairs_capped']} over max_pairs_per_run, {s['cross_run_capped']} over max_pairs_per_prompt\n"
+          f"  notes:           {s['attempts_missing_score']} attempts ran without a score, "
+          f"{s['garble_fallbacks']} model garbles fell back to rules", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = kit.parse_config(PairsConfig, argv, __doc__, positional="runs")
+    garbler = ModelGarbler(cfg.model, cfg.seed) if cfg.garble == "model" else RuleGarbler(cfg.seed)
+    index = CrossRunIndex(cfg.max_pairs_per_prompt) if cfg.cross_run else None
+    stats, outcomes = Counter(), Counter()
+    with PairWriter(cfg.output, cfg.format) as writer:
+        for run in read_runs(cfg.runs, cfg.score_key, cfg.skip_invalid, stats):
+            kind = outcome(run)
+            outcomes[kind] += 1
+            stats["attempts_missing_score"] += sum(a.ran and a.score is None for a in run.attempts)
+            pairs = pairs_for_run(run, cfg, garbler, stats)
+            stats["mixed_without_pairs"] += kind == "mixed" and not pairs
+            writer.write(pairs)
+            if index:
+                index.add(run)
+        if index:
+            writer.write(index.pairs())
+            stats["cross_run_capped"] = index.capped
+        recovered = index.recovered if index else Counter()
+        summary = summarize(cfg, stats, outcomes, recovered, writer, garbler)
+        if summary["pairs_written"]:
+            writer.commit()
+    print_summary(summary)
+    if cfg.report:
+        kit.atomic_write_json(cfg.report, summary)
+    if not summary["pairs_written"]:
+        what = "no runs" if not summary["runs_read"] else "no usable run (nothing succeeded, or nothing to pair)"
+        print(f"build_pairs: {what} in {summary['input']}; {cfg.output} not written", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(kit.run_cli(main))

@@ -1,0 +1,434 @@
+"""build_pairs.py: the pair rules on small hand-written runs, the CLI's I/O contract, and the demo logs."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+import build_pairs as bp
+import formats
+import kit
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "data" / "runs.jsonl"
+MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
+
+PROMPT = [{"role": "system", "content": "You free disk space.", "tag": "get_system_plist"},
+          {"role": "user", "content": "df: 96% used", "tag": "get_basic_env_plist"}]
+GOOD, ZERO, BROKEN = "print(1)\n", "print(0)\n", "print(1\n"
+
+
+def ok(code=GOOD, score=100):
+    return {"code": code, "ran": True, "space_freed": score}
+
+
+def failed(code=BROKEN):
+    return {"code": code, "ran": False, "error": "SyntaxError"}
+
+
+def run(strategy="Clear the pip cache", attempts=(), prompt=PROMPT, run_id="r1", **extra):
+    attempts = None if attempts is None else list(attempts)
+    obj = {"run_id": run_id, "prompt": prompt, "strategy": strategy, "attempts": attempts, **extra}
+    return {k: v for k, v in obj.items() if v is not None}
+
+
+def parsed(obj, score_key="space_freed"):
+    return bp.parse_run(obj, "runs.jsonl", 1, score_key)
+
+
+def write(tmp_path, rows, name="runs.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def build(tmp_path, rows_or_path, *flags):
+    """Run the CLI in-process; returns (exit code, output lines as dicts, report dict)."""
+    src = rows_or_path if isinstance(rows_or_path, Path) else write(tmp_path, rows_or_path)
+    out, report = tmp_path / "pairs.jsonl", tmp_path / "report.json"
+    code = kit.run_cli(bp.main, [str(src), "-o", str(out), "--report", str(report), *flags])
+    pairs = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()] if out.exists() else []
+    return code, pairs, json.loads(report.read_text()) if report.exists() else None
+
+
+def contents(messages):
+    return [m["content"] for m in messages]
+
+
+# ---------------------------------------------------------------------------------------------
+# Rules, one run at a time
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("attempts, expected", [
+    ([], "never_ran"),
+    ([failed(), failed()], "never_ran"),
+    ([failed(), ok(score=0)], "never_succeeded"),
+    ([ok(score=-5)], "never_succeeded"),
+    ([{"code": GOOD, "ran": True}], "never_succeeded"),  # ran, but no score recorded
+    ([failed(), ok()], "mixed"),
+    ([ok(), ok(score=3)], "first_try"),
+])
+def test_outcome(attempts, expected):
+    assert bp.outcome(parsed(run(attempts=attempts))) == expected
+
+
+def test_never_succeeded_and_never_ran_give_no_pair_and_are_counted(tmp_path):
+    rows = [run(attempts=[failed()], run_id="a", prompt=[{"role": "user", "content": "p1"}]),
+            run(attempts=[ok(score=0)], run_id="b", prompt=[{"role": "user", "content": "p2"}]),
+            run(attempts=[ok(score=0), failed()], run_id="c", prompt=[{"role": "user", "content": "p3"}]),
+            run(attempts=[ok()], run_id="d", prompt=[{"role": "user", "content": "p4"}])]
+    code, pairs, report = build(tmp_path, rows)
+    assert code == 0
+    assert report["runs_by_outcome"] == {"first_try": 1, "mixed": 0, "never_succeeded": 2, "never_ran": 1}
+    assert report["runs_dropped"] == {"never_ran": 1, "never_succeeded": 2, "only_same_code": 0}
+    assert {p["meta"]["run_id"] for p in pairs} == {"d"}
+
+
+def test_mixed_best_code_wins_and_earliest_wins_ties():
+    r = parsed(run(attempts=[failed("a("), ok("b = 1", 100), ok("c = 1", 100), ok("d = 1", 50), ok("e = 1", 0)]))
+    pairs = bp.pairs_for_run(r, bp.PairsConfig(runs="x"))
+    assert [(p.chosen, p.rejected) for p in pairs] == [("b = 1", "a("), ("b = 1", "e = 1")]
+    assert pairs[0].prompt == [{"role": "user", "content": "Clear the pip cache"}]
+    assert pairs[0].meta == {"run_id": "r1", "rule": "mixed", "chosen_score": 100, "rejected_score": None}
+    assert pairs[1].meta["rejected_score"] == 0
+
+
+def test_mixed_cap_keeps_the_earliest_failures():
+    attempts = [failed(f"x{i} = (") for i in range(6)] + [ok()]
+    stats = Counter()
+    pairs = bp.pairs_for_run(parsed(run(attempts=attempts)), bp.PairsConfig(runs="x", max_pairs_per_run=4), stats=stats)
+    assert [p.rejected for p in pairs] == ["x0 = (", "x1 = (", "x2 = (", "x3 = ("]
+    assert stats["pairs_capped"] == 2
+
+
+def test_rejected_code_identical_to_chosen_or_repeated_is_skipped():
+    # a transient failure retried with the same code, then a real failure twice
+    attempts = [failed(GOOD + "  \n"), ok(GOOD), ok(ZERO, 0), ok(ZERO, 0)]
+    stats = Counter()
+    pairs = bp.pairs_for_run(parsed(run(attempts=attempts)), bp.PairsConfig(runs="x"), stats=stats)
+    assert [p.rejected for p in pairs] == [ZERO]
+    assert stats["same_code_skipped"] == 2
+
+
+def test_mixed_run_with_only_same_code_is_counted_as_dropped(tmp_path):
+    rows = [run(attempts=[failed(GOOD), ok(GOOD)], run_id="same"),
+            run("Other", attempts=[ok()], run_id="other", prompt=[{"role": "user", "content": "q"}])]
+    code, pairs, report = build(tmp_path, rows)
+    assert report["runs_dropped"]["only_same_code"] == 1
+    assert report["same_code_skipped"] == 1
+    assert {p["meta"]["run_id"] for p in pairs} == {"other"}
+
+
+def test_missing_score_counts_as_not_succeeded(tmp_path):
+    code, pairs, report = build(tmp_path, [run(attempts=[{"code": ZERO, "ran": True}, ok(GOOD, 7)])])
+    assert code == 0 and report["attempts_missing_score"] == 1
+    assert [(p["meta"]["rule"], p["meta"]["rejected_score"]) for p in pairs] == [("mixed", None)]
+
+
+def test_custom_score_key(tmp_path):
+    attempts = [{"code": ZERO, "ran": True, "tests_passed": 0, "space_freed": 999},
+                {"code": GOOD, "ran": True, "tests_passed": 3}]
+    code, pairs, report = build(tmp_path, [run(attempts=attempts)], "--score_key", "tests_passed")
+    assert report["attempts_missing_score"] == 0
+    assert [(p["chosen"][0]["content"], p["rejected"][0]["content"], p["meta"]["chosen_score"]) for p in pairs] \
+        == [(GOOD, ZERO, 3)]
+
+
+def test_first_try_gives_a_strategy_pair_and_a_code_pair():
+    r = parsed(run(attempts=[ok(GOOD, 10), ok("print(2)\n", 30)]))
+    strategy_pair, code_pair = bp.pairs_for_run(r, bp.PairsConfig(runs="x", seed=7))
+    assert strategy_pair.prompt == [{"role": m["role"], "content": m["content"]} for m in PROMPT]
+    assert strategy_pair.chosen == "Clear the pip cache" and strategy_pair.rejected != strategy_pair.chosen
+    assert strategy_pair.meta == {"run_id": "r1", "rule": "first_try_strategy", "chosen_score": 30,
+                                  "rejected_score": None, "tags": ["get_system_plist", "get_basic_env_plist"]}
+    assert code_pair.prompt == [{"role": "user", "content": "Clear the pip cache"}]
+    assert code_pair.chosen == "print(2)\n" and not bp.compiles(code_pair.rejected)
+    assert code_pair.meta["rule"] == "first_try_code" and "tags" not in code_pair.meta
+
+
+# ---------------------------------------------------------------------------------------------
+# Garbling
+# ---------------------------------------------------------------------------------------------
+
+CODES = ["x = 1", "print(1)\n", "pass", "import shutil\nshutil.rmtree('/tmp/x', ignore_errors=True)\nprint(0)\n",
+         "for i in range(3):\n    print(i)\n", "s = '''\nmulti\n'''\n", "# only a comment\n",
+         'import re\nprint(re.findall("\\d+", "a1"))  # 数字 \n']
+
+
+@pytest.mark.parametrize("code", CODES)
+def test_garbled_code_differs_never_compiles_and_keeps_its_trailing_newline(code):
+    for seed in range(60):
+        out = bp.garble_code(code, bp.rng_for(seed, "r1", code))
+        assert out.strip() != code.strip()
+        assert not bp.compiles(out), out
+        assert out.endswith("\n") == code.endswith("\n")
+
+
+@pytest.mark.parametrize("text", ["a", "Clear the pip cache", "Vider le cache des vignettes — ~/.cache/thumbnails"])
+def test_garbled_text_always_differs(text):
+    for seed in range(60):
+        out = bp.garble_text(text, bp.rng_for(seed, "r1", text))
+        assert out and out.split() != text.split()
+
+
+def test_garbling_is_deterministic_per_seed_run_and_text():
+    g0, g0_again, g1 = bp.RuleGarbler(0), bp.RuleGarbler(0), bp.RuleGarbler(1)
+    code = CODES[3]
+    assert g0.garble(code, "code", "r1", []) == g0_again.garble(code, "code", "r1", [])
+    assert g0.garble(code, "code", "r1", []) != g1.garble(code, "code", "r1", [])
+    text = "Clear the pip cache now"
+    assert g0.garble(text, "text", "r1", []) == g0_again.garble(text, "text", "r1", []) != text
+
+
+def test_output_does_not_depend_on_python_hash_seed(tmp_path):
+    """hash() of a str changes with PYTHONHASHSEED between interpreter runs; the pairs must not."""
+    outputs = []
+    for hash_seed in ("1", "2"):
+        out = tmp_path / f"pairs{hash_seed}.jsonl"
+        subprocess.run([sys.executable, str(ROOT / "build_pairs.py"), str(DEMO), "-o", str(out)], check=True,
+                       capture_output=True, env={**os.environ, "PYTHONHASHSEED": hash_seed}, timeout=60)
+        outputs.append(out.read_bytes())
+    assert outputs[0] == outputs[1]
+
+
+def test_strip_fences():
+    assert bp.strip_fences("Here:\n```python\nx = (\n```\nbye") == "x = ("
+    assert bp.strip_fences("  x = (  ") == "x = ("
+
+
+# ---------------------------------------------------------------------------------------------
+# Cross-run pairs
+# ---------------------------------------------------------------------------------------------
+
+def test_cross_run_best_strategy_beats_failed_ones_with_cap_and_ties():
+    untagged = [{"role": m["role"], "content": m["content"]} for m in PROMPT]  # same prompt, no tags
+    runs = [run("F1", [failed()], run_id="f1"),
+            run("Best", [failed(), ok(score=50)], run_id="b1", prompt=untagged),
+            run("F2", [ok(score=0)], run_id="f2"),
+            run("Tie", [ok(score=50)], run_id="b2"),            # ties lose to the earlier run
+            run("Best", [failed()], run_id="f3"),               # same text as the best: no pair
+            run("F1", [failed()], run_id="f4"),                 # repeated failed strategy: once
+            run("F3", [failed()], run_id="f5"),
+            run("Other", [failed()], run_id="o1", prompt=[{"role": "user", "content": "elsewhere"}])]
+    index = bp.CrossRunIndex(max_pairs_per_prompt=2)
+    for r in runs:
+        index.add(parsed(r))
+    pairs = list(index.pairs())
+    assert [(p.chosen, p.rejected, p.meta["run_id"]) for p in pairs] == [("Best", "F1", "f1"), ("Best", "F2", "f2")]
+    assert pairs[0].prompt == untagged == pairs[1].prompt
+    assert pairs[1].meta == {"run_id": "f2", "rule": "cross_run", "chosen_score": 50, "rejected_score": 0,
+                             "chosen_run_id": "b1", "tags": ["get_system_plist", "get_basic_env_plist"]}
+    assert index.capped == 1 and index.recovered == {"never_ran": 1, "never_succeeded": 1}
+
+
+def test_cross_run_keeps_a_bounded_record_per_prompt():
+    index = bp.CrossRunIndex(max_pairs_per_prompt=2)
+    for i in range(100):
+        index.add(parsed(run(f"F{i}", [failed()], run_id=f"f{i}")))
+    group, = index.groups.values()
+    assert len(group.failed) == 3 and group.overflow == 97
+
+
+def test_cross_run_pairs_come_after_run_pairs_and_can_be_turned_off(tmp_path):
+    rows = [run("Bad", [failed()], run_id="f"), run("Good", [ok()], run_id="g")]
+    code, pairs, report = build(tmp_path, rows)
+    assert [p["meta"]["rule"] for p in pairs] == ["first_try_strategy", "first_try_code", "cross_run"]
+    assert report["runs_dropped"]["never_ran"] == 0 and report["failed_runs_recovered_by_cross_run"] == 1
+    code, pairs, report = build(tmp_path, rows, "--no_cross_run")
+    assert report["pairs_by_rule"]["cross_run"] == 0 and report["runs_dropped"]["never_ran"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Input shapes, output shapes, determinism
+# ---------------------------------------------------------------------------------------------
+
+def test_message_tag_pairs_are_accepted_and_group_with_plain_messages():
+    pairs_shape = [[{"role": m["role"], "content": m["content"]}, m["tag"]] for m in PROMPT]
+    a, b = parsed(run(prompt=pairs_shape)), parsed(run(prompt=PROMPT))
+    assert a.messages == b.messages and a.tags == b.tags == ["get_system_plist", "get_basic_env_plist"]
+    assert bp.prompt_key(a.messages) == bp.prompt_key(b.messages)
+
+
+def test_run_id_defaults_to_the_line_number(tmp_path):
+    code, pairs, _ = build(tmp_path, [run(attempts=[failed(), ok()], run_id=None)])
+    assert pairs[0]["meta"]["run_id"] == "line-1"
+
+
+def test_unicode_is_written_as_is(tmp_path):
+    code_text = "# téléchargements partiels — 部分\nprint('Téléchargements')\n"
+    code, pairs, _ = build(tmp_path, [run("Vider ~/Téléchargements", [failed(), ok(code_text)])])
+    raw = (tmp_path / "pairs.jsonl").read_text(encoding="utf-8")
+    assert "Téléchargements" in raw and "部分" in raw and "\\u" not in raw
+    assert pairs[0]["chosen"][0]["content"] == code_text
+
+
+def test_identical_pairs_are_written_once(tmp_path):
+    rows = [run(attempts=[failed(), ok()], run_id="a"), run(attempts=[failed(), ok()], run_id="b")]
+    code, pairs, report = build(tmp_path, rows)
+    assert len(pairs) == 1 and report["duplicates_removed"] == 1 and report["pairs_written"] == 1
+
+
+def test_output_is_byte_identical_for_the_same_seed(tmp_path):
+    out = [tmp_path / f"{name}.jsonl" for name in ("a", "b", "c")]
+    for path, seed in zip(out, ("0", "0", "1")):
+        assert kit.run_cli(bp.main, [str(DEMO), "-o", str(path), "--seed", seed]) == 0
+    assert out[0].read_bytes() == out[1].read_bytes()
+    assert out[0].read_bytes() != out[2].read_bytes()
+
+
+def test_openai_format(tmp_path):
+    code, pairs, _ = build(tmp_path, [run(attempts=[failed(), ok()])], "--format", "openai")
+    assert pairs == [{"input": {"messages": [{"role": "user", "content": "Clear the pip cache"}]},
+                      "preferred_output": [{"role": "assistant", "content": GOOD}],
+                      "non_preferred_output": [{"role": "assistant", "content": BROKEN}]}]
+
+
+def test_line_format_is_fixed():
+    pair = bp.Pair([{"role": "user", "content": "é"}], "a", "b", {"run_id": "r", "rule": "mixed"})
+    assert bp.to_line(bp.to_record(pair)) == (
+        '{"prompt": [{"role": "user", "content": "é"}], "chosen": [{"role": "assistant", "content": "a"}], '
+        '"rejected": [{"role": "assistant", "content": "b"}], "meta": {"run_id": "r", "rule": "mixed"}}\n')
+
+
+def test_stdin_and_stdout(tmp_path, monkeypatch, capsys):
+    data = json.dumps(run(attempts=[failed(), ok()])) + "\n"
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data.encode("utf-8")), encoding="utf-8"))
+    assert kit.run_cli(bp.main, ["-", "-o", "-"]) == 0
+    captured = capsys.readouterr()
+    assert [json.loads(line)["meta"]["rule"] for line in captured.out.splitlines()] == ["mixed"]
+    assert "1 runs read from - " in captured.err
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input and bad options
+# ---------------------------------------------------------------------------------------------
+
+BAD_LINES = {
+    "malformed JSON": (b'{"run_id": "x",', "malformed JSON: Expecting property name enclosed in double quotes"),
+    "not an object": (b'["a run?"]', "expected a run (a JSON object), got a list"),
+    "no strategy": (json.dumps(run(strategy=None)).encode(), "strategy is missing or empty"),
+    "blank strategy": (json.dumps(run(strategy="  ")).encode(), "strategy is missing or empty"),
+    "attempts not a list": (json.dumps({**run(), "attempts": "x"}).encode(), "attempts must be a list"),
+    "no attempts": (json.dumps(run(attempts=None)).encode(), "attempts must be a list, got nothing"),
+    "attempt without code": (json.dumps(run(attempts=[{"ran": True}])).encode(), "attempts[0]: code is missing"),
+    "ran not boolean": (json.dumps(run(attempts=[{"code": "x", "ran": "yes"}])).encode(),
+                        "attempts[0]: ran must be true or false"),
+    "score not a number": (json.dumps(run(attempts=[ok(score="5 MB")])).encode(),
+                           "attempts[0]: space_freed must be a finite number"),
+    "no prompt": (json.dumps(run(prompt=None)).encode(), "prompt must be a non-empty list of messages"),
+    "bad role": (json.dumps(run(prompt=[{"role": "robot", "content": "x"}])).encode(),
+                 "prompt[0]: role must be one of"),
+    "bad pair": (json.dumps(run(prompt=[[{"role": "user", "content": "x"}]])).encode(),
+                 "prompt[0]: a [message, tag] pair has 2 items, not 1"),
+    "not UTF-8": (b'{"run_id": "caf\xe9"}', "not valid UTF-8 (byte 0xe9 at column 16)"),
+    "lone surrogate": (b'{"run_id": "x", "prompt": [{"role": "user", "content": "\\ud800"}]}',
+                       "prompt[0] holds an unpaired surrogate (\\ud800)"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_LINES)
+def test_bad_input_reports_file_and_line_and_writes_nothing(tmp_path, capsys, name):
+    bad, message = BAD_LINES[name]
+    src = tmp_path / "runs.jsonl"
+    src.write_bytes(json.dumps(run(attempts=[ok()])).encode() + b"\n\n" + bad + b"\n")
+    out = tmp_path / "pairs.jsonl"
+    out.write_text("previous pairs\n")
+    assert kit.run_cli(bp.main, [str(src), "-o", str(out), "--report", str(tmp_path / "r.json")]) == 2
+    assert capsys.readouterr().err.startswith(f"{src}:3: {message}")
+    assert out.read_text() == "previous pairs\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pairs.jsonl", "runs.jsonl"]  # no temp file, no report
+
+
+def test_skip_invalid_skips_and_counts(tmp_path, capsys):
+    src = tmp_path / "runs.jsonl"
+    src.write_bytes(b"not json\n" + json.dumps(run(attempts=[failed(), ok()])).encode() + b"\n[]\n")
+    code, pairs, report = build(tmp_path, src, "--skip_invalid")
+    assert code == 0 and len(pairs) == 1
+    assert report["invalid_lines_skipped"] == 2 and report["runs_read"] == 1
+    assert f"{src}:1: malformed JSON" in capsys.readouterr().err
+
+
+def test_no_usable_run_exits_1_without_output(tmp_path, capsys):
+    code, pairs, report = build(tmp_path, [run(attempts=[failed()]), run(attempts=[ok(score=0)])])
+    assert code == 1 and not (tmp_path / "pairs.jsonl").exists()
+    assert report["pairs_written"] == 0
+    assert "no usable run" in capsys.readouterr().err
+    (tmp_path / "empty.jsonl").write_text("")
+    assert build(tmp_path, tmp_path / "empty.jsonl")[0] == 1
+
+
+def test_missing_input_file(tmp_path, capsys):
+    assert kit.run_cli(bp.main, [str(tmp_path / "nope.jsonl"), "-o", str(tmp_path / "p.jsonl")]) == 2
+    assert "nope.jsonl: cannot read the run logs: No such file or directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, problem", [
+    (["--garble", "model"], "--garble model needs --model PATH"),
+    (["--model", "m"], "--model is only used with --garble model"),
+    (["--max_pairs_per_run", "0"], "max_pairs_per_run must be at least 1, got 0"),
+    (["--max-pairs-per-prompt", "0"], "max_pairs_per_prompt must be at least 1, got 0"),
+])
+def test_bad_options_are_reported_together(tmp_path, capsys, flags, problem):
+    assert kit.run_cli(bp.main, ["runs.jsonl", *flags]) == 2
+    assert problem in capsys.readouterr().err
+
+
+def test_unknown_flag_is_an_error():
+    with pytest.raises(SystemExit) as e:
+        bp.main(["runs.jsonl", "--max_pairs", "3", "--bogus"])
+    assert e.value.code == 2
+
+
+def test_argv_spellings_reach_the_config(tmp_path):
+    """-o, --dashed-names and a bare boolean flag before the input file all parse as meant."""
+    out = tmp_path / "p.jsonl"
+    cfg = kit.parse_config(bp.PairsConfig, ["--skip_invalid", "runs.jsonl", "-o", str(out), "--no-cross-run",
+                                            "--score-key=k"], "d", positional="runs")
+    assert (cfg.skip_invalid, cfg.runs, cfg.output, cfg.cross_run, cfg.score_key) == \
+        (True, "runs.jsonl", str(out), False, "k")
+    cfg = kit.parse_config(bp.PairsConfig, ["--skip_invalid", "false", "-"], "d", positional="runs")
+    assert (cfg.skip_invalid, cfg.runs) == (False, "-")
+
+
+# ---------------------------------------------------------------------------------------------
+# The demo logs and the command line
+# ---------------------------------------------------------------------------------------------
+
+def test_demo_logs_exercise_every_rule_and_load_as_pairs(tmp_path):
+    code, pairs, report = build(tmp_path, DEMO)
+    assert code == 0 and report["invalid_lines_skipped"] == 0
+    assert all(n > 0 for n in report["pairs_by_rule"].values()), report["pairs_by_rule"]
+    assert all(n > 0 for n in report["runs_by_outcome"].values()), report["runs_by_outcome"]
+    assert 60 <= report["pairs_written"] <= 90
+    assert report["duplicates_removed"] > 0 and report["pairs_capped"] > 0 and report["cross_run_capped"] > 0
+    records, stats = formats.load_pairs(str(tmp_path / "pairs.jsonl"))
+    assert stats["format"] == "trl_conversational" and len(records) == report["pairs_written"]
+    assert kit.run_cli(bp.main, [str(DEMO), "-o", str(tmp_path / "oa.jsonl"), "--format", "openai"]) == 0
+    assert formats.load_pairs(str(tmp_path / "oa.jsonl"))[1]["format"] == "openai"
+
+
+def test_help_runs_as_a_script():
+    result = subprocess.run([sys.executable, str(ROOT / "build_pairs.py"), "--help"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    assert "--max_pairs_per_run" in result.stdout and "python build_pairs.py" in result.stdout
+
+
+@pytest.mark.integration
+def test_model_garbler_on_a_tiny_model():
+    if not MODEL.is_dir():
+        pytest.skip(f"no model at {MODEL}")
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    garbler = bp.ModelGarbler(str(MODEL), seed=0)  # one load for the whole test (~10 s on a CPU)
+    r = parsed(run(attempts=[ok("import shutil\nshutil.rmtree('/tmp/x', ignore_errors=True)\nprint(0)\n")]))
+    strategy_pair, code_pair = bp.pairs_for_run(r, bp.PairsConfig(runs="x", garble="model", model=str(MODEL)), garbler)
+    assert strategy_pair.rejected.strip() and strategy_pair.rejected != strategy_pair.chosen
+    assert not bp.compiles(code_pair.rejected)
+    again = bp.pairs_for_run(r, bp.PairsConfig(runs="x", garble="model", model=str(MODEL)), garbler)
+    assert [p.rejected for p in again] == [strategy_pair.rejected, code_pair.rejected]  # torch seed fixed per answer

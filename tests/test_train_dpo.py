@@ -1,0 +1,300 @@
+"""train_dpo.py: pure helpers on toy modules, then real 4-bit DPO steps on the bundled model."""
+import datetime as dt
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import kit
+import train_dpo
+from kit import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ROOT / train_dpo.BUNDLED_MODEL_DIR
+
+
+# ------------------------------------------------------------------ pure helpers, no model
+
+def toy_lm(quantized: bool):
+    """A two-block causal-LM-shaped toy: attention and MLP projections, embeddings, a head."""
+    import torch.nn as nn
+
+    linear = nn.Linear
+    if quantized:
+        import bitsandbytes as bnb
+
+        linear = lambda i, o: bnb.nn.Linear4bit(i, o, bias=False, quant_type="nf4")  # noqa: E731
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.v_proj = linear(16, 16), linear(16, 16)
+            self.mlp = nn.Sequential()
+            self.mlp.add_module("up_proj", linear(16, 32))
+            self.norm = nn.LayerNorm(16)
+
+    class Toy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = nn.Embedding(50, 16)
+            self.layers = nn.ModuleList([Block(), Block()])
+            self.lm_head = nn.Linear(16, 50, bias=False)
+
+    return Toy().to("cpu")  # .to() is what quantises bitsandbytes weights
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_layer_detection_finds_every_linear_but_the_head(quantized):
+    import torch
+
+    model = toy_lm(quantized)
+    found = train_dpo.lora_target_modules(model.named_modules(), lambda m: isinstance(m, torch.nn.Linear),
+                                          ["lm_head"])
+    assert found == ["q_proj", "up_proj", "v_proj"]
+
+
+def test_parameter_count_uses_logical_shape_of_4bit_weights():
+    model = toy_lm(quantized=True)
+    model.lm_head.weight.requires_grad_(False)
+    model.layers[0].q_proj.weight.requires_grad_(False)
+    packed = model.layers[0].q_proj.weight
+    assert packed.numel() == 16 * 16 // 2  # two 4-bit values per byte: numel() undercounts
+    counts = train_dpo.count_parameters(model.named_parameters())
+    linear_4bit = 2 * (16 * 16 + 16 * 16 + 16 * 32)
+    norms = 2 * 2 * 16
+    assert counts["quantized_4bit"] == linear_4bit
+    assert counts["total"] == 50 * 16 + linear_4bit + norms + 16 * 50
+    # requires_grad on packed Params4bit is False by construction; embeddings + norms stay trainable
+    assert counts["trainable"] == 50 * 16 + norms
+    assert counts["frozen"] == counts["total"] - counts["trainable"]
+
+
+def test_tied_weights_count_once():
+    model = toy_lm(quantized=False)
+    model.lm_head.weight = model.embed_tokens.weight
+    assert train_dpo.count_parameters(model.named_parameters())["total"] == (
+        50 * 16 + 2 * (2 * (16 * 16 + 16) + (16 * 32 + 32) + 2 * 16))  # head shares the embedding
+
+
+def test_parameter_table_formats_thousands():
+    table = train_dpo.parameter_table({"total": 1_000_000, "trainable": 10_000, "frozen": 990_000,
+                                       "quantized_4bit": 900_000})
+    assert "10,000    1.00%" in table and "1,000,000  100.00%" in table
+
+
+def test_dpo_config_mapping_uses_trl_names_and_device():
+    cfg = train_dpo.TrainConfig(data="x.jsonl", beta=0.3, max_steps=5, learning_rate=1e-5)
+    cpu = train_dpo.dpo_config_kwargs(cfg, "/tmp/ck", on_gpu=False, bf16_ok=False)
+    assert (cpu["beta"], cpu["max_steps"], cpu["learning_rate"], cpu["loss_type"]) == (0.3, 5, 1e-5, ["sigmoid"])
+    assert (cpu["use_cpu"], cpu["bf16"], cpu["fp16"]) == (True, False, False)
+    gpu = train_dpo.dpo_config_kwargs(cfg, "/tmp/ck", on_gpu=True, bf16_ok=True)
+    assert (gpu["use_cpu"], gpu["bf16"], gpu["fp16"]) == (False, True, False)
+    old_gpu = train_dpo.dpo_config_kwargs(cfg, "/tmp/ck", on_gpu=True, bf16_ok=False)
+    assert (old_gpu["bf16"], old_gpu["fp16"]) == (False, True)
+
+
+def test_every_dpo_config_key_exists_in_trl():
+    from trl import DPOConfig
+
+    kwargs = train_dpo.dpo_config_kwargs(train_dpo.TrainConfig(data="x"), "/tmp/ck", False, False)
+    DPOConfig(**kwargs)  # raises TypeError on a name TRL does not have
+
+
+def test_config_problems_are_collected():
+    cfg = train_dpo.TrainConfig(ref_model_name_or_path="m", precompute_ref_log_probs=True, lora_r=0, beta=-1,
+                                max_steps=0, run_name="../x")
+    problems = "\n".join(cfg.problems())
+    for needle in ("--data is required", "choose one reference mode", "--lora_r must be at least 1",
+                   "--beta must be positive", "--max_steps must be -1 or positive", "--run_name must be a plain"):
+        assert needle in problems
+
+
+def test_resume_conflicts_ignore_step_budget_but_not_hyperparameters():
+    old = {"beta": 0.1, "max_steps": 10, "lora_r": 16}
+    assert train_dpo.config_conflicts(old, {**old, "max_steps": 40}) == []
+    assert train_dpo.config_conflicts(old, {**old, "beta": 0.2, "lora_r": 8}) == ["beta", "lora_r"]
+
+
+def test_truncation_counts_prompt_plus_longer_completion():
+    assert train_dpo.truncation_stats([10, 10, 30], [5, 30, 1], [25, 1, 1], max_length=32) == 2
+
+
+def test_default_run_name_is_time_and_data_hash():
+    name = train_dpo.default_run_name("abcdef0123456789", dt.datetime(2026, 11, 22, 3, 4, 5))
+    assert name == "20261122-030405-abcdef01"
+
+
+def test_help_is_fast_and_lists_every_option():
+    t = time.time()
+    out = subprocess.run([sys.executable, str(ROOT / "train_dpo.py"), "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and time.time() - t < 5  # no torch import for --help
+    for name in ("--beta", "--lora_r", "--max_length", "--precompute_ref_log_probs", "--config"):
+        assert name in out.stdout
+
+
+def run_train(*args, timeout=900):
+    return subprocess.run([sys.executable, str(ROOT / "train_dpo.py"), *map(str, args)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=timeout)
+
+
+def test_bad_file_exits_2_with_file_line_and_leaves_no_run(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": "b"}\n')
+    out = run_train("--data", data, "--output_dir", tmp_path / "art", "--run_name", "r")
+    assert out.returncode == 2
+    assert out.stderr.strip() == f"{data}:2: missing field 'rejected'"
+    assert not (tmp_path / "art").exists()
+
+
+def test_unknown_flag_exits_2(tmp_path):
+    out = run_train("--data", "x.jsonl", "--learning_rat", "1e-4")
+    assert out.returncode == 2 and "unrecognized arguments: --learning_rat" in out.stderr
+
+
+# ------------------------------------------------------------------ integration: real 4-bit DPO steps
+
+needs_model = pytest.mark.skipif(not (MODEL / "config.json").exists(),
+                                 reason="bundled model not converted (make model)")
+
+PAIRS = [
+    ("How do I free space used by pip?", "Run `pip cache purge`; it removes cached wheels.", "Delete /usr/lib."),
+    ("How do I shrink the systemd journal?", "Run `journalctl --vacuum-size=200M`.", "rm -rf /var/log/*"),
+    ("How do I clear apt's cache?", "Run `apt-get clean` to empty /var/cache/apt/archives.", "Reinstall Linux."),
+    ("How do I find big files?", "Use `du -ah / | sort -rh | head -20`.", "Buy a bigger disk."),
+]
+
+
+def pairs_in(fmt: str) -> list[dict]:
+    rows = []
+    for q, good, bad in PAIRS:
+        u, a = {"role": "user", "content": q}, lambda t: {"role": "assistant", "content": t}
+        rows.append({
+            "trl_standard": {"prompt": f"Question: {q}\nAnswer:", "chosen": f" {good}", "rejected": f" {bad}"},
+            "trl_conversational": {"prompt": [u], "chosen": [a(good)], "rejected": [a(bad)]},
+            "implicit_prompt": {"chosen": [u, a(good)], "rejected": [u, a(bad)]},
+            "openai": {"input": {"messages": [u]}, "preferred_output": [a(good)], "non_preferred_output": [a(bad)]},
+            "hh": {"chosen": f"\n\nHuman: {q}\n\nAssistant: {good}", "rejected": f"\n\nHuman: {q}\n\nAssistant: {bad}"},
+        }[fmt])
+    return rows
+
+
+def small_run(tmp_path, fmt, name, *extra):
+    data = tmp_path / f"{fmt}.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in pairs_in(fmt)))
+    out = run_train("--data", data, "--output_dir", tmp_path / "art", "--run_name", name, "--max_steps", 2,
+                    "--per_device_train_batch_size", 2, "--max_length", 96, "--lora_r", 4, "--lora_alpha", 8,
+                    "--learning_rate", 5e-4, *extra)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return tmp_path / "art" / name, out
+
+
+def load_adapter(run_dir):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    base = AutoModelForCausalLM.from_pretrained(
+        MODEL, dtype=torch.float32, device_map={"": "cpu"},
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                               bnb_4bit_compute_dtype=torch.float32))
+    return PeftModel.from_pretrained(base, run_dir), AutoTokenizer.from_pretrained(run_dir)
+
+
+@needs_model
+@pytest.mark.integration
+@pytest.mark.parametrize("fmt", ["trl_standard", "implicit_prompt", "openai", "hh"])
+def test_each_format_trains_to_a_complete_run(tmp_path, fmt):
+    run_dir, out = small_run(tmp_path, fmt, f"r-{fmt}")
+    assert f"format {fmt}" in out.stdout
+    check_complete_run(run_dir, steps=2)
+
+
+def check_complete_run(run_dir: Path, steps: int):
+    assert not run_dir.with_name(run_dir.name + ".partial").exists()
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "succeeded" and [h["state"] for h in status["history"]][-1] == "succeeded"
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["files"] == kit.file_hashes(run_dir)
+    assert manifest["steps"] == steps and manifest["versions"]["trl"] == "1.14.2"
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, steps + 1))
+    tarball = run_dir.with_name(run_dir.name + ".tar.gz")
+    assert (tarball.parent / (tarball.name + ".sha256")).read_text().split()[0] == kit.sha256_file(tarball)
+
+
+@needs_model
+@pytest.mark.integration
+def test_conversational_run_loads_with_peft_generates_and_is_reproducible(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    run_a, out = small_run(tmp_path, "trl_conversational", "a")
+    check_complete_run(run_a, steps=2)
+    assert "LoRA targets: down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj" in out.stdout
+    assert "of which 4-bit" in out.stdout
+    params = json.loads((run_a / "parameters.json").read_text())
+    # r * (in + out) per layer: q, k, v, o (k and v project to 3 KV heads x 64), then gate, up, down; 30 blocks
+    per_block = (576 + 576) + 2 * (576 + 192) + (576 + 576) + 3 * (576 + 1536)
+    assert params["trainable"] == 30 * 4 * per_block
+    weights = load_file(run_a / "adapter_model.safetensors")
+    assert any("lora_B" in k and v.abs().sum() > 0 for k, v in weights.items())  # training moved B off zero
+
+    model, tok = load_adapter(run_a)
+    ids = tok.apply_chat_template([{"role": "user", "content": PAIRS[0][0]}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        gen = model.generate(**ids, max_new_tokens=8, do_sample=False)
+    assert gen.shape[1] > ids["input_ids"].shape[1]
+    assert tok.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+    run_b, _ = small_run(tmp_path, "trl_conversational", "b")
+    assert kit.sha256_file(run_a / "adapter_model.safetensors") == kit.sha256_file(run_b / "adapter_model.safetensors")
+
+
+@needs_model
+@pytest.mark.integration
+def test_sigterm_saves_a_checkpoint_and_the_same_command_resumes(tmp_path):
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in pairs_in("trl_conversational") * 4))
+    args = [sys.executable, str(ROOT / "train_dpo.py"), "--data", data, "--output_dir", tmp_path / "art",
+            "--run_name", "res", "--max_steps", 6, "--save_steps", 100, "--per_device_train_batch_size", 2,
+            "--max_length", 96, "--lora_r", 4]
+    proc = subprocess.Popen(list(map(str, args)), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    metrics = tmp_path / "art" / "res.partial" / "metrics.jsonl"
+    deadline = time.time() + 600
+    while not (metrics.exists() and metrics.read_text().strip()) and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    log = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, log[-3000:]
+    partial = tmp_path / "art" / "res.partial"
+    status = json.loads((partial / "status.json").read_text())
+    assert status["state"] == "cancelled" and 1 <= status["step"] < 6
+    assert not (tmp_path / "art" / "res").exists()
+
+    out = subprocess.run(list(map(str, args)), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"resuming res from {partial}/checkpoints/checkpoint-{status['step']}" in out.stdout
+    run_dir = tmp_path / "art" / "res"
+    check_complete_run(run_dir, steps=6)
+    history = [h["state"] for h in json.loads((run_dir / "status.json").read_text())["history"]]
+    assert history == ["pending", "running", "cancelled", "pending", "running", "succeeded"]
+
+    again = subprocess.run(list(map(str, args)), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "already complete" in again.stdout
+    changed = subprocess.run(list(map(str, args + ["--beta", "0.5"])), cwd=ROOT, capture_output=True, text=True)
+    assert changed.returncode == 2 and "different beta" in changed.stderr
+
+
+def test_missing_model_exits_2_before_any_run_directory(tmp_path):
+    data = tmp_path / "ok.jsonl"
+    data.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+    out = run_train("--data", data, "--output_dir", tmp_path / "art", "--model_name_or_path", tmp_path / "nope")
+    assert out.returncode == 2 and "is neither a model directory nor a hub id" in out.stderr
+    assert not (tmp_path / "art").exists()
