@@ -290,3 +290,112 @@ def git_commit(cwd: str | os.PathLike | None = None) -> str | None:
         return rev.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Handoff: check a run tarball before trusting anything in it.
+# ---------------------------------------------------------------------------------------------
+
+def unsafe_member(member: tarfile.TarInfo, top: str | None) -> str | None:
+    """Why a tar member must not be extracted (absolute path, `..`, link, device, outside the run
+    directory), or None when it is a plain file or directory inside it."""
+    name = member.name
+    parts = Path(name).parts
+    if name.startswith(("/", "\\")) or (parts and ":" in parts[0]):
+        return f"absolute path {name!r}"
+    if ".." in parts:
+        return f"path with '..' {name!r}"
+    if member.issym() or member.islnk():
+        return f"link {name!r} -> {member.linkname!r}"
+    if not (member.isfile() or member.isdir()):
+        return f"special file {name!r}"
+    if top is not None and (not parts or parts[0] != top):
+        return f"{name!r} is outside the run directory {top!r}"
+    return None
+
+
+def serving_problems(adapter_config: dict) -> list[str]:
+    """What stops an adapter loading in vLLM or plain PEFT: extra saved modules, LoRA on the
+    embeddings or the output head."""
+    problems = []
+    if adapter_config.get("modules_to_save"):
+        problems.append(f"modules_to_save is set ({adapter_config['modules_to_save']}); vLLM rejects it")
+    targets = adapter_config.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else targets
+    for t in targets:
+        if any(w in t for w in ("embed", "lm_head", "wte", "output")):
+            problems.append(f"LoRA on {t!r} (embeddings or output head); vLLM does not serve that")
+    if adapter_config.get("peft_type") != "LORA":
+        problems.append(f"peft_type is {adapter_config.get('peft_type')!r}, not LORA")
+    return problems
+
+
+def verify_tarball(path: str | os.PathLike, extract_to: str | os.PathLike | None = None) -> dict:
+    """Check a run tarball: safe members only, every file matches manifest.json's sha256, nothing
+    unlisted, the adapter obeys the serving rules. Returns the manifest; raises UserError.
+
+    Extraction goes to a temporary directory (removed afterwards) unless extract_to is given.
+    """
+    path = Path(path)
+    sidecar = Path(f"{path}.sha256")
+    if sidecar.exists() and sidecar.read_text().split()[:1] != [sha256_file(path)]:
+        raise UserError(f"tarball sha256 differs from {sidecar.name}", path)
+    try:
+        tar = tarfile.open(path, "r:gz")
+        members = tar.getmembers()
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise UserError(f"not a readable .tar.gz: {e}", path) from None
+    with tar, tempfile.TemporaryDirectory(prefix="verify-") as tmp:
+        top = Path(members[0].name).parts[0] if members else None
+        for m in members:
+            if why := unsafe_member(m, top):
+                raise UserError(f"refused: {why}", path)
+        dest = Path(extract_to) if extract_to else Path(tmp)
+        for m in members:  # every member was checked above; extract plain files by hand
+            target = dest / m.name
+            if m.isdir():
+                target.mkdir(parents=True, exist_ok=True)
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tar.extractfile(m) as src, open(target, "wb") as out:
+                out.write(src.read())
+        run_dir = dest / top
+        try:
+            manifest = json.loads((run_dir / "manifest.json").read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"no readable manifest.json in the run directory ({e})", path) from None
+        listed, found = manifest.get("files", {}), file_hashes(run_dir)
+        problems = [f"{name}: sha256 differs from manifest.json" for name in sorted(listed)
+                    if name in found and found[name] != listed[name]]
+        problems += [f"{name}: listed in manifest.json but missing" for name in sorted(set(listed) - set(found))]
+        problems += [f"{name}: present but not in manifest.json" for name in sorted(set(found) - set(listed))]
+        if (run_dir / "adapter_config.json").exists():
+            problems += serving_problems(json.loads((run_dir / "adapter_config.json").read_text()))
+        else:
+            problems.append("adapter_config.json is missing")
+        if problems:
+            raise UserError("refused:\n  - " + "\n  - ".join(problems), path)
+        manifest["adapter_config"] = json.loads((run_dir / "adapter_config.json").read_text())
+        return manifest
+
+
+def describe_run(manifest: dict) -> str:
+    """A few lines on what an adapter is, for the person receiving it."""
+    cfg = manifest.get("adapter_config", {})
+    base = manifest.get("base_model", {})
+    origin = base.get("origin", {}).get("upstream")
+    data = manifest.get("data", {})
+    lines = [
+        f"run:            {manifest.get('run_name')} ({manifest.get('steps')} steps, seed {manifest.get('seed')}, "
+        f"finished {manifest.get('finished_at')})",
+        f"base model:     {base.get('name_or_path')}" + (f" = {origin}" if origin else ""),
+        f"adapter:        LoRA r={cfg.get('r')} alpha={cfg.get('lora_alpha')} on {', '.join(cfg.get('target_modules') or [])}",
+        f"data:           {data.get('pairs_trained', data.get('pairs'))} pairs, {data.get('format')}, "
+        f"sha256 {data.get('sha256')}",
+    ]
+    if "eval" in manifest:
+        lines.append(f"held-out:       {manifest['eval']}")
+    versions = ", ".join(f"{k} {v}" for k, v in manifest.get("versions", {}).items() if v)
+    lines.append(f"versions:       python {manifest.get('python')}, {versions}")
+    lines.append(f"files:          {len(manifest.get('files', {}))} checked against manifest.json")
+    return "\n".join(lines)

@@ -110,3 +110,84 @@ def test_file_hashes_skip_the_manifest(tmp_path):
     (tmp_path / "x").write_text("x")
     (tmp_path / "manifest.json").write_text("{}")
     assert kit.file_hashes(tmp_path) == {"x": hashlib.sha256(b"x").hexdigest()}
+
+
+def fake_run(tmp_path, name="run1", adapter_config=None):
+    """A run directory shaped like train_dpo's output (no model needed to check the handoff rules)."""
+    import json
+
+    run = tmp_path / "src" / name
+    run.mkdir(parents=True)
+    (run / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
+    (run / "adapter_config.json").write_text(json.dumps(adapter_config or {
+        "peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
+        "modules_to_save": None}))
+    manifest = {"run_name": name, "steps": 2, "seed": 1, "base_model": {"name_or_path": "m"},
+                "data": {"sha256": "ab", "format": "openai", "pairs": 3}, "files": kit.file_hashes(run)}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    return run
+
+
+def test_verify_accepts_an_intact_tarball_and_describes_it(tmp_path):
+    run = fake_run(tmp_path)
+    kit.make_tarball(run, tmp_path / "run1.tar.gz")
+    manifest = kit.verify_tarball(tmp_path / "run1.tar.gz")
+    text = kit.describe_run(manifest)
+    assert "LoRA r=4 alpha=8 on q_proj, v_proj" in text and "3 pairs, openai, sha256 ab" in text
+
+
+def test_verify_refuses_a_file_changed_after_the_manifest(tmp_path):
+    run = fake_run(tmp_path)
+    data = bytearray((run / "adapter_model.safetensors").read_bytes())
+    data[10] ^= 1
+    (run / "adapter_model.safetensors").write_bytes(bytes(data))
+    kit.make_tarball(run, tmp_path / "t.tar.gz")
+    with pytest.raises(UserError, match="adapter_model.safetensors: sha256 differs from manifest.json"):
+        kit.verify_tarball(tmp_path / "t.tar.gz")
+
+
+def test_verify_refuses_a_changed_byte_in_the_archive(tmp_path):
+    run = fake_run(tmp_path)
+    kit.make_tarball(run, tmp_path / "t.tar.gz")
+    raw = bytearray((tmp_path / "t.tar.gz").read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    (tmp_path / "t.tar.gz").write_bytes(bytes(raw))
+    with pytest.raises(UserError, match="differs from t.tar.gz.sha256"):
+        kit.verify_tarball(tmp_path / "t.tar.gz")
+    (tmp_path / "t.tar.gz.sha256").unlink()  # without the sidecar, gzip's CRC or the manifest catches it
+    with pytest.raises(UserError):
+        kit.verify_tarball(tmp_path / "t.tar.gz")
+
+
+@pytest.mark.parametrize("kind", ["dotdot", "absolute", "symlink", "outside"])
+def test_verify_refuses_crafted_archives_and_writes_nothing_outside(tmp_path, kind):
+    import io
+
+    evil = tmp_path / "evil.tar.gz"
+    with tarfile.open(evil, "w:gz") as tar:
+        def add(name, data=b"x", **kw):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            for k, v in kw.items():
+                setattr(info, k, v)
+            tar.addfile(info, io.BytesIO(data) if info.isfile() else None)
+
+        add("run1/manifest.json", b"{}")
+        if kind == "dotdot":
+            add("run1/../../evil", b"pwned")
+        elif kind == "absolute":
+            add(str(tmp_path / "abs-evil"), b"pwned")
+        elif kind == "symlink":
+            add("run1/link", type=tarfile.SYMTYPE, linkname="/etc/passwd", size=0)
+        else:
+            add("other/file", b"pwned")
+    with pytest.raises(UserError, match="refused"):
+        kit.verify_tarball(evil)
+    assert not (tmp_path.parent / "evil").exists() and not (tmp_path / "abs-evil").exists()
+
+
+def test_serving_rules():
+    ok = {"peft_type": "LORA", "target_modules": ["q_proj"], "modules_to_save": None}
+    assert kit.serving_problems(ok) == []
+    bad = {"peft_type": "LORA", "target_modules": ["q_proj", "lm_head", "embed_tokens"], "modules_to_save": ["score"]}
+    assert len(kit.serving_problems(bad)) == 3
