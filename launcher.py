@@ -1,0 +1,373 @@
+"""Build the kit's image and run its jobs in a container, through the Docker SDK (Docker, or podman's socket).
+
+    python launcher.py build [--base_image IMG] [--torch_variant cpu|cuda] [--tag T]
+    python launcher.py train --data pairs.jsonl [--gpus all] [--model DIR|HUB_ID] [--run_name R] [-- train_dpo flags]
+    python launcher.py train --logs runs.jsonl ...   # builds the pairs in a container first, then trains on them
+    python launcher.py pairs --logs runs.jsonl       # only the pairs -> artifacts/pairs/<name>.pairs.jsonl
+    python launcher.py check [--gpus all]            # torch / CUDA / bitsandbytes in the image (non-zero: no GPU)
+    python launcher.py shell [-- -c 'command']       # bash in the image, with the same mounts
+    python launcher.py prune                         # stopped kit containers, dangling/superseded kit images
+    python launcher.py train ... --dry_run           # print the equivalent docker commands, run nothing
+    make build | make train RUNNER=docker GPUS=all DATA=pairs.jsonl [DRY_RUN=1] | make prune | make shell
+
+The engine is whatever DOCKER_HOST points at (default: the local Docker socket). The image is
+IMAGE:TAG, TAG defaulting to a hash of the Dockerfile, requirements.txt, the scripts, certs/ and the
+build args, so any change rebuilds. In the container the data file is mounted read-only at
+/data/<name>, the output directory at /artifacts and the HF cache at /cache/huggingface, the job
+runs as the caller's uid:gid (files on the host are the caller's), HF_TOKEN is passed at run time
+only when set, and the container is removed when it ends. Ctrl-C or SIGTERM stops the container
+(`docker stop`: the run saves a checkpoint and is marked cancelled); the same command resumes it.
+Exit status: the job's own (0, 1 failed, 2 bad input, 143 cancelled), or 2 when no engine answers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import shlex
+import signal
+import sys
+from pathlib import Path
+
+import kit
+from kit import UserError, field
+
+KIT_LABEL = "dpo-kit"  # every image and container the kit makes carries `dpo-kit=1`; prune filters on it
+ROOT = Path(__file__).resolve().parent
+TAG_INPUTS = ("Dockerfile", "requirements.txt", "*.py", "data/*", "certs/*.crt")  # what the image is made of
+PASS_ENV = ("HF_TOKEN", "HF_ENDPOINT", "HTTPS_PROXY", "HTTP_PROXY", "NO_PROXY")  # passed at run time when set
+STOP_TIMEOUT = 300  # seconds `docker stop` waits for the checkpoint before SIGKILL
+IN_DATA, IN_ARTIFACTS, IN_HF, IN_MODELS = "/data", "/artifacts", "/cache/huggingface", "/models"
+
+
+@dataclasses.dataclass
+class LaunchConfig:
+    action: str = field("train", "build | train | pairs | check | shell | prune",
+                        choices=("build", "train", "pairs", "check", "shell", "prune"))
+    image: str = field(KIT_LABEL, "image repository name")
+    tag: str = field("", "image tag (default: hash of Dockerfile, requirements.txt, scripts, certs/ and build args)")
+    base_image: str = field("", "build arg BASE_IMAGE (default: the Dockerfile's CUDA runtime image)")
+    torch_variant: str = field("cuda", "build arg TORCH_VARIANT: cuda = whole lock, cpu = without CUDA wheels",
+                               choices=("cuda", "cpu"))
+    data: str = field("", "preference pairs on the host (JSONL), mounted read-only")
+    logs: str = field("data/runs.jsonl", "agent run logs on the host, used when --data is not given")
+    output_dir: str = field("artifacts", "host directory mounted at /artifacts (runs, tarballs, pairs)")
+    model: str = field("", "host model directory (mounted read-only) or hub id; empty = bundled in the image")
+    run_name: str = field("", "run name (the same name resumes)")
+    gpus: str = field("", "GPUs for the container: all, a count, or device ids like 0,1; empty = none")
+    user: str = field("", "uid:gid the job runs as (default: the caller's, so host files are theirs)")
+    shm_size: str = field("8g", "/dev/shm size (DataLoader workers and NCCL need more than Docker's 64m)")
+    hf_cache: str = field("", "host HF cache mounted writable (default: $HF_HOME or ~/.cache/huggingface)")
+    prune: bool = field(True, "after train: remove stopped kit containers and dangling/superseded kit images")
+    rebuild: bool = field(False, "train: build even when IMAGE:TAG exists")
+    dry_run: bool = field(False, "print the equivalent docker commands and run nothing")
+
+    def problems(self) -> list[str]:
+        p = []
+        if self.gpus and not (self.gpus == "all" or self.gpus.isdigit()
+                              or all(x.strip().isdigit() for x in self.gpus.split(","))):
+            p.append(f"--gpus {self.gpus!r}: expected all, a count, or device ids like 0,1")
+        if self.user and not all(x.isdigit() for x in self.user.split(":")):
+            p.append(f"--user {self.user!r}: expected numeric uid or uid:gid")
+        return p
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers: what to build and run, from the config. No engine, no file writes.
+# ---------------------------------------------------------------------------------------------
+
+def compute_tag(files: dict[str, bytes], build_args: dict[str, str]) -> str:
+    """12 hex digits of sha256 over the image's inputs (sorted path + content) and its build args."""
+    h = hashlib.sha256()
+    for path in sorted(files):
+        h.update(f"{path}\0{len(files[path])}\0".encode() + files[path])
+    for key in sorted(build_args):
+        h.update(f"{key}={build_args[key]}\0".encode())
+    return h.hexdigest()[:12]
+
+
+def build_args(cfg: LaunchConfig) -> dict[str, str]:
+    args = {"TORCH_VARIANT": cfg.torch_variant}
+    if cfg.base_image:
+        args["BASE_IMAGE"] = cfg.base_image
+    return args
+
+
+def image_labels(revision: str | None, tag: str) -> dict[str, str]:
+    """Labels added at build time (the Dockerfile carries the static ones, including the kit label)."""
+    labels = {KIT_LABEL: "1", f"{KIT_LABEL}.tag": tag, "org.opencontainers.image.version": tag}
+    if revision:
+        labels["org.opencontainers.image.revision"] = revision
+    return labels
+
+
+def label_filter() -> dict:
+    """The filter every prune and listing uses: only what the kit made."""
+    return {"label": [f"{KIT_LABEL}=1"]}
+
+
+def normalize_ref(ref: str) -> str:
+    """`localhost/dpo-kit:x` (podman) and `docker.io/library/dpo-kit:x` both name `dpo-kit:x`."""
+    for prefix in ("localhost/", "docker.io/library/", "docker.io/"):
+        if ref.startswith(prefix):
+            return ref[len(prefix):]
+    return ref
+
+
+def superseded(images: dict[str, list[str]], repo: str, keep: str) -> list[str]:
+    """Ids of kit images whose every tag is an older `repo:*` (not `keep`); images tagged elsewhere stay."""
+    out = []
+    for image_id, tags in images.items():
+        names = [normalize_ref(t) for t in tags]
+        if names and keep not in names and all(n.rsplit(":", 1)[0] == repo for n in names):
+            out.append(image_id)
+    return sorted(out)
+
+
+def gpu_request(gpus: str) -> dict | None:
+    """`--gpus` as a device request: all -> Count -1, "2" -> Count 2, "0,1" -> DeviceIDs."""
+    if not gpus:
+        return None
+    if gpus == "all" or gpus.isdigit():
+        return {"driver": "nvidia", "count": -1 if gpus == "all" else int(gpus), "device_ids": None,
+                "capabilities": [["gpu"]]}
+    return {"driver": "nvidia", "count": 0, "device_ids": [x.strip() for x in gpus.split(",")],
+            "capabilities": [["gpu"]]}
+
+
+def pairs_output(logs_in: str) -> str:
+    """Where the pairs built from run logs go, in the container (as `make pairs` names them on the host)."""
+    return f"{IN_ARTIFACTS}/pairs/{Path(logs_in).name.rsplit('.', 1)[0]}.pairs.jsonl"
+
+
+def job_command(cfg: LaunchConfig, data_in: str, extra: list[str], model_in: str) -> list[str]:
+    """The entrypoint command for the action, with container paths."""
+    if cfg.action == "pairs":
+        out = pairs_output(data_in)
+        return ["pairs", data_in, "-o", out, "--report", out[:-len(".jsonl")] + ".report.json", *extra]
+    if cfg.action == "check":
+        return ["check", *(["--require_gpu"] if cfg.gpus else []), *extra]
+    if cfg.action == "shell":
+        return extra
+    cmd = ["train", "--data", data_in, "--output_dir", IN_ARTIFACTS]
+    if model_in:
+        cmd += ["--model_name_or_path", model_in]
+    if cfg.run_name:
+        cmd += ["--run_name", cfg.run_name]
+    return cmd + extra
+
+
+def run_spec(cfg: LaunchConfig, ref: str, paths: dict[str, str], extra: list[str], user: str,
+             env: dict[str, str]) -> dict:
+    """Everything `docker run` needs, as plain data. `paths`: absolute host paths (data, output, hf, model)."""
+    mounts = [{"source": paths["output"], "target": IN_ARTIFACTS, "read_only": False},
+              {"source": paths["hf"], "target": IN_HF, "read_only": False}]
+    data_in = ""
+    if paths.get("data"):
+        data_in = f"{IN_DATA}/{Path(paths['data']).name}"
+        mounts.append({"source": paths["data"], "target": data_in, "read_only": True})
+    model_in = cfg.model
+    if paths.get("model"):
+        model_in = f"{IN_MODELS}/{Path(paths['model']).name}"
+        mounts.append({"source": paths["model"], "target": model_in, "read_only": True})
+    return {
+        "image": ref,
+        "entrypoint": ["/bin/bash"] if cfg.action == "shell" else None,
+        "command": job_command(cfg, data_in, extra, model_in),
+        "user": user,
+        "mounts": mounts,
+        "environment": {k: env[k] for k in PASS_ENV if env.get(k)},
+        "gpus": gpu_request(cfg.gpus),
+        "shm_size": cfg.shm_size,
+        "labels": {KIT_LABEL: "1", f"{KIT_LABEL}.action": cfg.action},
+    }
+
+
+def docker_run_cli(spec: dict, gpus: str = "", interactive: bool = False) -> str:
+    """The same job as a plain `docker run` line (secrets by name only: `-e HF_TOKEN` reads the caller's)."""
+    args = ["docker", "run", "--rm", *(["-it"] if interactive else [])]
+    if gpus:
+        args += ["--gpus", gpus if gpus == "all" or gpus.isdigit() else f'"device={gpus}"']
+    args += ["--user", spec["user"], "--shm-size", spec["shm_size"]]
+    for m in spec["mounts"]:
+        args += ["-v", f"{m['source']}:{m['target']}" + (":ro" if m["read_only"] else "")]
+    for key in spec["environment"]:
+        args += ["-e", key]
+    for key, value in spec["labels"].items():
+        args += ["--label", f"{key}={value}"]
+    if spec["entrypoint"]:
+        args += ["--entrypoint", spec["entrypoint"][0]]
+    return shlex.join([*args, spec["image"], *spec["command"]])
+
+
+def docker_build_cli(ref: str, args: dict[str, str], labels: dict[str, str]) -> str:
+    out = ["docker", "build", "-t", ref]
+    for key, value in args.items():
+        out += ["--build-arg", f"{key}={value}"]
+    for key, value in labels.items():
+        out += ["--label", f"{key}={value}"]
+    return shlex.join([*out, str(ROOT)])
+
+
+# ---------------------------------------------------------------------------------------------
+# Edges: files on the host, and the engine.
+# ---------------------------------------------------------------------------------------------
+
+def tag_for(cfg: LaunchConfig) -> str:
+    files = {p.relative_to(ROOT).as_posix(): p.read_bytes()
+             for pattern in TAG_INPUTS for p in ROOT.glob(pattern) if p.is_file()}
+    return cfg.tag or compute_tag(files, build_args(cfg))
+
+
+def host_paths(cfg: LaunchConfig, env: dict[str, str]) -> dict[str, str]:
+    """Absolute host paths to mount; the writable ones are made now, so they belong to the caller."""
+    data = cfg.data or (cfg.logs if cfg.action in ("train", "pairs") else "")
+    if data and not Path(data).is_file():
+        raise UserError("no such file (the data to mount)", data)
+    paths = {"output": os.path.abspath(cfg.output_dir),
+             "hf": os.path.abspath(cfg.hf_cache or env.get("HF_HOME") or Path.home() / ".cache" / "huggingface"),
+             "data": os.path.abspath(data) if data else "",
+             "model": os.path.abspath(cfg.model) if cfg.model and Path(cfg.model).is_dir() else ""}
+    if not cfg.dry_run:
+        for key in ("output", "hf"):
+            Path(paths[key]).mkdir(parents=True, exist_ok=True)
+    return paths
+
+
+def engine():
+    """A client for DOCKER_HOST's engine, or one clear sentence and exit 2."""
+    try:
+        import docker
+    except ImportError:
+        raise UserError("the launcher needs the Docker SDK for Python: pip install docker (make does this)") from None
+    try:
+        client = docker.from_env(timeout=600)
+        client.ping()
+        return client
+    except docker.errors.DockerException as e:
+        where = os.environ.get("DOCKER_HOST") or "the default Docker socket"
+        raise UserError(f"no container engine answers at {where} ({str(e).splitlines()[0][:160]}); "
+                        "start Docker, or point DOCKER_HOST at one (podman: unix:///run/podman/podman.sock), "
+                        "or use RUNNER=local") from None
+
+
+def build(client, cfg: LaunchConfig, ref: str) -> None:
+    """Build IMAGE:TAG from this directory, streaming the build log."""
+    args, labels = build_args(cfg), image_labels(kit.git_commit(ROOT), ref.rsplit(":", 1)[1])
+    print(f"[launcher] building {ref} ({', '.join(f'{k}={v}' for k, v in args.items())})", flush=True)
+    for chunk in client.api.build(path=str(ROOT), tag=ref, buildargs=args, labels=labels, rm=True,
+                                  forcerm=True, decode=True):
+        if "stream" in chunk:
+            sys.stdout.write(chunk["stream"])
+            sys.stdout.flush()
+        if "error" in chunk:
+            raise UserError(f"building {ref} failed: {chunk['error'].strip()}")
+    print(f"[launcher] built {ref}", flush=True)
+
+
+def run(client, spec: dict) -> int:
+    """Run the job, stream its output, wait, remove the container; Ctrl-C/SIGTERM -> `docker stop`."""
+    from docker.types import DeviceRequest, Mount
+
+    gpus = spec["gpus"]
+    container = client.containers.run(
+        spec["image"], spec["command"], entrypoint=spec["entrypoint"], detach=True, user=spec["user"],
+        mounts=[Mount(m["target"], m["source"], type="bind", read_only=m["read_only"]) for m in spec["mounts"]],
+        environment=spec["environment"], shm_size=spec["shm_size"], labels=spec["labels"],
+        device_requests=[DeviceRequest(**gpus)] if gpus else None)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM -> KeyboardInterrupt
+    try:
+        try:
+            for line in container.logs(stream=True, follow=True):
+                sys.stdout.write(line.decode("utf-8", "replace"))
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            print(f"\n[launcher] stopping {container.short_id} (the run saves a checkpoint; the same command "
+                  "resumes it)", flush=True)
+            container.stop(timeout=STOP_TIMEOUT)
+        return container.wait()["StatusCode"]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        container.remove(force=True)
+
+
+def prune(client, repo: str, keep: str) -> None:
+    """Remove stopped kit containers, dangling kit images and kit images superseded by `keep`."""
+    from docker.errors import APIError
+
+    gone = client.containers.prune(filters=label_filter()).get("ContainersDeleted") or []
+    dangling = client.images.prune(filters={**label_filter(), "dangling": True}).get("ImagesDeleted") or []
+    images = {i.id: i.tags for i in client.images.list(filters=label_filter())}
+    removed = []
+    for image_id in superseded(images, repo, normalize_ref(keep)):
+        try:
+            client.images.remove(image_id)
+            removed.append(image_id)
+        except APIError as e:  # in use by a running container, say
+            print(f"[prune] kept {image_id[:19]}: {e.explanation}")
+    try:
+        cache = client.api.prune_builds(filters=label_filter()).get("SpaceReclaimed", 0)
+    except (APIError, TypeError):
+        cache = None  # podman's socket has no build-cache endpoint; its layers are the images above
+    print(f"[prune] {len(gone)} stopped kit container(s), {len(dangling)} dangling and {len(removed)} superseded "
+          f"kit image(s) removed; build cache: {'n/a' if cache is None else f'{cache:,} bytes freed'}; kept {keep}")
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    cfg = kit.parse_config(LaunchConfig, argv, __doc__, positional="action")
+    tag = tag_for(cfg)
+    ref = f"{cfg.image}:{tag}"
+    if cfg.action in ("build", "prune"):
+        if cfg.dry_run:
+            print(docker_build_cli(ref, build_args(cfg), image_labels(None, tag)) if cfg.action == "build"
+                  else f"docker container prune -f --filter label={KIT_LABEL}=1\n"
+                       f"docker image prune -f --filter label={KIT_LABEL}=1\n"
+                       f"# and docker rmi of every other {cfg.image}:* image with the label {KIT_LABEL}=1 (kept: {ref})")
+            return 0
+        client = engine()
+        build(client, cfg, ref) if cfg.action == "build" else prune(client, cfg.image, ref)
+        return 0
+
+    env = dict(os.environ)
+    user = cfg.user or f"{os.getuid()}:{os.getgid()}"
+    paths = host_paths(cfg, env)
+    jobs = []  # (what, spec)
+    if cfg.action == "train" and not cfg.data:  # run logs -> pairs in a container, then train on them
+        pairs_cfg = dataclasses.replace(cfg, action="pairs")
+        jobs.append(("pairs", run_spec(pairs_cfg, ref, paths, [], user, env)))
+        built = Path(pairs_output(paths["data"])).relative_to(IN_ARTIFACTS)
+        paths = {**paths, "data": str(Path(paths["output"]) / built)}
+    if cfg.action == "train" and cfg.gpus:
+        jobs.append(("gpu check", run_spec(dataclasses.replace(cfg, action="check"), ref, paths, [], user, env)))
+    jobs.append((cfg.action, run_spec(cfg, ref, paths, extra, user, env)))
+
+    if cfg.dry_run:
+        for what, spec in jobs:
+            print(f"# {what}\n{docker_run_cli(spec, cfg.gpus, interactive=cfg.action == 'shell' and not extra)}")
+        return 0
+    client = engine()
+    if cfg.rebuild or not client.images.list(name=ref):
+        build(client, cfg, ref)
+    if cfg.action == "shell" and not extra and sys.stdin.isatty():  # interactive: the docker CLI owns the TTY
+        os.execvp("docker", shlex.split(docker_run_cli(jobs[-1][1], cfg.gpus, interactive=True)))
+    status = 0
+    for what, spec in jobs:
+        print(f"[launcher] {what}: {docker_run_cli(spec, cfg.gpus)}", flush=True)
+        status = run(client, spec)
+        if status != 0:
+            hint = " (the container sees no GPU: is the NVIDIA Container Toolkit installed?)" if what == "gpu check" else ""
+            print(f"[launcher] {what} exited with status {status}{hint}", file=sys.stderr)
+            break
+    if cfg.action == "train" and cfg.prune:
+        prune(client, cfg.image, ref)
+    if status == 0 and cfg.action == "train":
+        print(f"[launcher] done: {paths['output']}/ (adapter tarball and .sha256 beside the run directory)")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(kit.run_cli(main))

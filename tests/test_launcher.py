@@ -1,0 +1,210 @@
+"""launcher.py: the pure helpers (tag, labels, prune choice, run spec, docker command) on worked examples, then
+a few tests against a real engine (DOCKER_HOST, e.g. podman's socket in CI), skipped when none answers.
+
+    .venv/bin/python -m pytest -q tests/test_launcher.py
+"""
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kit
+import launcher
+from launcher import LaunchConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+PATHS = {"output": "/home/u/kit/artifacts", "hf": "/home/u/.cache/huggingface", "data": "/home/u/pairs.jsonl",
+         "model": ""}
+
+
+def test_compute_tag_follows_content_paths_and_build_args():
+    files = {"requirements.txt": b"torch==2.13.0\n", "train_dpo.py": b"print(1)\n"}
+    tag = launcher.compute_tag(files, {"TORCH_VARIANT": "cuda"})
+    assert len(tag) == 12 and int(tag, 16) >= 0
+    assert launcher.compute_tag(dict(reversed(files.items())), {"TORCH_VARIANT": "cuda"}) == tag  # order-free
+    assert launcher.compute_tag({**files, "train_dpo.py": b"print(2)\n"}, {"TORCH_VARIANT": "cuda"}) != tag
+    assert launcher.compute_tag({**files, "kit.py": b""}, {"TORCH_VARIANT": "cuda"}) != tag  # a new empty file
+    assert launcher.compute_tag(files, {"TORCH_VARIANT": "cpu"}) != tag
+    # content moving between files is a change too (lengths are hashed with the paths)
+    assert launcher.compute_tag({"a": b"xy", "b": b""}, {}) != launcher.compute_tag({"a": b"x", "b": b"y"}, {})
+
+
+def test_tag_for_uses_the_given_tag_or_the_repository_files():
+    assert launcher.tag_for(LaunchConfig(tag="v1")) == "v1"
+    cuda, cpu = launcher.tag_for(LaunchConfig()), launcher.tag_for(LaunchConfig(torch_variant="cpu"))
+    assert cuda != cpu and launcher.tag_for(LaunchConfig()) == cuda
+
+
+def test_labels_and_filter_name_the_kit():
+    assert launcher.label_filter() == {"label": ["dpo-kit=1"]}
+    labels = launcher.image_labels("abc123-dirty", "0123456789ab")
+    assert labels["dpo-kit"] == "1" and labels["org.opencontainers.image.revision"] == "abc123-dirty"
+    assert "org.opencontainers.image.revision" not in launcher.image_labels(None, "t")
+
+
+def test_normalize_ref_drops_registry_prefixes():
+    assert launcher.normalize_ref("localhost/dpo-kit:abc") == "dpo-kit:abc"
+    assert launcher.normalize_ref("docker.io/library/dpo-kit:abc") == "dpo-kit:abc"
+    assert launcher.normalize_ref("ghcr.io/me/dpo-kit:abc") == "ghcr.io/me/dpo-kit:abc"
+
+
+def test_superseded_keeps_current_foreign_and_retagged_images():
+    images = {
+        "sha256:old": ["localhost/dpo-kit:111111111111"],        # an older kit build: goes
+        "sha256:cur": ["localhost/dpo-kit:222222222222"],        # the current one: stays
+        "sha256:both": ["dpo-kit:333", "dpo-kit:222222222222"],  # also tagged current: stays
+        "sha256:mine": ["dpo-kit:444", "myteam/derived:1"],      # the user retagged it: stays
+        "sha256:none": [],                                        # dangling: images.prune's job
+        "sha256:old2": ["docker.io/library/dpo-kit:555"],        # Docker's spelling: goes
+    }
+    assert launcher.superseded(images, "dpo-kit", "dpo-kit:222222222222") == ["sha256:old", "sha256:old2"]
+
+
+def test_gpu_request_for_all_a_count_and_ids():
+    assert launcher.gpu_request("") is None
+    assert launcher.gpu_request("all") == {"driver": "nvidia", "count": -1, "device_ids": None,
+                                           "capabilities": [["gpu"]]}
+    assert launcher.gpu_request("2")["count"] == 2
+    assert launcher.gpu_request("0, 3")["device_ids"] == ["0", "3"]
+
+
+def test_config_problems_are_reported_together():
+    with pytest.raises(kit.UserError) as e:
+        kit.parse_config(LaunchConfig, ["train", "--gpus", "some", "--user", "me"], "", positional="action")
+    assert "--gpus 'some'" in str(e.value) and "--user 'me'" in str(e.value)
+
+
+def test_run_spec_for_train_mounts_data_read_only_and_runs_as_the_caller():
+    cfg = LaunchConfig(run_name="try1", gpus="all")
+    spec = launcher.run_spec(cfg, "dpo-kit:abc", PATHS, ["--max_steps", "2"], "1000:1000",
+                             {"HF_TOKEN": "hf_secret", "HOME": "/home/u", "HTTPS_PROXY": ""})
+    assert spec["command"] == ["train", "--data", "/data/pairs.jsonl", "--output_dir", "/artifacts",
+                               "--run_name", "try1", "--max_steps", "2"]
+    assert spec["mounts"] == [
+        {"source": "/home/u/kit/artifacts", "target": "/artifacts", "read_only": False},
+        {"source": "/home/u/.cache/huggingface", "target": "/cache/huggingface", "read_only": False},
+        {"source": "/home/u/pairs.jsonl", "target": "/data/pairs.jsonl", "read_only": True}]
+    assert spec["user"] == "1000:1000" and spec["shm_size"] == "8g" and spec["entrypoint"] is None
+    assert spec["environment"] == {"HF_TOKEN": "hf_secret"}  # only the pass-through names that are set
+    assert spec["gpus"]["count"] == -1 and spec["labels"]["dpo-kit"] == "1"
+
+
+def test_run_spec_mounts_a_local_model_and_passes_a_hub_id():
+    local = launcher.run_spec(LaunchConfig(model="/m/Qwen"), "i:t", {**PATHS, "model": "/m/Qwen"}, [], "0:0", {})
+    assert {"source": "/m/Qwen", "target": "/models/Qwen", "read_only": True} in local["mounts"]
+    assert local["command"][-2:] == ["--model_name_or_path", "/models/Qwen"]
+    hub = launcher.run_spec(LaunchConfig(model="org/name"), "i:t", PATHS, [], "0:0", {})
+    assert hub["command"][-2:] == ["--model_name_or_path", "org/name"] and len(hub["mounts"]) == 3
+
+
+def test_job_commands_for_pairs_check_and_shell():
+    assert launcher.job_command(LaunchConfig(action="pairs"), "/data/runs.jsonl", [], "") == [
+        "pairs", "/data/runs.jsonl", "-o", "/artifacts/pairs/runs.pairs.jsonl",
+        "--report", "/artifacts/pairs/runs.pairs.report.json"]
+    assert launcher.job_command(LaunchConfig(action="check", gpus="all"), "", [], "") == ["check", "--require_gpu"]
+    assert launcher.job_command(LaunchConfig(action="check"), "", [], "") == ["check"]
+    assert launcher.job_command(LaunchConfig(action="shell"), "", ["-c", "id"], "") == ["-c", "id"]
+
+
+def test_docker_run_cli_names_every_flag_and_never_prints_a_secret():
+    spec = launcher.run_spec(LaunchConfig(gpus="all"), "dpo-kit:abc", PATHS, [], "1000:1000",
+                             {"HF_TOKEN": "hf_secret"})
+    line = launcher.docker_run_cli(spec, "all")
+    assert line == ("docker run --rm --gpus all --user 1000:1000 --shm-size 8g "
+                    "-v /home/u/kit/artifacts:/artifacts -v /home/u/.cache/huggingface:/cache/huggingface "
+                    "-v /home/u/pairs.jsonl:/data/pairs.jsonl:ro -e HF_TOKEN "
+                    "--label dpo-kit=1 --label dpo-kit.action=train "
+                    "dpo-kit:abc train --data /data/pairs.jsonl --output_dir /artifacts")
+    assert "hf_secret" not in line
+    ids = launcher.docker_run_cli(launcher.run_spec(LaunchConfig(gpus="0,1"), "i:t", PATHS, [], "0:0", {}), "0,1")
+    assert shlex.split(ids)[3:5] == ["--gpus", '"device=0,1"']
+
+
+def run_launcher(*args, env=None):
+    return subprocess.run([sys.executable, str(ROOT / "launcher.py"), *args], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, **(env or {})}, timeout=120)
+
+
+def test_dry_run_prints_pairs_then_train_without_any_engine(tmp_path):
+    out = run_launcher("train", "--output_dir", str(tmp_path / "a"), "--hf_cache", str(tmp_path / "hf"),
+                       "--gpus", "all", "--tag", "t1", "--dry_run", "--", "--max_steps", "2",
+                       env={"DOCKER_HOST": "unix:///nonexistent.sock"})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert [line for line in lines if line.startswith("#")] == ["# pairs", "# gpu check", "# train"]
+    assert f"{ROOT}/data/runs.jsonl:/data/runs.jsonl:ro" in lines[1]
+    assert lines[-1].endswith(f"-v {tmp_path}/a/pairs/runs.pairs.jsonl:/data/runs.pairs.jsonl:ro --label dpo-kit=1 "
+                              "--label dpo-kit.action=train dpo-kit:t1 train --data /data/runs.pairs.jsonl "
+                              "--output_dir /artifacts --max_steps 2")
+    assert not (tmp_path / "a").exists()  # a dry run writes nothing
+
+
+def test_missing_data_is_a_user_error_before_any_engine():
+    out = run_launcher("train", "--data", "nope.jsonl", "--dry_run")
+    assert out.returncode == 2 and out.stderr.strip() == "nope.jsonl: no such file (the data to mount)"
+
+
+def test_no_engine_is_one_sentence_and_exit_2(tmp_path):
+    pytest.importorskip("docker")
+    out = run_launcher("prune", env={"DOCKER_HOST": f"unix://{tmp_path}/none.sock"})
+    assert out.returncode == 2
+    assert out.stderr.startswith(f"error: no container engine answers at unix://{tmp_path}/none.sock")
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Against a real engine (DOCKER_HOST): skipped, saying why, when none answers. Like `make prune`, these
+# remove stopped containers and dangling images that carry the kit label on that engine, nothing else.
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def client():
+    docker = pytest.importorskip("docker")
+    try:
+        c = docker.from_env(timeout=60)
+        c.ping()
+    except docker.errors.DockerException as e:
+        pytest.skip(f"no container engine answers at {os.environ.get('DOCKER_HOST', 'the default socket')}: "
+                    f"{str(e).splitlines()[0][:100]}")
+    return c
+
+
+def scratch_image(client, tmp_path, ref, label: bool):
+    """A tiny image built FROM scratch (no registry needed), with or without the kit label."""
+    ctx = tmp_path / ref.replace(":", "_").replace("/", "_")
+    ctx.mkdir()
+    (ctx / "hello.txt").write_text(ref)
+    (ctx / "Dockerfile").write_text(f"FROM scratch\n{'LABEL dpo-kit=1' if label else 'LABEL other=1'}\n"
+                                    "COPY hello.txt /hello.txt\n")
+    image, _ = client.images.build(path=str(ctx), tag=ref, rm=True)
+    return image
+
+
+def test_prune_removes_superseded_kit_images_and_nothing_else(client, tmp_path):
+    old = scratch_image(client, tmp_path, "dpo-kit-test:old", label=True)
+    cur = scratch_image(client, tmp_path, "dpo-kit-test:cur", label=True)
+    foreign = scratch_image(client, tmp_path, "dpo-kit-test-foreign:1", label=False)
+    try:
+        launcher.prune(client, "dpo-kit-test", "dpo-kit-test:cur")
+        left = {i.id for i in client.images.list()}
+        assert old.id not in left and cur.id in left and foreign.id in left
+    finally:
+        for image in (cur, foreign):
+            client.images.remove(image.id, force=True)
+
+
+def test_build_streams_and_labels_the_image(client, tmp_path, monkeypatch, capsys):
+    (tmp_path / "Dockerfile").write_text("FROM scratch\nLABEL dpo-kit=1\nARG TORCH_VARIANT\nCOPY x /x\n")
+    (tmp_path / "x").write_text("x")
+    monkeypatch.setattr(launcher, "ROOT", tmp_path)
+    launcher.build(client, LaunchConfig(torch_variant="cpu"), "dpo-kit-test:built")
+    try:
+        labels = client.images.get("dpo-kit-test:built").labels
+        assert labels["dpo-kit"] == "1" and labels["dpo-kit.tag"] == "built"
+        assert "[launcher] built dpo-kit-test:built" in capsys.readouterr().out
+    finally:
+        client.images.remove("dpo-kit-test:built", force=True)
