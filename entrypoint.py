@@ -4,6 +4,9 @@
     python entrypoint.py pairs RUNS.jsonl -o pairs.jsonl [build_pairs options]
     python entrypoint.py train --data pairs.jsonl [train_dpo options]
     python entrypoint.py check [--require_gpu]  # torch / CUDA / bitsandbytes status
+    python entrypoint.py verify RUN.tar.gz      # checksums, safe paths, serving rules; what the adapter is
+    python entrypoint.py chat RUN_DIR|RUN.tar.gz [--compare] [PROMPT ...]   # no PROMPT: read the terminal
+    python entrypoint.py merge RUN_DIR|RUN.tar.gz [OUT_DIR]                  # standalone 16-bit model
 
 No logic of its own: each subcommand hands its arguments to one script's `main`.
 """
@@ -45,6 +48,35 @@ def model(argv) -> int:
     return 0
 
 
+def verify(argv) -> int:
+    if len(argv) != 1:
+        raise kit.UserError("usage: entrypoint.py verify RUN.tar.gz")
+    manifest = kit.verify_tarball(argv[0])
+    print(f"{argv[0]}: OK\n" + kit.describe_run(manifest))
+    for warning in manifest["serving_warnings"]:
+        print(f"warning: {warning}")
+    return 0
+
+
+def chat(argv) -> int:
+    import train_dpo
+
+    compare = "--compare" in argv
+    rest = [a for a in argv if a != "--compare"]
+    if not rest:
+        raise kit.UserError("usage: entrypoint.py chat RUN_DIR|RUN.tar.gz [--compare] [PROMPT ...]")
+    return train_dpo.chat(rest[0], rest[1:], compare=compare)
+
+
+def merge(argv) -> int:
+    import train_dpo
+
+    if len(argv) not in (1, 2):
+        raise kit.UserError("usage: entrypoint.py merge RUN_DIR|RUN.tar.gz [OUT_DIR]")
+    train_dpo.merge(*argv)
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -59,11 +91,10 @@ def main(argv=None) -> int:
         import build_pairs
 
         return build_pairs.main(rest)
-    if command == "model":
-        return model(rest)
-    if command == "check":
-        return check(rest)
-    raise kit.UserError(f"unknown command {command!r}; expected one of: model, pairs, train, check")
+    commands = {"model": model, "check": check, "verify": verify, "chat": chat, "merge": merge}
+    if command in commands:
+        return commands[command](rest)
+    raise kit.UserError(f"unknown command {command!r}; expected one of: train, pairs, {', '.join(commands)}")
 
 
 if __name__ == "__main__":

@@ -369,13 +369,15 @@ def verify_tarball(path: str | os.PathLike, extract_to: str | os.PathLike | None
                     if name in found and found[name] != listed[name]]
         problems += [f"{name}: listed in manifest.json but missing" for name in sorted(set(listed) - set(found))]
         problems += [f"{name}: present but not in manifest.json" for name in sorted(set(found) - set(listed))]
-        if (run_dir / "adapter_config.json").exists():
-            problems += serving_problems(json.loads((run_dir / "adapter_config.json").read_text()))
-        else:
+        if not (run_dir / "adapter_config.json").exists():
             problems.append("adapter_config.json is missing")
         if problems:
             raise UserError("refused:\n  - " + "\n  - ".join(problems), path)
         manifest["adapter_config"] = json.loads((run_dir / "adapter_config.json").read_text())
+        serving = serving_problems(manifest["adapter_config"])
+        if serving and manifest.get("lora_target_modules_requested", "auto") == "auto":
+            raise UserError("refused (serving rules):\n  - " + "\n  - ".join(serving), path)
+        manifest["serving_warnings"] = serving  # the trainer asked for these modules explicitly
         return manifest
 
 

@@ -516,6 +516,8 @@ def train(cfg, run, model_path, ref_path, pairs, data, resume_from, interrupt, s
 
     trainer.model.save_pretrained(run.partial)
     tokenizer.save_pretrained(run.partial)
+    for problem in kit.serving_problems(json.loads((run.partial / "adapter_config.json").read_text())):
+        print(f"[serve] warning: {problem}", file=sys.stderr)  # only reachable with explicit target modules
     metrics = [json.loads(r) for r in (run.partial / "metrics.jsonl").read_text().splitlines() if r.strip()]
     base = cfg.model_name_or_path
     kit.atomic_write_text(run.partial / "README.md", model_card(run, cfg, data, params, targets, metrics, base))
@@ -524,7 +526,7 @@ def train(cfg, run, model_path, ref_path, pairs, data, resume_from, interrupt, s
     manifest = {
         "kit": KIT_NAME, "run_name": run.name, "base_model": base_model_identity(model_path),
         "data": {k: data[k] for k in ("path", "sha256", "format", "pairs", "pairs_trained", "truncated")},
-        "seed": cfg.seed, "started_at": started, "finished_at": now_iso(), "steps": trainer.state.global_step,
+        "lora_target_modules_requested": cfg.lora_target_modules, "seed": cfg.seed, "started_at": started, "finished_at": now_iso(), "steps": trainer.state.global_step,
         "versions": kit.package_versions(), "python": platform.python_version(), "platform": platform.platform(),
         "device": torch.cuda.get_device_name(0) if on_gpu else "cpu", "git_commit": kit.git_commit(),
         "files": kit.file_hashes(run.partial)}
@@ -533,6 +535,146 @@ def train(cfg, run, model_path, ref_path, pairs, data, resume_from, interrupt, s
     digest = kit.make_tarball(run.final, run.tarball)
     print(f"[run] succeeded: {run.final}\n[run] handoff: {run.tarball} (sha256 {digest})", flush=True)
     return metrics
+
+
+
+# ---------------------------------------------------------------------------------------------
+# The receiving end of a handoff (entrypoint.py chat / merge): a finished run, or its tarball.
+# ---------------------------------------------------------------------------------------------
+
+def open_run(path: str, workdir: str) -> tuple[Path, TrainConfig]:
+    """A run directory, or a tarball verified and unpacked into workdir; with the config it was trained with."""
+    p = Path(path)
+    if p.is_file():
+        manifest = kit.verify_tarball(p, extract_to=workdir)
+        p = Path(workdir) / manifest["run_name"]
+    if not (p / "adapter_config.json").exists() or not (p / "config.json").exists():
+        raise UserError(f"{path} is not a finished run (no adapter_config.json and config.json)")
+    return p, TrainConfig(**json.loads((p / "config.json").read_text()))
+
+
+def load_for_chat(run_dir: Path, cfg: TrainConfig):
+    """Base loaded as it was trained (4-bit when it was), the run's adapter on top, and its tokenizer."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    on_gpu = torch.cuda.is_available()
+    base = load_model(resolve_model_path(cfg.model_name_or_path), cfg, on_gpu,
+                      on_gpu and torch.cuda.is_bf16_supported())
+    return PeftModel.from_pretrained(base, run_dir).eval(), AutoTokenizer.from_pretrained(run_dir)
+
+
+def answer(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
+    import torch
+
+    inputs = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True).to(model.device)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+def chat(path: str, prompts: list[str], compare: bool = False, max_new_tokens: int = 128) -> int:
+    """Answer each prompt (or lines typed at the terminal) with base + adapter; --compare adds the base."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="chat-") as tmp:
+        run_dir, cfg = open_run(path, tmp)
+        model, tokenizer = load_for_chat(run_dir, cfg)
+        interactive = not prompts
+        if interactive:
+            print(f"[chat] {run_dir.name} on {cfg.model_name_or_path}; an empty line or Ctrl-D ends", flush=True)
+        while True:
+            if interactive:
+                try:
+                    prompt = input("> ").strip()
+                except EOFError:
+                    break
+                if not prompt:
+                    break
+            elif prompts:
+                prompt = prompts.pop(0)
+                print(f"> {prompt}")
+            else:
+                break
+            if compare:
+                with model.disable_adapter():
+                    print(f"[base]  {answer(model, tokenizer, prompt, max_new_tokens)}")
+            print(f"[tuned] {answer(model, tokenizer, prompt, max_new_tokens)}", flush=True)
+    return 0
+
+
+MERGE_PROBES = ["How do I free disk space on a Linux server?", "What is 1+1?", "Tell me the history of the US."]
+
+
+def merge(path: str, out_dir: str | None = None, dtype: str = "bfloat16", tolerance: float = 1e-3) -> Path:
+    """Merge the adapter into a 16-bit copy of the base and save a standalone model directory.
+
+    The base is loaded in float32 from its original weights (never the 4-bit ones: merging into
+    quantised weights changes outputs) and the LoRA deltas merged in float32; the merged logits
+    must match base + adapter (unmerged) within `tolerance` on a few probes, or nothing is kept.
+    Then the model is cast to `dtype`, saved, reloaded with plain AutoModelForCausalLM, and the
+    16-bit rounding's effect recorded (max logit difference, top-1 agreement), as is the gap to
+    the 4-bit model that was actually trained.
+    """
+    import tempfile
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with tempfile.TemporaryDirectory(prefix="merge-") as tmp:
+        run_dir, cfg = open_run(path, tmp)
+        base_path = resolve_model_path(cfg.model_name_or_path)
+        dest = Path(out_dir or Path(cfg.output_dir) / f"{run_dir.name}-merged")
+        tokenizer = AutoTokenizer.from_pretrained(run_dir)
+        probes = tokenizer(MERGE_PROBES, return_tensors="pt", padding=True)
+        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+        model = PeftModel.from_pretrained(base, run_dir).eval()
+        with torch.no_grad():
+            unmerged = model(**probes).logits
+        merged = model.merge_and_unload()
+        with torch.no_grad():
+            merged_fp32 = merged(**probes).logits
+        mask = probes["attention_mask"].bool()
+        merge_error = (merged_fp32 - unmerged)[mask].abs().max().item()
+        if merge_error > tolerance:
+            raise UserError(f"merged logits differ from base + adapter by {merge_error:.2e} (> {tolerance}); "
+                            "nothing saved")
+        partial = dest.with_name(dest.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        merged.to(getattr(torch, dtype)).save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        reloaded = AutoModelForCausalLM.from_pretrained(partial, dtype=torch.float32).eval()
+        with torch.no_grad():
+            merged_logits = reloaded(**probes).logits
+            quantised, _ = load_for_chat(run_dir, cfg)
+            trained = quantised(**probes).logits.float()
+        report = {
+            "dtype": dtype, "tolerance": tolerance, "float32_merge_max_abs_diff": merge_error,
+            "max_abs_diff_vs_unmerged": (merged_logits - unmerged)[mask].abs().max().item(),
+            "top1_agreement_vs_unmerged": (merged_logits.argmax(-1) == unmerged.argmax(-1))[mask].float().mean().item(),
+            "max_abs_diff_vs_trained_4bit": (merged_logits - trained)[mask].abs().max().item() if cfg.load_in_4bit else None,
+            "probes": MERGE_PROBES}
+        kit.atomic_write_json(partial / "merge_report.json", report)
+        kit.atomic_write_text(partial / "README.md", (
+            f"# {dest.name}\n\n{cfg.model_name_or_path} with the LoRA adapter of run {run_dir.name} merged in "
+            f"(float32 merge, saved as {dtype}). Loads with `AutoModelForCausalLM.from_pretrained`.\n\n"
+            f"Check against base + adapter on {len(MERGE_PROBES)} probes: the float32 merge differs by at most "
+            f"{merge_error:.1e} in the logits (tolerance {tolerance}); after the cast to {dtype}, by "
+            f"{report['max_abs_diff_vs_unmerged']:.3f}, with top-1 agreement "
+            f"{report['top1_agreement_vs_unmerged']:.3f}. Training used a "
+            f"{'4-bit' if cfg.load_in_4bit else 'full-precision'} base; see merge_report.json.\n\n"
+            f"Adapter card:\n\n" + (run_dir / "README.md").read_text()))
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(partial, dest)
+    print(f"[merge] {dest}: float32 merge within {merge_error:.1e}; as {dtype}: max |logit diff| "
+          f"{report['max_abs_diff_vs_unmerged']:.3f}, top-1 agreement "
+          f"{report['top1_agreement_vs_unmerged']:.3f} (vs 4-bit trained model: "
+          f"{report['max_abs_diff_vs_trained_4bit']})", flush=True)
+    return dest
 
 
 if __name__ == "__main__":

@@ -191,3 +191,18 @@ def test_serving_rules():
     assert kit.serving_problems(ok) == []
     bad = {"peft_type": "LORA", "target_modules": ["q_proj", "lm_head", "embed_tokens"], "modules_to_save": ["score"]}
     assert len(kit.serving_problems(bad)) == 3
+
+
+def test_serving_rules_refuse_unless_the_modules_were_asked_for(tmp_path):
+    import json
+
+    bad = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "lm_head"]}
+    run = fake_run(tmp_path, adapter_config=bad)
+    kit.make_tarball(run, tmp_path / "auto.tar.gz")
+    with pytest.raises(UserError, match="serving rules"):
+        kit.verify_tarball(tmp_path / "auto.tar.gz")
+    manifest = json.loads((run / "manifest.json").read_text())
+    (run / "manifest.json").write_text(json.dumps({**manifest, "lora_target_modules_requested": "q_proj,lm_head"}))
+    kit.make_tarball(run, tmp_path / "asked.tar.gz")
+    assert kit.verify_tarball(tmp_path / "asked.tar.gz")["serving_warnings"] == [
+        "LoRA on 'lm_head' (embeddings or output head); vLLM does not serve that"]

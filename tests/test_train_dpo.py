@@ -184,16 +184,37 @@ def pairs_in(fmt: str) -> list[dict]:
 
 
 def small_run(tmp_path, fmt, name, *extra):
+    """Two real DPO steps in-process (imports and the model cache are shared between tests).
+    Returns the run directory and what the run printed."""
+    import contextlib
+    import io
+
     data = tmp_path / f"{fmt}.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in pairs_in(fmt)))
-    out = run_train("--data", data, "--output_dir", tmp_path / "art", "--run_name", name, "--max_steps", 2,
-                    "--per_device_train_batch_size", 2, "--max_length", 96, "--lora_r", 4, "--lora_alpha", 8,
-                    "--learning_rate", 5e-4, *extra)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return tmp_path / "art" / name, out
+    args = ["--data", data, "--output_dir", tmp_path / "art", "--run_name", name, "--max_steps", 2,
+            "--per_device_train_batch_size", 2, "--max_length", 96, "--lora_r", 4, "--lora_alpha", 8,
+            "--learning_rate", 5e-4, *extra]
+    cwd, out = os.getcwd(), io.StringIO()
+    os.chdir(ROOT)  # the bundled model's default path is relative to the repository
+    try:
+        with contextlib.redirect_stdout(out):
+            status = kit.run_cli(train_dpo.main, list(map(str, args)))
+    finally:
+        os.chdir(cwd)
+    assert status == 0, out.getvalue()[-3000:]
+    return tmp_path / "art" / name, out.getvalue()
 
 
-def load_adapter(run_dir):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One conversational run shared by the tests that only read it."""
+    if not (MODEL / "config.json").exists():
+        pytest.skip("bundled model not converted (make model)")
+    return small_run(tmp_path_factory.mktemp("trained"), "trl_conversational", "a")
+
+
+def generate(run_dir, question: str) -> str:
+    """Load the 4-bit base and the run's adapter with PEFT, as a receiver would, and answer greedily."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
@@ -202,16 +223,22 @@ def load_adapter(run_dir):
         MODEL, dtype=torch.float32, device_map={"": "cpu"},
         quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                bnb_4bit_compute_dtype=torch.float32))
-    return PeftModel.from_pretrained(base, run_dir), AutoTokenizer.from_pretrained(run_dir)
+    model, tok = PeftModel.from_pretrained(base, run_dir), AutoTokenizer.from_pretrained(run_dir)
+    ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        gen = model.generate(**ids, max_new_tokens=8, do_sample=False)
+    return tok.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
 
 @needs_model
 @pytest.mark.integration
-@pytest.mark.parametrize("fmt", ["trl_standard", "implicit_prompt", "openai", "hh"])
-def test_each_format_trains_to_a_complete_run(tmp_path, fmt):
+@pytest.mark.parametrize("fmt", ["trl_standard", "implicit_prompt", "openai", "hh"])  # conversational: below
+def test_each_format_trains_to_a_complete_run_that_peft_loads(tmp_path, fmt):
     run_dir, out = small_run(tmp_path, fmt, f"r-{fmt}")
-    assert f"format {fmt}" in out.stdout
+    assert f"format {fmt}" in out
     check_complete_run(run_dir, steps=2)
+    assert generate(run_dir, "How do I free disk space?")
 
 
 def check_complete_run(run_dir: Path, steps: int):
@@ -229,28 +256,20 @@ def check_complete_run(run_dir: Path, steps: int):
 
 @needs_model
 @pytest.mark.integration
-def test_conversational_run_loads_with_peft_generates_and_is_reproducible(tmp_path):
-    import torch
+def test_conversational_run_loads_with_peft_generates_and_is_reproducible(tmp_path, trained):
     from safetensors.torch import load_file
 
-    run_a, out = small_run(tmp_path, "trl_conversational", "a")
+    run_a, out = trained
     check_complete_run(run_a, steps=2)
-    assert "LoRA targets: down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj" in out.stdout
-    assert "of which 4-bit" in out.stdout
+    assert "LoRA targets: down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj" in out
+    assert "of which 4-bit" in out
     params = json.loads((run_a / "parameters.json").read_text())
     # r * (in + out) per layer: q, k, v, o (k and v project to 3 KV heads x 64), then gate, up, down; 30 blocks
     per_block = (576 + 576) + 2 * (576 + 192) + (576 + 576) + 3 * (576 + 1536)
     assert params["trainable"] == 30 * 4 * per_block
     weights = load_file(run_a / "adapter_model.safetensors")
     assert any("lora_B" in k and v.abs().sum() > 0 for k, v in weights.items())  # training moved B off zero
-
-    model, tok = load_adapter(run_a)
-    ids = tok.apply_chat_template([{"role": "user", "content": PAIRS[0][0]}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)
-    with torch.no_grad():
-        gen = model.generate(**ids, max_new_tokens=8, do_sample=False)
-    assert gen.shape[1] > ids["input_ids"].shape[1]
-    assert tok.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    assert generate(run_a, PAIRS[0][0])
 
     run_b, _ = small_run(tmp_path, "trl_conversational", "b")
     assert kit.sha256_file(run_a / "adapter_model.safetensors") == kit.sha256_file(run_b / "adapter_model.safetensors")
@@ -298,3 +317,41 @@ def test_missing_model_exits_2_before_any_run_directory(tmp_path):
     out = run_train("--data", data, "--output_dir", tmp_path / "art", "--model_name_or_path", tmp_path / "nope")
     assert out.returncode == 2 and "is neither a model directory nor a hub id" in out.stderr
     assert not (tmp_path / "art").exists()
+
+
+@needs_model
+@pytest.mark.integration
+def test_chat_from_the_tarball_answers_with_base_and_tuned(trained, capsys):
+    run_dir, _ = trained
+    tarball = run_dir.with_name(run_dir.name + ".tar.gz")
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        assert train_dpo.chat(str(tarball), ["How do I clear apt's cache?"], compare=True, max_new_tokens=12) == 0
+    finally:
+        os.chdir(cwd)
+    out = capsys.readouterr().out
+    base = next(x for x in out.splitlines() if x.startswith("[base]"))
+    tuned = next(x for x in out.splitlines() if x.startswith("[tuned]"))
+    assert len(base) > len("[base] ") and len(tuned) > len("[tuned] ")
+
+
+@needs_model
+@pytest.mark.integration
+def test_merge_gives_a_plain_16bit_model_that_matches_base_plus_adapter(trained, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    run_dir, _ = trained
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        dest = train_dpo.merge(str(run_dir), str(tmp_path / "merged"))
+    finally:
+        os.chdir(cwd)
+    report = json.loads((dest / "merge_report.json").read_text())
+    assert report["float32_merge_max_abs_diff"] <= report["tolerance"] == 1e-3
+    assert report["top1_agreement_vs_unmerged"] > 0.9  # bfloat16 rounding may flip a near tie, not many
+    model = AutoModelForCausalLM.from_pretrained(dest)
+    assert model.dtype == torch.bfloat16 and not hasattr(model, "peft_config")
+    assert (dest / "tokenizer.json").exists() and "merged in" in (dest / "README.md").read_text()
