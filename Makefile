@@ -9,6 +9,8 @@ LOGS ?= data/runs.jsonl
 MODEL ?=
 RUN ?=
 ARGS ?=
+# Co-training: more pair files mixed in as shares of the mixture, e.g. MIX=data/general.jsonl:0.2 (or MIX=0.2)
+MIX ?=
 OUT ?= artifacts
 PYTHON ?= python3
 # A CPU-only machine away from this one may want PyTorch's CPU wheels:
@@ -99,7 +101,7 @@ train-auto: train-local
 .PHONY: train-local
 train-local: $(STAMP) $(if $(MODEL),,$(BUNDLED_MODEL)/config.json) $(if $(DATA),,$(PAIRS))
 	$(PY) train_dpo.py --data $(PAIRS) --output_dir $(OUT) $(if $(MODEL),--model_name_or_path $(MODEL)) \
-	  $(if $(RUN),--run_name $(RUN)) $(ARGS)
+	  $(if $(RUN),--run_name $(RUN)) $(if $(MIX),--mix $(MIX)) $(ARGS)
 
 .PHONY: train-docker
 train-docker: $(LAUNCHER_STAMP)
@@ -147,6 +149,15 @@ chat: $(STAMP) ## talk to a trained adapter: RUN=name or TARBALL=x.tar.gz, PROMP
 merge: $(STAMP) ## merge RUN=name (or TARBALL=) into a standalone 16-bit model in artifacts/<run>-merged
 	@test -n "$(RUN_OR_TARBALL)" || { echo "usage: make merge RUN=<name> | TARBALL=x.tar.gz" >&2; exit 2; }
 	$(PY) entrypoint.py merge $(RUN_OR_TARBALL)
+
+.PHONY: eval
+eval: $(STAMP) ## re-evaluate RUN=name (or TARBALL=) on its held-out pairs, or on DATA=file: artifacts/<run>-eval/report.md
+	@test -n "$(RUN_OR_TARBALL)" || { echo "usage: make eval RUN=<name> | TARBALL=x.tar.gz [DATA=pairs.jsonl]" >&2; exit 2; }
+	$(PY) entrypoint.py eval $(RUN_OR_TARBALL) $(DATA)
+
+.PHONY: runs
+runs: ## list the runs in artifacts/: status, data, steps, held-out accuracy before -> after, size
+	@$(PYTHON) entrypoint.py runs $(OUT)
 
 .PHONY: test-container
 test-container: ## build the image on a local base with podman, train in it through the launcher, prune (CI)

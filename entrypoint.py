@@ -7,6 +7,8 @@
     python entrypoint.py verify RUN.tar.gz      # checksums, safe paths, serving rules; what the adapter is
     python entrypoint.py chat RUN_DIR|RUN.tar.gz [--compare] [PROMPT ...]   # no PROMPT: read the terminal
     python entrypoint.py merge RUN_DIR|RUN.tar.gz [OUT_DIR]                  # standalone 16-bit model
+    python entrypoint.py eval RUN_DIR|RUN.tar.gz [PAIRS.jsonl]   # held-out accuracy, probes -> <run>-eval/report.md
+    python entrypoint.py runs [ARTIFACTS_DIR]   # every run: status, data, steps, held-out accuracy, size
 
 No logic of its own: each subcommand hands its arguments to one script's `main`.
 """
@@ -77,6 +79,20 @@ def merge(argv) -> int:
     return 0
 
 
+def evaluate(argv) -> int:
+    import train_dpo
+
+    if len(argv) not in (1, 2):
+        raise kit.UserError("usage: entrypoint.py eval RUN_DIR|RUN.tar.gz [PAIRS.jsonl]")
+    train_dpo.evaluate_run(*argv)
+    return 0
+
+
+def runs(argv) -> int:
+    print(kit.runs_table(argv[0] if argv else "artifacts"))
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -91,7 +107,8 @@ def main(argv=None) -> int:
         import build_pairs
 
         return build_pairs.main(rest)
-    commands = {"model": model, "check": check, "verify": verify, "chat": chat, "merge": merge}
+    commands = {"model": model, "check": check, "verify": verify, "chat": chat, "merge": merge, "eval": evaluate,
+                "runs": runs}
     if command in commands:
         return commands[command](rest)
     raise kit.UserError(f"unknown command {command!r}; expected one of: train, pairs, {', '.join(commands)}")

@@ -395,9 +395,31 @@ def describe_run(manifest: dict) -> str:
         f"data:           {data.get('pairs_trained', data.get('pairs'))} pairs, {data.get('format')}, "
         f"sha256 {data.get('sha256')}",
     ]
-    if "eval" in manifest:
-        lines.append(f"held-out:       {manifest['eval']}")
+    if manifest.get("eval"):
+        lines.append(f"held-out:       preference accuracy {manifest['eval']['base']:.3f} (base) -> "
+                     f"{manifest['eval']['tuned']:.3f} (tuned); see report.md")
     versions = ", ".join(f"{k} {v}" for k, v in manifest.get("versions", {}).items() if v)
     lines.append(f"versions:       python {manifest.get('python')}, {versions}")
     lines.append(f"files:          {len(manifest.get('files', {}))} checked against manifest.json")
     return "\n".join(lines)
+
+
+def runs_table(root: str | os.PathLike) -> str:
+    """One line per run under root (finished, partial, failed): status, data, steps, held-out accuracy, size."""
+    rows = [("run", "status", "data", "pairs", "steps", "held-out acc", "size")]
+    for d in sorted(p for p in Path(root).glob("*") if (p / "status.json").exists()):
+        def read(name):
+            try:
+                return json.loads((d / name).read_text())
+            except (OSError, ValueError):
+                return {}
+        status, data, manifest = read("status.json"), read("data.json"), read("manifest.json")
+        acc = manifest.get("eval") or {}
+        size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+        rows.append((d.name, status.get("state", "?"), Path(data.get("path", "?")).name,
+                     str(data.get("pairs_trained", data.get("pairs", "?"))), str(status.get("step", "-")),
+                     f"{acc['base']:.2f} -> {acc['tuned']:.2f}" if acc else "-", f"{size / 1e6:.1f} MB"))
+    if len(rows) == 1:
+        return f"no runs in {root}"
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

