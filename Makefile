@@ -106,7 +106,7 @@ train-local: $(STAMP) $(if $(MODEL),,$(BUNDLED_MODEL)/config.json) $(if $(DATA),
 .PHONY: train-docker
 train-docker: $(LAUNCHER_STAMP)
 	$(LVENV)/bin/python launcher.py train $(LAUNCH_RUN) $(if $(DATA),--data $(DATA),--logs $(LOGS)) \
-	  $(if $(MODEL),--model $(MODEL)) $(if $(RUN),--run_name $(RUN)) $(if $(filter 0,$(PRUNE)),--no_prune) -- $(ARGS)
+	  $(if $(MODEL),--model $(MODEL)) $(if $(RUN),--run_name $(RUN)) $(if $(filter 0,$(PRUNE)),--no_prune) -- $(if $(MIX),--mix $(MIX)) $(ARGS)
 
 $(LAUNCHER_STAMP): requirements.txt
 	@test -x $(LVENV)/bin/python || $(PYTHON) -m venv $(LVENV)

@@ -740,7 +740,7 @@ def main(argv=None) -> int:
         metrics = train(cfg, run, model_path, ref_path, train_pairs, held, probes, data, resume_from,
                         interrupt, started)
     except KeyboardInterrupt:
-        run.set_status("cancelled", error="interrupted before training started")
+        run.set_status("cancelled", error="interrupted outside the training loop; resumes from the last checkpoint")
         print(f"[run] cancelled; resume with --run_name {run.name}", file=sys.stderr)
         return 128 + (interrupt.signum or signal.SIGINT)
     except UserError as e:
