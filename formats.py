@@ -16,6 +16,7 @@ Standard library only.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 
@@ -193,5 +194,5 @@ def load_pairs(path: str, skip_invalid: bool = False) -> tuple[list[dict], dict]
     kinds = {isinstance(r["prompt"], list) for r in records}
     if len(kinds) > 1:
         raise UserError("mixes text and message-list pairs; use one shape per file", path)
-    return records, {"format": fmt, "lines": nonblank, "pairs": len(records),
-                     "skipped": skipped}
+    return records, {"format": fmt, "lines": nonblank, "pairs": len(records), "skipped": skipped,
+                     "sha256": hashlib.sha256(raw).hexdigest()}

@@ -717,7 +717,7 @@ def main(argv=None) -> int:
     import formats
 
     pairs, data = formats.load_pairs(cfg.data, cfg.skip_invalid)
-    data.update(path=cfg.data, sha256=kit.sha256_file(cfg.data))
+    data["path"] = cfg.data
     train_pairs, held = split_and_mix(cfg, pairs, data)
     probes = load_probes(cfg.probes)
     # 2. Models are found (and the bundled one converted) before a run directory exists.
@@ -779,7 +779,7 @@ def split_and_mix(cfg: TrainConfig, pairs: list[dict], data: dict) -> tuple[list
                             "pairs and the data does not; use one shape", path)
         train_pairs += draw(records, n, cfg.seed)
         data["mix"].append({"path": path, "share": share, "pairs_available": len(records), "pairs_used": n,
-                            "sha256": kit.sha256_file(path)})
+                            "sha256": stats["sha256"]})
     return train_pairs, held
 
 
@@ -830,8 +830,14 @@ def train(cfg, run, model_path, ref_path, pairs, held, probes, data, resume_from
     ref_model = None
     if ref_path:
         ref_model = load_model(ref_path, cfg, on_gpu, bf16_ok)
-    targets = (detect_lora_targets(model) if cfg.lora_target_modules == "auto"
-               else [t.strip() for t in cfg.lora_target_modules.split(",") if t.strip()])
+    targets = detect_lora_targets(model)
+    if cfg.lora_target_modules != "auto":
+        leaves = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+        asked = [t.strip() for t in cfg.lora_target_modules.split(",") if t.strip()]
+        if unknown := [t for t in asked if t not in leaves]:
+            raise UserError(f"--lora_target_modules: no module named {', '.join(unknown)} in this model; "
+                            f"its linear layers are {', '.join(targets)}")
+        targets = asked
     quantized = count_parameters(model.named_parameters())["quantized_4bit"]
     data["compute"] = "4-bit kernels" if cfg.load_in_4bit else "full precision"
     print(f"[model] {model_path} loaded in {time.time() - t0:.1f}s on {'cuda' if on_gpu else 'cpu'}; "

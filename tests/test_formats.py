@@ -4,6 +4,7 @@ import json
 import pytest
 
 import formats
+import kit
 from kit import UserError
 
 U = lambda text: {"role": "user", "content": text}  # noqa: E731
@@ -57,7 +58,8 @@ def test_openai_text_parts_and_extra_keys():
 @pytest.mark.parametrize("fmt", formats.FORMATS)
 def test_load_pairs_reads_a_file_in_each_format(tmp_path, fmt):
     records, stats = formats.load_pairs(write(tmp_path, [EXAMPLES[fmt]] * 3))
-    assert stats == {"format": fmt, "lines": 3, "pairs": 3, "skipped": {}}
+    path = write(tmp_path, [EXAMPLES[fmt]] * 3)
+    assert stats == {"format": fmt, "lines": 3, "pairs": 3, "skipped": {}, "sha256": kit.sha256_file(path)}
     assert len(records) == 3
 
 

@@ -482,3 +482,21 @@ def test_held_out_evaluation_probes_report_and_mix(tmp_path):
     finally:
         os.chdir(cwd)
     assert json.loads((again / "evaluation.json").read_text())["held_out"]["tuned"]["pairs"] == len(rows)
+
+
+@needs_model
+@pytest.mark.integration
+def test_unknown_lora_target_is_a_user_error_with_the_choices(tmp_path, capsys):
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in pairs_in("trl_conversational")))
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        status = kit.run_cli(train_dpo.main, ["--data", str(data), "--output_dir", str(tmp_path / "art"),
+                                              "--run_name", "bad", "--lora_target_modules", "q_proj,nope_proj"])
+    finally:
+        os.chdir(cwd)
+    err = capsys.readouterr().err
+    assert status == 2 and "no module named nope_proj" in err and "q_proj, up_proj, v_proj" in err
+    status_json = json.loads((tmp_path / "art" / "bad.partial" / "status.json").read_text())
+    assert status_json["state"] == "failed" and "nope_proj" in status_json["error"]
