@@ -27,6 +27,8 @@ PRUNE ?= 1
 DRY_RUN ?=
 BASE_IMAGE ?=
 TORCH_VARIANT ?=
+# make bench QUICK=1: shorter sequences, fewer steps, smaller build_pairs logs (under 3 minutes)
+QUICK ?=
 
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -166,6 +168,10 @@ test-container: ## build the image on a local base with podman, train in it thro
 .PHONY: test
 test: $(STAMP) $(BUNDLED_MODEL)/config.json ## run the tests (unit, then integration on the bundled model in 4-bit)
 	$(PY) -m pytest -q tests $(ARGS)
+
+.PHONY: bench
+bench: $(STAMP) $(BUNDLED_MODEL)/config.json ## measure training modes and build_pairs: bench/results.{md,json,png} (QUICK=1: short)
+	$(PY) bench/bench.py $(if $(filter 1,$(QUICK)),--quick) $(ARGS)
 
 .PHONY: clean
 clean: ## remove caches and built pairs (keeps runs, .venv and models/)

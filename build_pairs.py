@@ -36,6 +36,11 @@ GARBLE_TRIES = 20  # rule-garbling rounds before the always-failing fallback
 MODEL_TEMPERATURE = 1.5  # "high-temperature garbled output", as the retraining document puts it
 MODEL_TRIES = 3  # samples per answer before the rules garbler stands in
 MAX_WARNINGS = 10  # skipped-line messages shown with --skip_invalid; the rest are only counted
+# json.dumps(obj, **options) builds a new JSONEncoder at every call; these are the same encoders built
+# once (the same bytes, ~10% less time per run: three encodings per run on the demo mix).
+_canon = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+_quote = json.encoder.encode_basestring  # one string as either encoder writes it, quotes included
+_line = json.JSONEncoder(ensure_ascii=False, separators=(", ", ": ")).encode
 
 
 @dataclass
@@ -243,8 +248,11 @@ def pairs_for_run(run: Run, cfg: PairsConfig, garbler=None, stats: Counter | Non
 
 def prompt_key(messages: list) -> bytes:
     """sha256 of the canonical JSON of the prompt's roles and contents (tags ignored)."""
-    canon = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(canon.encode("utf-8")).digest()
+    return hashlib.sha256(_canon_prompt(messages).encode("utf-8")).digest()
+
+
+def _canon_prompt(messages: list) -> str:
+    return _canon([[m["role"], m["content"]] for m in messages])
 
 
 @dataclass
@@ -481,8 +489,7 @@ class ModelGarbler:
 
 def pair_digest(pair: Pair) -> bytes:
     """sha256 of the canonical (prompt, chosen, rejected): what makes two pairs the same pair."""
-    canon = json.dumps([[[m["role"], m["content"]] for m in pair.prompt], pair.chosen, pair.rejected],
-                       ensure_ascii=False, separators=(",", ":"))
+    canon = f"[{_canon_prompt(pair.prompt)},{_quote(pair.chosen)},{_quote(pair.rejected)}]"  # = _canon([...])
     return hashlib.sha256(canon.encode("utf-8")).digest()[:16]  # 128 bits: no collision in practice, half the memory
 
 
@@ -496,7 +503,7 @@ def to_record(pair: Pair, fmt: str = "trl") -> dict:
 
 
 def to_line(record: dict) -> str:
-    return json.dumps(record, ensure_ascii=False, separators=(", ", ": ")) + "\n"
+    return _line(record) + "\n"
 
 
 class PairWriter:

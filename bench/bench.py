@@ -1,0 +1,509 @@
+"""Benchmark the kit: DPO step throughput, memory, start-up and utilisation per reference mode, and build_pairs.
+
+    make bench [QUICK=1]
+    .venv/bin/python bench/bench.py [--quick] [--lengths 256,1024] [--steps 4] [--modes default,separate_ref]
+
+Each training mode runs train_dpo.main in a fresh child process on generated pairs of a controlled
+token length (prompt L/4 tokens, completions filling the rest; truncated to exactly L = --max_length),
+batch 4, no held-out pairs, no probes. The child adds one timing callback (train_dpo.py is not
+changed); its peak resident memory comes from /proc (VmHWM) at the end of training and from wait4.
+build_pairs.py runs on generated logs of 10k, 100k and 1M runs (QUICK: 10k and 100k). Writes
+bench/results.json, bench/results.md (the table and the ratios issue 7 asks for) and bench/results.png
+(QUICK: bench/results-quick.*, not committed).
+
+Modes:
+  default          the kit's default: reference = base with the adapter disabled, NF4 dequantised once (CPU)
+  bnb_kernels      the same with --no_dequantize_on_cpu: bitsandbytes 4-bit kernels, i.e. TRL used directly
+  separate_ref     --ref_model_name_or_path = the same model: a second 4-bit (dequantised) copy as reference
+  precompute_ref   --precompute_ref_log_probs: one reference pass over the data before training
+  no_4bit          --no_load_in_4bit: LoRA on the float32 weights
+
+FLOP count (model FLOPs per optimizer step; matmuls only, multiply-add = 2 FLOPs; no padding: every
+sequence is exactly T tokens). With N_base = the parameters of every linear layer in the blocks plus
+the output head (the head is a 576 x 49,152 matmul even though its weights are tied to the embeddings;
+embeddings, norms and biases are not matmuls and are left out), N_lora = the adapter's parameters,
+L layers of width d:
+  forward, per token       f_pol = 2 (N_base + N_lora) + 4 L d T    (attention QK^T and AV over the full T x T)
+  backward, per token      b_pol = 2 N_base + 4 N_lora + 8 L d T    (activation grads only through the frozen
+                                                                      base; input and weight grads for LoRA;
+                                                                      attention backward = 2x its forward)
+  reference, per token     f_ref = 2 N_base + 4 L d T               (0 when precomputed: counted in start-up)
+  per step                 FLOPs = batch x 2 sequences (chosen, rejected) x T x (f_pol + b_pol + f_ref)
+MFU = FLOPs per step / seconds per step / the fp32 torch.matmul peak measured in the same run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import kit  # noqa: E402
+from kit import field  # noqa: E402
+
+MODES = {  # mode -> extra train_dpo flags (see the docstring)
+    "default": [],
+    "bnb_kernels": ["--no_dequantize_on_cpu"],
+    "separate_ref": ["--ref_model_name_or_path", "{model}"],
+    "precompute_ref": ["--precompute_ref_log_probs"],
+    "no_4bit": ["--no_load_in_4bit"],
+}
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    quick: bool = field(False, "under 3 minutes: lengths 128,256, default and separate_ref only, 1 step each, "
+                        "build_pairs up to 100k runs")
+    model_name_or_path: str = field("models/SmolLM2-135M-Instruct", "base model directory (the bundled one)")
+    out_dir: str = field("bench", "where results.json, results.md and results.png go (quick: results-quick.*)")
+    lengths: str = field("", "sequence lengths in tokens (prompt + completion); '' = 256,1024 (quick: 128,256)")
+    steps: int = field(0, "optimizer steps per mode at lengths up to 512: the first is warm-up, the rest are "
+                       "timed; 0 = 2 (quick: 1, timed with its warm-up)")
+    long_steps: int = field(1, "optimizer steps at lengths over 512 (one step of ~100 s at 1024 tokens on 2 cores: "
+                            "its warm-up is a few percent of it)")
+    batch_size: int = field(4, "pairs per step (per_device_train_batch_size)")
+    modes: str = field("", f"training modes to measure, comma-separated; '' = {','.join(MODES)} "
+                       "(quick: default,separate_ref)")
+    long_modes: str = field("default,separate_ref", "the modes also run at the longest length (the ratios issue 7 "
+                            "asks for; the others there would take the run past 15 minutes)")
+    pairs_runs: str = field("", "build_pairs log sizes in runs; '' = 10000,100000,1000000 (quick: 10000,100000)")
+    matmul_size: int = field(2048, "square matrix size for the fp32 matmul peak")
+    seed: int = field(0, "data generation seed")
+
+    def problems(self) -> list[str]:
+        p = []
+        if unknown := [m for m in self.mode_list() if m not in MODES]:
+            p.append(f"--modes: unknown {', '.join(unknown)} (known: {', '.join(MODES)})")
+        if self.batch_size < 1 or self.steps < 0 or self.long_steps < 1 or self.matmul_size < 64:
+            p.append("--batch_size and --long_steps at least 1, --steps not negative, --matmul_size at least 64")
+        return p
+
+    def mode_list(self) -> list[str]:
+        modes = self.modes or ("default,separate_ref" if self.quick else ",".join(MODES))
+        return [m.strip() for m in modes.split(",") if m.strip()]
+
+    def length_list(self) -> list[int]:
+        return [int(x) for x in (self.lengths or ("128,256" if self.quick else "256,1024")).split(",")]
+
+    def run_sizes(self) -> list[int]:
+        return [int(x) for x in (self.pairs_runs or ("10000,100000" if self.quick else "10000,100000,1000000"))
+                .split(",")]
+
+    def step_count(self, seq_len: int) -> int:
+        return self.long_steps if seq_len > 512 else self.steps or (1 if self.quick else 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers: tested without a model (tests/test_bench.py).
+# ---------------------------------------------------------------------------------------------
+
+def model_shape(config: dict) -> dict:
+    """Matmul parameter counts of a Llama-style model from its config.json (SmolLM2: 30 x 576, vocab 49,152)."""
+    d, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads", heads) * (config.get("head_dim") or d // heads)
+    per_layer = 2 * d * d + 2 * d * kv + 3 * d * inter  # q, o; k, v; gate, up, down
+    return {"layers": layers, "d_model": d, "n_blocks": layers * per_layer, "n_head": d * config["vocab_size"],
+            "n_base": layers * per_layer + d * config["vocab_size"]}
+
+
+def lora_params(config: dict, r: int) -> int:
+    """LoRA parameters on every linear layer of the blocks: r x (in + out) each."""
+    d, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads", heads) * (config.get("head_dim") or d // heads)
+    return layers * r * (2 * (d + d) + 2 * (d + kv) + 3 * (d + inter))
+
+
+def step_flops(shape: dict, n_lora: int, seq_len: int, batch: int, reference: bool) -> dict:
+    """Model FLOPs of one DPO step (the formula in the module docstring), split by where they go."""
+    n, layers, d, t = shape["n_base"], shape["layers"], shape["d_model"], seq_len
+    attention = 4 * layers * d * t
+    tokens = batch * 2 * t  # chosen and rejected, no padding
+    parts = {"policy_forward": tokens * (2 * (n + n_lora) + attention),
+             "policy_backward": tokens * (2 * n + 4 * n_lora + 2 * attention),
+             "reference_forward": tokens * (2 * n + attention) if reference else 0}
+    return parts | {"total": sum(parts.values())}
+
+
+def summarize_steps(step_ends: list[float], process_start: float, init_end: float, train_begin: float,
+                    batch: int, seq_len: int) -> dict:
+    """Timings of one training child: start-up (process start -> the first optimizer step begins: imports,
+    data validation and tokenisation, model load, TRL's reference precompute), the step time (median of
+    the gaps between steps after the first; with one step, that step, warm-up included), and the
+    one-off work between building the trainer and training (TRL's reference precompute)."""
+    gaps = [b - a for a, b in zip(step_ends, step_ends[1:])]
+    step_s = statistics.median(gaps) if gaps else step_ends[0] - train_begin
+    precompute_s = max(0.0, train_begin - init_end)
+    steps = len(step_ends)
+    return {"steps": steps, "startup_s": train_begin - process_start, "first_step_end_s": step_ends[0] - process_start,
+            "step_s": step_s,
+            "first_step_s": step_ends[0] - train_begin, "precompute_s": precompute_s,
+            "pairs_per_s": batch / step_s, "tokens_per_s": batch * 2 * seq_len / step_s,
+            "pairs_per_s_with_precompute": batch * steps / (precompute_s + steps * step_s)}
+
+
+def ratios(train: dict, lengths: list[int]) -> dict:
+    """The numbers issue 7 asks for, from {mode: {length: result}}; None where a mode was not run."""
+    def get(mode, length, key):
+        return train.get(mode, {}).get(str(length), {}).get(key)
+
+    def div(a, b):
+        return a / b if a is not None and b else None
+
+    long = max(lengths)
+    out = {f"speed_default_vs_separate_ref_L{n}": div(get("default", n, "pairs_per_s"),
+                                                       get("separate_ref", n, "pairs_per_s")) for n in lengths}
+    out |= {f"speed_default_vs_bnb_kernels_L{n}": div(get("default", n, "pairs_per_s"),
+                                                       get("bnb_kernels", n, "pairs_per_s")) for n in lengths}
+    out[f"memory_default_vs_separate_ref_L{long}"] = div(get("default", long, "peak_train_mb"),
+                                                           get("separate_ref", long, "peak_train_mb"))
+    out |= {f"mfu_default_L{n}": get("default", n, "mfu") for n in lengths}
+    out["startup_default_s"] = get("default", min(lengths), "startup_s")
+    return out
+
+
+GOALS = (  # (ratio key prefix, comparison, target, what)
+    ("speed_default_vs_separate_ref", ">=", 1.5, "default pairs/s >= 1.5x separate 4-bit reference"),
+    ("memory_default_vs_separate_ref", "<=", 0.7, "default peak memory <= 0.7x separate reference (longest L)"),
+    ("mfu_default", ">=", 0.5, "default MFU >= 50% of the measured fp32 matmul peak"),
+    ("startup_default", "<=", 20.0, "start-up (process start -> first optimizer step begins) < 20 s"),
+)
+
+
+def goal_rows(r: dict, pairs: list[dict]) -> list[tuple[str, str, str]]:
+    """(goal, measured, met?) rows for the markdown report."""
+    rows = []
+    for prefix, op, target, what in GOALS:
+        for key, value in r.items():
+            if key.startswith(prefix) and value is not None:
+                met = value >= target if op == ">=" else value <= target
+                rows.append((f"{what} [{key}]", f"{value:.3g}", "met" if met else f"missed ({value / target:.2f}x target)"))
+    if pairs:
+        fastest = min(p["runs_per_s"] for p in pairs)
+        rows.append(("build_pairs >= 20,000 runs/s (slowest size)", f"{fastest:,.0f}",
+                     "met" if fastest >= 20000 else f"missed ({fastest / 20000:.2f}x target)"))
+        growth = max(p["peak_mb"] for p in pairs) - min(p["peak_mb"] for p in pairs)
+        rows.append((f"build_pairs peak memory growth {min(p['runs'] for p in pairs):,} -> "
+                     f"{max(p['runs'] for p in pairs):,} runs < 50 MB", f"{growth:.0f} MB",
+                     "met" if growth < 50 else f"missed ({growth / 50:.2f}x target)"))
+    return rows
+
+
+def markdown(results: dict) -> str:
+    m, lengths = results["machine"], results["lengths"]
+    lines = [f"# dpo-kit benchmark ({'QUICK' if results['quick'] else 'full'})", "",
+             f"{m['cpu']}; {m['cores']} cores, torch threads {m['torch_threads']}; python {m['python']}; "
+             + ", ".join(f"{k} {v}" for k, v in m["versions"].items()), "",
+             f"fp32 matmul peak ({results['matmul']['size']}^2, torch.matmul): "
+             f"**{results['matmul']['gflops']:.1f} GFLOP/s**. Batch {results['batch_size']} pairs, "
+             "steps per mode " + ", ".join(f"{v} at L={k}" for k, v in results["steps"].items())
+             + " (with more than one, the first is warm-up and not timed), sequences of exactly L tokens."
+             + (f" For comparison, bfloat16 torch.matmul here: {results['matmul_bf16']['gflops']:.1f} GFLOP/s."
+                if "matmul_bf16" in results else ""), "",
+             "| mode | L | pairs/s | tokens/s | s/step | GFLOP/s | MFU | peak RSS train (MB) | start-up (s) "
+             "| precompute (s) | loss (last step) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for mode, by_len in results["train"].items():
+        for n in lengths:
+            r = by_len.get(str(n))
+            if not r:
+                continue
+            if "error" in r:
+                lines.append(f"| {mode} | {n} | failed: {r['error'][:80]} |||||||||")
+                continue
+            lines.append(f"| {mode} | {n} | {r['pairs_per_s']:.3f} | {r['tokens_per_s']:.0f} | {r['step_s']:.2f} "
+                         f"| {r['gflops']:.1f} | {r['mfu']:.1%} | {r['peak_train_mb']:,.0f} | {r['startup_s']:.1f} "
+                         f"| {r['precompute_s']:.1f} | {r.get('last_loss', float('nan')):.4f} |")
+    lines += ["", "| build_pairs runs | runs/s | peak RSS (MB) | wall (s) | pairs written |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {p['runs']:,} | {p['runs_per_s']:,.0f} | {p['peak_mb']:,.0f} | {p['wall_s']:.2f} | {p['pairs']:,} |"
+              for p in results["build_pairs"]]
+    lines += ["", "| ratio | value |", "| --- | --- |"]
+    lines += [f"| {k} | {'n/a' if v is None else f'{v:.3g}'} |" for k, v in results["ratios"].items()]
+    lines += ["", "| goal (issue 7) | measured | |", "| --- | --- | --- |"]
+    lines += [f"| {g} | {v} | {ok} |" for g, v, ok in goal_rows(results["ratios"], results["build_pairs"])]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Generated inputs.
+# ---------------------------------------------------------------------------------------------
+
+def word_ids(tokenizer) -> list[int]:
+    """Token ids of plain lower-case words with a leading space: decode and re-encode stay the same length."""
+    out = []
+    for token, i in tokenizer.get_vocab().items():
+        if token.startswith("\u0120") and token[1:].isalpha() and token[1:].islower() and len(token) > 3:
+            out.append(i)
+    return sorted(out)
+
+
+def make_pairs(tokenizer, n_pairs: int, seq_len: int, seed: int) -> list[dict]:
+    """Plain-text pairs: a prompt of seq_len/4 tokens, completions longer than the rest (truncated to seq_len)."""
+    rng, vocab = random.Random(seed), word_ids(tokenizer)
+
+    def text(n):
+        return tokenizer.decode([rng.choice(vocab) for _ in range(n)])
+
+    p = seq_len // 4
+    return [{"prompt": text(p), "chosen": text(seq_len - p + 16), "rejected": text(seq_len - p + 16)}
+            for _ in range(n_pairs)]
+
+
+def write_run_logs(src: Path, dest: Path, n_runs: int, seed: int) -> None:
+    """n_runs agent runs made from the demo logs: fresh run_ids, strategies and code made distinct per run
+    (a comment line keeps whether the code compiles), and prompts shared by a few runs each: each demo
+    prompt comes in 200 variants, so 9,800 distinct prompts whatever n_runs is."""
+    templates = []
+    for line in src.read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line)
+        rec["run_id"] = "@RID@"
+        last = rec["prompt"][-1]
+        (last[0] if isinstance(last, list) else last)["content"] += " (site @SITE@)"  # [message, tag] or message
+        rec["strategy"] += " (variant @RID@)"
+        for a in rec["attempts"]:
+            a["code"] += "# @RID@\n"
+        templates.append(json.dumps(rec, ensure_ascii=False) + "\n")
+    rng = random.Random(seed)
+    with open(dest, "w", encoding="utf-8") as f:
+        for i in range(n_runs):
+            rid = f"gen-{i:07d}"
+            f.write(templates[i % len(templates)].replace("@RID@", rid).replace("@SITE@", str(rng.randrange(200))))
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurements (side effects: child processes, files).
+# ---------------------------------------------------------------------------------------------
+
+def vm_hwm_mb() -> float:
+    """Peak resident memory of this process so far (Linux /proc)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def child_train(argv: list[str], timing_path: str) -> None:
+    """Runs in the child process: train_dpo.main(argv) with one extra callback that records when the
+    trainer was built, when training began, when each optimizer step ended and the peak memory then.
+    The child ends when training does: metrics.jsonl is complete by then, and what the kit does next
+    (save, evaluate, tarball: ~18 s) is not what is measured."""
+    import train_dpo
+
+    rec = {"step_ends": []}
+    kit_callbacks = train_dpo.make_callbacks
+
+    def make_callbacks(run, interrupt):
+        from transformers import TrainerCallback
+
+        class Timing(TrainerCallback):
+            def on_init_end(self, args, state, control, **kw):
+                rec["init_end"] = time.time()
+
+            def on_train_begin(self, args, state, control, **kw):
+                rec["train_begin"] = time.time()
+
+            def on_step_end(self, args, state, control, **kw):
+                rec["step_ends"].append(time.time())
+
+            def on_train_end(self, args, state, control, **kw):
+                rec["peak_train_mb"] = vm_hwm_mb()
+                Path(timing_path).write_text(json.dumps(rec))
+                os._exit(0)
+
+        return kit_callbacks(run, interrupt) + [Timing()]
+
+    train_dpo.make_callbacks = make_callbacks
+    import torch
+
+    rec["torch_threads"] = torch.get_num_threads()
+    sys.exit(train_dpo.main(argv) or 1)  # reached only when training did not end (on_train_end exits 0)
+
+
+def child_build_pairs(argv: list[str], peak_path: str) -> None:
+    """Runs in the child process: build_pairs.py as a script, then its peak memory. (The parent's
+    getrusage/wait4 ru_maxrss would count the parent's pages the child held between fork and exec;
+    VmHWM starts again at exec.)"""
+    import runpy
+
+    sys.argv = [str(ROOT / "build_pairs.py"), *argv]
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    finally:
+        Path(peak_path).write_text(json.dumps({"peak_mb": vm_hwm_mb()}))
+
+
+def child_command(function: str, *args) -> list[str]:
+    """A fresh interpreter that imports this file and calls function(*args)."""
+    return [sys.executable, "-c", f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'bench')!r}]; "
+            f"import bench; bench.{function}(*{args!r})"]
+
+
+def run_child(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
+    """Run cmd with its output in log; returns (exit status, wall seconds)."""
+    start = time.time()
+    with open(log, "w") as out:
+        try:
+            status = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            status = -9
+    return status, time.time() - start
+
+
+def bench_train(cfg: BenchConfig, mode: str, seq_len: int, data: Path, work: Path, shape: dict,
+                n_lora: int, peak_flops: float) -> dict:
+    run_dir, timing = work / f"{mode}-{seq_len}", work / f"{mode}-{seq_len}.timing.json"
+    model = str(Path(cfg.model_name_or_path).resolve())
+    argv = ["--data", str(data), "--model_name_or_path", model, "--output_dir", str(run_dir), "--run_name", "r",
+            "--max_steps", str(cfg.step_count(seq_len)), "--max_length", str(seq_len),
+            "--per_device_train_batch_size", str(cfg.batch_size), "--eval_fraction", "0", "--probes", "",
+            "--save_steps", "100000", "--seed", "42"] + [a.format(model=model) for a in MODES[mode]]
+    start = time.time()
+    status, wall = run_child(child_command("child_train", argv, str(timing)), work / f"{mode}-{seq_len}.log",
+                             timeout=900)
+    if status != 0 or not timing.exists():
+        tail = (work / f"{mode}-{seq_len}.log").read_text()[-600:]
+        return {"error": f"exit {status}: {tail.strip().splitlines()[-1] if tail.strip() else ''}", "log_tail": tail}
+    rec = json.loads(timing.read_text())
+    out = summarize_steps(rec["step_ends"], start, rec["init_end"], rec["train_begin"], cfg.batch_size, seq_len)
+    flops = step_flops(shape, n_lora, seq_len, cfg.batch_size, reference=mode != "precompute_ref")
+    metrics_file = run_dir / "r.partial" / "metrics.jsonl"  # the run stops before it is renamed to r/
+    metrics = [json.loads(r) for r in metrics_file.read_text().splitlines() if r.strip()]
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    out |= {"wall_s": wall, "peak_train_mb": rec.get("peak_train_mb"),
+            "flops_per_step": flops, "gflops": flops["total"] / out["step_s"] / 1e9,
+            "mfu": flops["total"] / out["step_s"] / peak_flops, "first_loss": losses[0] if losses else None,
+            "last_loss": losses[-1] if losses else None, "torch_threads": rec["torch_threads"],
+            "train_runtime_s": next((m["train_runtime"] for m in metrics if "train_runtime" in m), None)}
+    return out
+
+
+def bench_build_pairs(n_runs: int, work: Path, seed: int) -> dict:
+    logs, pairs = work / f"runs-{n_runs}.jsonl", work / f"pairs-{n_runs}.jsonl"
+    write_run_logs(ROOT / "data" / "runs.jsonl", logs, n_runs, seed)
+    argv, peak = [str(logs), "-o", str(pairs), "--report", str(work / f"report-{n_runs}.json")], work / "peak.json"
+    status, wall = run_child(child_command("child_build_pairs", argv, str(peak)), work / f"build_pairs-{n_runs}.log",
+                             timeout=600)
+    if status != 0:
+        raise RuntimeError(f"build_pairs failed on {n_runs} runs: {(work / f'build_pairs-{n_runs}.log').read_text()}")
+    report = json.loads((work / f"report-{n_runs}.json").read_text())
+    out = {"runs": n_runs, "wall_s": wall, "runs_per_s": n_runs / wall, "peak_mb": json.loads(peak.read_text())["peak_mb"],
+           "pairs": report["pairs_written"], "input_mb": logs.stat().st_size / 1e6}
+    logs.unlink()
+    pairs.unlink()
+    return out
+
+
+def matmul_peak(n: int, seconds: float = 3.0, dtype: str = "float32") -> dict:
+    """Best torch.matmul rate on n x n matrices (2 n^3 FLOPs each), over about `seconds`."""
+    import torch
+
+    a, b = torch.randn(n, n, dtype=getattr(torch, dtype)), torch.randn(n, n, dtype=getattr(torch, dtype))
+    torch.matmul(a, b)  # warm-up
+    best, end = float("inf"), time.time() + seconds
+    while time.time() < end:
+        t = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - t)
+    return {"size": n, "dtype": dtype, "best_s": best, "gflops": 2 * n ** 3 / best / 1e9}
+
+
+def machine() -> dict:
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(), "platform": platform.platform(), "versions": kit.package_versions(),
+            "cuda": torch.cuda.is_available()}
+
+
+def plot(results: dict, dest: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes, lengths = list(results["train"]), results["lengths"]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    width = 0.8 / max(len(lengths), 1)
+    for k, (key, title) in enumerate([("pairs_per_s", "pairs/s (higher is better)"),
+                                      ("peak_train_mb", "peak RSS in training, MB"), ("mfu", "MFU (fp32 peak)")]):
+        ax = axes[k]
+        for j, n in enumerate(lengths):
+            vals = [results["train"][m].get(str(n), {}).get(key) or 0 for m in modes]
+            ax.bar([i + j * width for i in range(len(modes))], vals, width, label=f"L={n}")
+        ax.set_xticks([i + width * (len(lengths) - 1) / 2 for i in range(len(modes))], modes, rotation=30, ha="right")
+        ax.set_title(title)
+        ax.legend()
+    fig.suptitle(f"dpo-kit, {results['machine']['cores']} cores, batch {results['batch_size']}")
+    fig.tight_layout()
+    fig.savefig(dest, dpi=80)
+
+
+def main(argv=None) -> int:
+    cfg = kit.parse_config(BenchConfig, argv, __doc__)
+    from transformers import AutoTokenizer
+
+    out_dir, work = ROOT / cfg.out_dir, Path(tempfile.mkdtemp(prefix="dpo-kit-bench-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = Path(cfg.model_name_or_path)
+    model_config = json.loads((model_dir / "config.json").read_text())
+    shape, n_lora = model_shape(model_config), lora_params(model_config, r=16)
+    print(f"[bench] matmul params {shape['n_base']:,} (blocks {shape['n_blocks']:,} + head {shape['n_head']:,}); "
+          f"LoRA {n_lora:,}; work dir {work}", flush=True)
+    results = {"quick": cfg.quick, "lengths": cfg.length_list(),
+               "steps": {str(n): cfg.step_count(n) for n in cfg.length_list()},
+               "batch_size": cfg.batch_size, "machine": machine(), "shape": shape, "lora_params": n_lora,
+               "config": dataclasses.asdict(cfg), "train": {}, "build_pairs": []}
+    results["matmul"] = matmul_peak(cfg.matmul_size)
+    results["matmul_bf16"] = matmul_peak(cfg.matmul_size, seconds=2.0, dtype="bfloat16")  # the kit trains in fp32
+    print(f"[bench] matmul peak: fp32 {results['matmul']['gflops']:.1f} GFLOP/s "
+          f"(bf16 {results['matmul_bf16']['gflops']:.1f})", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    long_modes = {m.strip() for m in cfg.long_modes.split(",")}
+    try:
+        for n in cfg.length_list():
+            data = work / f"pairs-L{n}.jsonl"
+            pairs = make_pairs(tokenizer, cfg.batch_size * cfg.step_count(n), n, cfg.seed)
+            data.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+            for mode in cfg.mode_list():
+                if n == max(cfg.length_list()) and n != min(cfg.length_list()) and mode not in long_modes:
+                    continue
+                r = bench_train(cfg, mode, n, data, work, shape, n_lora, results["matmul"]["gflops"] * 1e9)
+                results["train"].setdefault(mode, {})[str(n)] = r
+                print(f"[bench] {mode:<15} L={n:<5} " + (r["error"] if "error" in r else
+                      f"{r['pairs_per_s']:.3f} pairs/s, {r['step_s']:.2f} s/step, MFU {r['mfu']:.1%}, peak "
+                      f"{r['peak_train_mb']:,.0f} MB, start-up {r['startup_s']:.1f} s, loss {r['last_loss']}"),
+                      flush=True)
+        for n in cfg.run_sizes():
+            r = bench_build_pairs(n, work, cfg.seed)
+            results["build_pairs"].append(r)
+            print(f"[bench] build_pairs {n:>9,} runs: {r['runs_per_s']:,.0f} runs/s, peak {r['peak_mb']:,.0f} MB, "
+                  f"{r['pairs']:,} pairs", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    results["ratios"] = ratios(results["train"], cfg.length_list())
+    stem = "results-quick" if cfg.quick else "results"  # a quick check never overwrites the measured record
+    kit.atomic_write_json(out_dir / f"{stem}.json", results)
+    table = markdown(results)
+    kit.atomic_write_text(out_dir / f"{stem}.md", table)
+    plot(results, out_dir / f"{stem}.png")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(kit.run_cli(main))
