@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import distributed
 import kit
 from kit import UserError, field
 
@@ -243,6 +244,7 @@ def dpo_config_kwargs(cfg: TrainConfig, checkpoint_dir: str, on_gpu: bool, bf16_
         logging_steps=cfg.logging_steps, save_strategy="steps", save_steps=cfg.save_steps, save_total_limit=2,
         bf16=on_gpu and compute == "bfloat16", fp16=on_gpu and compute == "float16", use_cpu=not on_gpu,
         report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+        ddp_find_unused_parameters=False,  # several processes: every LoRA weight is used, skip DDP's extra graph walk
     )
     if cfg.sft_weight:  # TRL adds the losses with these weights (its MPO-style combination)
         kwargs.update(loss_type=[cfg.loss_type, "sft"], loss_weights=[1.0, cfg.sft_weight])
@@ -333,7 +335,7 @@ def load_model(path: str, cfg: TrainConfig, on_gpu: bool, bf16_ok: bool):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     dtype = getattr(torch, resolve_compute_dtype(cfg.compute_dtype, on_gpu, bf16_ok))
-    kwargs = {"dtype": dtype, "device_map": {"": 0 if on_gpu else "cpu"}}
+    kwargs = {"dtype": dtype, "device_map": distributed.device_map(on_gpu)}  # each process: its own GPU
     if cfg.load_in_4bit:
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type=cfg.bnb_4bit_quant_type,
@@ -401,10 +403,19 @@ class Run:
         self.checkpoints = self.partial / "checkpoints"
 
     def set_status(self, state: str, **extra) -> None:
+        if not distributed.is_main_process():  # one status per run: rank 0's
+            return
         path = self.partial / "status.json"
         old = json.loads(path.read_text()) if path.exists() else {}
         history = old.get("history", []) + [{"state": state, "at": now_iso()}]
         kit.atomic_write_json(path, {"run_name": self.name, "state": state, "history": history, **extra})
+
+
+def batch_info(cfg: TrainConfig) -> dict:
+    """Processes and pairs per optimiser step of this run (the same global batch on 1 or N GPUs trains the same)."""
+    w = distributed.world()
+    return {"processes": w["world_size"], "nodes": w["nodes"], "effective_batch_size": distributed.effective_batch_size(
+        cfg.per_device_train_batch_size, w["world_size"], cfg.gradient_accumulation_steps)}
 
 
 def now_iso() -> str:
@@ -431,12 +442,14 @@ def make_callbacks(run: Run, interrupt: Interrupt):
         """Appends every log to metrics.jsonl and turns a signal into save-and-stop."""
 
         def on_log(self, args, state, control, logs=None, **kwargs):
+            if not state.is_world_process_zero:  # logs are already averaged over processes
+                return
             row = {"step": state.global_step, "epoch": round(state.epoch or 0, 4), **(logs or {})}
             with open(run.partial / "metrics.jsonl", "a", encoding="utf-8") as f:
                 f.write(json.dumps(row) + "\n")
 
         def on_step_end(self, args, state, control, **kwargs):
-            if interrupt.signum is not None:
+            if distributed.any_process(interrupt.signum is not None):  # every rank stops at the same step
                 control.should_save = True
                 control.should_training_stop = True
 
@@ -472,7 +485,8 @@ def model_card(run: Run, cfg: TrainConfig, data: dict, params: dict, targets, me
         "",
         "## Training", "",
         f"- steps: {last.get('step', 0)}, beta {cfg.beta}, learning rate {cfg.learning_rate}, "
-        f"batch {cfg.per_device_train_batch_size} x accumulation {cfg.gradient_accumulation_steps}, seed {cfg.seed}",
+        f"batch {batch_info(cfg)['effective_batch_size']} pairs per step ({cfg.per_device_train_batch_size} per device "
+        f"x {batch_info(cfg)['processes']} process(es) x accumulation {cfg.gradient_accumulation_steps}), seed {cfg.seed}",
         f"- reference: {reference_mode(cfg)}; compute: {data['compute']}",
         f"- parameters: {params['trainable']:,} trainable of {params['total']:,} "
         f"({100 * params['trainable'] / max(params['total'], 1):.2f}%)",
@@ -725,14 +739,30 @@ def main(argv=None) -> int:
     ref_path = resolve_model_path(cfg.ref_model_name_or_path) if cfg.ref_model_name_or_path else None
     run = Run(cfg.output_dir, cfg.run_name or default_run_name(data["sha256"], dt.datetime.now(dt.timezone.utc)))
     resolved = dataclasses.asdict(cfg) | {"run_name": run.name}
-    resume_from = prepare_run_dir(run, resolved, data["sha256"])
-    if resume_from is None and run.final.exists():
+    # Several processes (distributed.py): rank 0 alone prepares the run directory; the others take its run
+    # name and checkpoint, which must be on storage they see too.
+    rank0 = distributed.is_main_process()
+    name, resume_from = distributed.share_from_rank0(
+        (run.name, prepare_run_dir(run, resolved, data["sha256"])) if rank0 else None)
+    run = Run(cfg.output_dir, name)
+    if resume_from is None:
         return 0
-    print(f"[data] {cfg.data}: {data['pairs']:,} pairs, format {data['format']}, skipped {data['skipped'] or 0}; "
-          f"{data['held_out']} held out; training on {len(train_pairs):,}"
-          + "".join(f"; mixed in {m['pairs_used']} from {m['path']} ({m['share']:.0%} of the mixture)"
-                    for m in data["mix"]))
-    print("[config]\n" + "\n".join(f"  {k} = {v}" for k, v in resolved.items()), flush=True)
+    if resume_from and not Path(resume_from).is_dir():
+        raise UserError(f"rank {distributed.world()['rank']} cannot see {resume_from} to resume from: with several "
+                        "machines, put --output_dir on storage they all mount")
+    if not rank0:
+        print(f"[rank {distributed.world()['rank']}] training {run.name} as one of {batch_info(cfg)['processes']} "
+              "processes", flush=True)
+    else:
+        print(f"[data] {cfg.data}: {data['pairs']:,} pairs, format {data['format']}, skipped {data['skipped'] or 0}; "
+              f"{data['held_out']} held out; training on {len(train_pairs):,}"
+              + "".join(f"; mixed in {m['pairs_used']} from {m['path']} ({m['share']:.0%} of the mixture)"
+                        for m in data["mix"]))
+        print("[config]\n" + "\n".join(f"  {k} = {v}" for k, v in resolved.items()))
+        b = batch_info(cfg)  # tokens per step = this x up to max_length x 2 (chosen and rejected)
+        print(f"[batch] {b['effective_batch_size']} pairs per optimiser step = {cfg.per_device_train_batch_size} per "
+              f"device x {b['processes']} process(es) on {b['nodes']} machine(s) x {cfg.gradient_accumulation_steps} "
+              "gradient accumulation", flush=True)
 
     interrupt = Interrupt()
     old_handlers = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -744,10 +774,12 @@ def main(argv=None) -> int:
         print(f"[run] cancelled; resume with --run_name {run.name}", file=sys.stderr)
         return 128 + (interrupt.signum or signal.SIGINT)
     except UserError as e:
-        run.set_status("failed", error=str(e))
+        distributed.record_failure(run.partial, str(e), user_error=True)
+        run.set_status("failed", error=str(e), rank=distributed.world()["rank"])
         raise
     except Exception as e:
-        run.set_status("failed", error=f"{type(e).__name__}: {e}")
+        distributed.record_failure(run.partial, f"{type(e).__name__}: {e}")
+        run.set_status("failed", error=f"{type(e).__name__}: {e}", rank=distributed.world()["rank"])
         print(f"[run] failed: {type(e).__name__}: {e}\n[run] state kept in {run.partial}; fix and rerun with "
               f"--run_name {run.name} to resume", file=sys.stderr)
         raise
@@ -799,6 +831,7 @@ def prepare_run_dir(run: Run, resolved: dict, data_sha: str):
             print(f"[run] {run.final} is already complete; nothing to do (tarball: {run.tarball})")
             return None
     run.partial.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(run.partial / distributed.FAILURES_DIR, ignore_errors=True)  # an earlier attempt's
     kit.atomic_write_json(run.partial / "config.json", resolved)
     from transformers.trainer_utils import get_last_checkpoint
 
@@ -878,8 +911,9 @@ def train(cfg, run, model_path, ref_path, pairs, held, probes, data, resume_from
           f"{data['dropped_too_long']} dropped (prompt alone fills max_length)")
     params = count_parameters(trainer.model.named_parameters()) | {"quantized_4bit": quantized}
     print("[params]\n" + parameter_table(params), flush=True)
-    kit.atomic_write_json(run.partial / "data.json", data)
-    kit.atomic_write_json(run.partial / "parameters.json", params)
+    if distributed.is_main_process():
+        kit.atomic_write_json(run.partial / "data.json", data)
+        kit.atomic_write_json(run.partial / "parameters.json", params)
 
     run.set_status("running")
     interrupt.training = True
@@ -888,6 +922,8 @@ def train(cfg, run, model_path, ref_path, pairs, held, probes, data, resume_from
     if interrupt.signum is not None:
         run.set_status("cancelled", error=f"signal {interrupt.signum}", step=trainer.state.global_step)
         return None
+    if not distributed.is_main_process():  # rank 0 alone saves, evaluates and hands off
+        return []
 
     trainer.model.save_pretrained(run.partial)
     tokenizer.save_pretrained(run.partial)
@@ -915,7 +951,7 @@ def train(cfg, run, model_path, ref_path, pairs, held, probes, data, resume_from
     manifest = {
         "kit": KIT_NAME, "run_name": run.name, "base_model": base_model_identity(model_path),
         "data": {k: data[k] for k in ("path", "sha256", "format", "pairs", "pairs_trained", "truncated")},
-        "lora_target_modules_requested": cfg.lora_target_modules, "seed": cfg.seed, "started_at": started, "finished_at": now_iso(), "steps": trainer.state.global_step,
+        "lora_target_modules_requested": cfg.lora_target_modules, "seed": cfg.seed, "distributed": batch_info(cfg), "started_at": started, "finished_at": now_iso(), "steps": trainer.state.global_step,
         "eval": {k: evaluation["held_out"][k]["accuracy"] for k in ("base", "tuned")} if "held_out" in evaluation
         else None, "mix": data["mix"],
         "versions": kit.package_versions(), "python": platform.python_version(), "platform": platform.platform(),

@@ -1,0 +1,310 @@
+"""Train data-parallel over several processes, GPUs and machines: `accelerate launch` runs train_dpo.py once per
+process, and this wrapper names the failing rank in the run's status.json when one fails.
+
+    python distributed.py --nproc 4 -- --data pairs.jsonl [train_dpo flags]      # 4 processes (GPUs) on this machine
+    python distributed.py --nproc 8 --nnodes 2 --node_rank 1 --master_addr 10.0.0.1 -- --data pairs.jsonl
+    python distributed.py --nproc 4 --dist zero2 -- ...     # DeepSpeed ZeRO-2 (configs/zero2.yaml; needs deepspeed)
+    python distributed.py ... --dry_run                     # print the accelerate launch command, run nothing
+    make train GPUS=4 | make train NPROC=2 (CPU processes, gloo) | make train GPUS=8 NNODES=2 NODE_RANK=1 MASTER_ADDR=...
+    (in the container: entrypoint.py launch ...; launcher.py builds that command for RUNNER=docker)
+
+--nproc is processes per machine (default: the count given by --gpus, else 1); accelerate's --num_processes is
+the total over all machines. Without a GPU the processes train on the CPU over gloo. Every process runs the same
+train_dpo.py; only global rank 0 writes the run directory, status.json, the manifest and the tarball. The wrapper
+runs accelerate's own launcher (torch.distributed.run underneath) in this process, so when a process fails it
+learns which global rank failed first and with what exit code, and writes status `failed` with `"rank": N`.
+
+Everything above the "Edges" line is pure and standard-library only: launcher.py imports it on a host without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import os
+import shlex
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import kit
+from kit import UserError, field
+
+ROOT = Path(__file__).resolve().parent
+DIST_CONFIGS = {"ddp": None, "zero2": "configs/zero2.yaml", "zero3": "configs/zero3.yaml", "fsdp": "configs/fsdp.yaml"}
+SHARDED = ("zero3", "fsdp")  # shard the weights themselves: no 4-bit base, no device_map
+SHUTDOWN_TIMEOUT = 120  # seconds torchrun lets the other ranks save a checkpoint after a signal before SIGKILL
+FAILURES_DIR = "failures"  # <run>.partial/failures/rank-N.json: what each failing rank recorded
+
+
+@dataclasses.dataclass
+class DistConfig:
+    nproc: int = field(0, "processes on this machine; 0 = as many as --gpus names (a count or ids), else 1")
+    gpus: str = field("", "GPUs on this machine: a count, ids like 0,1 (CUDA_VISIBLE_DEVICES), or all; "
+                      "empty = every visible one (or the CPU)")
+    nnodes: int = field(1, "machines taking part (each runs this same command with its own --node_rank)")
+    node_rank: int = field(0, "this machine's index, 0 .. nnodes-1; machine 0 hosts the rendezvous and writes the run")
+    master_addr: str = field("", "address of machine 0 that the others reach (needed when nnodes > 1)")
+    master_port: int = field(29500, "TCP port on machine 0 for the rendezvous")
+    dist: str = field("ddp", "ddp = plain data parallel (each process a whole model); zero2 / zero3 = DeepSpeed; "
+                      "fsdp = PyTorch FSDP (configs/<dist>.yaml)", choices=tuple(DIST_CONFIGS))
+    dry_run: bool = field(False, "print the accelerate launch command and run nothing")
+
+    def problems(self) -> list[str]:
+        p = []
+        if self.nproc < 0:
+            p.append(f"--nproc (NPROC) must be at least 1 (got {self.nproc})")
+        if self.gpus and not (self.gpus == "all" or all(x.strip().isdigit() for x in self.gpus.split(","))):
+            p.append(f"--gpus (GPUS) {self.gpus!r}: expected all, a count, or device ids like 0,1")
+        elif self.gpus == "0":
+            p.append("--gpus (GPUS) 0: no GPUs; leave GPUS empty to train on the CPU")
+        if self.nnodes < 1:
+            p.append(f"--nnodes (NNODES) must be at least 1 (got {self.nnodes})")
+        elif not 0 <= self.node_rank < self.nnodes:
+            p.append(f"--node_rank (NODE_RANK) must be in 0..{self.nnodes - 1} for {self.nnodes} machine(s) "
+                     f"(got {self.node_rank})")
+        if self.nnodes > 1 and not self.master_addr:
+            p.append("--master_addr (MASTER_ADDR) is required with more than one machine: the address of machine 0")
+        if not 0 < self.master_port < 65536:
+            p.append(f"--master_port (MASTER_PORT) must be a TCP port 1..65535 (got {self.master_port})")
+        if self.dist not in DIST_CONFIGS:
+            p.append(f"--dist (DIST) {self.dist!r}: expected one of {', '.join(DIST_CONFIGS)}")
+        return p
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers: tested without a model.
+# ---------------------------------------------------------------------------------------------
+
+def processes_per_node(nproc: int, gpus: str) -> int:
+    """--nproc when given; else one process per GPU named by --gpus (4 -> 4, "0,3" -> 2); else (all, none) 1."""
+    if nproc:
+        return nproc
+    if gpus.isdigit():
+        return int(gpus)
+    if "," in gpus:
+        return len([g for g in gpus.split(",") if g.strip()])
+    return 1
+
+
+def is_distributed(cfg: DistConfig) -> bool:
+    """Whether the job needs accelerate launch at all (one plain process otherwise)."""
+    return processes_per_node(cfg.nproc, cfg.gpus) > 1 or cfg.nnodes > 1 or cfg.dist != "ddp"
+
+
+def accelerate_command(cfg: DistConfig, script: str, script_args: list[str], accelerate: str = "accelerate",
+                       configs_dir: str = "configs") -> list[str]:
+    """`accelerate launch ...` for this machine. accelerate counts processes over all machines
+    (--num_processes = per machine x machines); --multi_gpu is its name for torchrun-style data parallel,
+    which on a machine without CUDA runs on the CPU over gloo."""
+    per_node = processes_per_node(cfg.nproc, cfg.gpus)
+    cmd = [accelerate, "launch", "--num_processes", str(per_node * cfg.nnodes), "--num_machines", str(cfg.nnodes)]
+    if cfg.nnodes > 1:
+        cmd += ["--machine_rank", str(cfg.node_rank), "--main_process_ip", cfg.master_addr]
+    cmd += ["--main_process_port", str(cfg.master_port)]
+    if cfg.gpus and "," in cfg.gpus:
+        cmd += ["--gpu_ids", ",".join(g.strip() for g in cfg.gpus.split(","))]
+    if DIST_CONFIGS.get(cfg.dist):
+        cmd += ["--config_file", f"{configs_dir}/{Path(DIST_CONFIGS[cfg.dist]).name}"]
+    elif per_node * cfg.nnodes > 1:
+        cmd += ["--multi_gpu"]
+    # Precision comes from train_dpo's own flags (TrainingArguments bf16/fp16); no dynamo.
+    cmd += ["--mixed_precision", "no", "--dynamo_backend", "no"]
+    return cmd + [script, *script_args]
+
+
+def effective_batch_size(per_device: int, processes: int, gradient_accumulation_steps: int) -> int:
+    """Pairs per optimiser step: 2 per device x 4 processes x 2 accumulation = 16. A 1-GPU run with
+    per_device 8 x accumulation 2 takes the same steps on the same batches as that 4-GPU run."""
+    return per_device * processes * gradient_accumulation_steps
+
+
+def world_from_env(env) -> dict:
+    """rank / local_rank / world_size / nodes from the variables torchrun (accelerate launch) sets; one
+    process when they are absent."""
+    world = int(env.get("WORLD_SIZE", 1))
+    local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+    return {"rank": int(env.get("RANK", 0)), "local_rank": int(env.get("LOCAL_RANK", 0)), "world_size": world,
+            "nodes": max(world // max(local_world, 1), 1)}
+
+
+def failure_status(records: list[dict], first_failure: dict | None, exit_code: int) -> dict:
+    """status.json fields for a failed distributed run.
+
+    records: what failing ranks wrote ({"rank", "error", "at" (epoch seconds)}); first_failure: what the
+    launcher saw first ({"rank", "exitcode"}) or None. The root cause is the launcher's first failure
+    (it also sees ranks killed before they could write anything: -9 is SIGKILL, often out of memory),
+    else the earliest record; the other ranks usually fail only because a peer went away."""
+    by_rank = {r["rank"]: r for r in records}
+    if first_failure is not None:
+        rank = first_failure["rank"]
+        code = first_failure.get("exitcode")
+        error = by_rank[rank]["error"] if rank in by_rank else (
+            f"process exited with {code}" + (f" (killed by signal {-code}"
+                                              + (": SIGKILL, often out of memory)" if code == -9 else ")")
+                                              if isinstance(code, int) and code < 0 else ""))
+    elif records:
+        first = min(records, key=lambda r: r["at"])
+        rank, error = first["rank"], first["error"]
+    else:
+        rank, error = None, f"accelerate launch exited with status {exit_code}; no rank recorded an error"
+    return {"rank": rank, "error": error, "failed_ranks": sorted({*by_rank, *([rank] if rank is not None else [])}),
+            "exit_code": exit_code}
+
+
+def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """distributed.py's own flags, and train_dpo's after `--`."""
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+# ---------------------------------------------------------------------------------------------
+# Used by train_dpo.py in every process (torch imported only when there is more than one).
+# ---------------------------------------------------------------------------------------------
+
+def world() -> dict:
+    return world_from_env(os.environ)
+
+
+def is_main_process() -> bool:
+    return world()["rank"] == 0
+
+
+def device_map(on_gpu: bool):
+    """Where each process puts its model: its own GPU (local rank: several processes share a machine), or the
+    CPU. Under ZeRO-3 / FSDP the engine places the shards itself, so no device_map at all."""
+    if os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3" or os.environ.get("ACCELERATE_USE_FSDP") == "true":
+        return None
+    return {"": world()["local_rank"] if on_gpu else "cpu"}
+
+
+def share_from_rank0(obj):
+    """Rank 0's value of obj in every process (the run name, the checkpoint to resume from)."""
+    if world()["world_size"] == 1:
+        return obj
+    import torch
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list
+
+    PartialState(cpu=not torch.cuda.is_available())  # the same process group the Trainer uses later
+    box = [obj]
+    broadcast_object_list(box, from_process=0)
+    return box[0]
+
+
+def any_process(flag: bool) -> bool:
+    """True in every process when it is true in any: all ranks stop at the same step after a signal
+    (a rank stopping alone would leave the others waiting in the next all-reduce)."""
+    if world()["world_size"] == 1:
+        return flag
+    import torch
+    from accelerate import PartialState
+
+    t = torch.tensor([1.0 if flag else 0.0], device=PartialState().device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def record_failure(partial: Path, error: str, user_error: bool = False) -> None:
+    """A failing process writes what went wrong to <run>.partial/failures/rank-N.json (any rank, any machine
+    sharing the output directory), for the wrapper to name in status.json."""
+    if world()["world_size"] == 1 or not partial.is_dir():  # one process: status.json says it all
+        return
+    rank = world()["rank"]
+    kit.atomic_write_json(partial / FAILURES_DIR / f"rank-{rank}.json",
+                          {"rank": rank, "error": error, "user_error": user_error, "at": time.time(),
+                           "host": os.uname().nodename, "traceback": traceback.format_exc(limit=8)})
+
+
+# ---------------------------------------------------------------------------------------------
+# Edges: run accelerate's launcher and own the final status.
+# ---------------------------------------------------------------------------------------------
+
+def run_dir_for(train_args: list[str]) -> tuple[list[str], Path, object]:
+    """Check train_dpo's flags and data before starting N processes (a bad flag or line is one error, not N),
+    and fix the run name here so this wrapper knows which run directory it owns. On machines other than 0
+    rank 0's name is used anyway (train_dpo broadcasts it)."""
+    import formats
+    import train_dpo
+
+    cfg = kit.parse_config(train_dpo.TrainConfig, train_args, train_dpo.__doc__)
+    _, data = formats.load_pairs(cfg.data, cfg.skip_invalid)
+    if not cfg.run_name:
+        cfg.run_name = train_dpo.default_run_name(data["sha256"], dt.datetime.now(dt.timezone.utc))
+        train_args = [*train_args, "--run_name", cfg.run_name]
+    return train_args, Path(cfg.output_dir) / f"{cfg.run_name}.partial", cfg
+
+
+def write_failure(partial: Path, summary: dict) -> None:
+    """Turn the run's status to failed, naming the rank (rank 0 may have been killed before it could)."""
+    path = partial / "status.json"
+    old = json.loads(path.read_text()) if path.exists() else {"run_name": partial.name[:-len(".partial")]}
+    if old.get("state") == "cancelled" and summary["rank"] is None:
+        return  # a signal stopped it and rank 0 saved a checkpoint: resumable, not failed
+    history = old.get("history", [])
+    if not history or history[-1]["state"] != "failed":
+        history = history + [{"state": "failed", "at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}]
+    kit.atomic_write_json(path, {**{k: v for k, v in old.items() if k not in ("error",)},
+                                 "state": "failed", "history": history, **summary})
+
+
+def launch(cfg: DistConfig, train_args: list[str]) -> int:
+    """Run train_dpo.py in every process through accelerate's launcher; on failure, name the rank."""
+    train_args, partial, tcfg = run_dir_for(train_args)
+    if cfg.dist in SHARDED and tcfg.load_in_4bit:
+        raise UserError(f"DIST={cfg.dist} shards full-precision weights: add ARGS=--no_load_in_4bit "
+                        "(a 4-bit base trains with DIST=ddp or zero2)")
+    accelerate = str(Path(sys.executable).with_name("accelerate"))
+    cmd = accelerate_command(cfg, str(ROOT / "train_dpo.py"), train_args, configs_dir=str(ROOT / "configs"))
+    print(f"[launch] {shlex.join(['accelerate', *cmd[1:]])}", flush=True)
+    if cfg.dry_run:
+        return 0
+    if cfg.dist.startswith("zero"):
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            raise UserError(f"DIST={cfg.dist} needs DeepSpeed: pip install -r requirements-deepspeed.txt "
+                            "(or build the image with EXTRAS=deepspeed)")
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args = launch_command_parser().parse_args(cmd[2:])
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT))
+    try:
+        launch_command(args)
+        return 0
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        first = {"rank": rank, "exitcode": failure.exitcode}
+        code = failure.exitcode if failure.exitcode > 0 else 1
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT  # torchrun has stopped the ranks; rank 0 saved a checkpoint (cancelled)
+    except Exception as e:  # noqa: BLE001 - torchrun's SignalException and friends
+        if type(e).__name__ == "SignalException":
+            return 128 + int(getattr(e, "sigval", signal.SIGTERM))
+        raise
+    if cfg.node_rank == 0 and partial.is_dir():  # machine 0 owns the run directory
+        records = [json.loads(p.read_text()) for p in sorted((partial / FAILURES_DIR).glob("rank-*.json"))]
+        summary = failure_status(records, first, code)
+        write_failure(partial, summary)
+        root = next((r for r in records if r["rank"] == summary["rank"]), {})
+        print(f"[launch] failed: rank {summary['rank']}: {summary['error']}\n[launch] state kept in {partial}; "
+              f"the same command resumes from the last checkpoint", file=sys.stderr)
+        if root.get("user_error"):
+            return kit.EXIT_USAGE
+    return code
+
+
+def main(argv=None) -> int:
+    own, train_args = split_args(list(sys.argv[1:] if argv is None else argv))
+    cfg = kit.parse_config(DistConfig, own, __doc__)
+    return launch(cfg, train_args)
+
+
+if __name__ == "__main__":
+    sys.exit(kit.run_cli(main))
