@@ -42,7 +42,7 @@ FAILURES_DIR = "failures"  # <run>.partial/failures/rank-N.json: what each faili
 
 @dataclasses.dataclass
 class DistConfig:
-    nproc: int = field(0, "processes on this machine; 0 = as many as --gpus names (a count or ids), else 1")
+    nproc: int | None = field(None, "processes on this machine (default: as many as --gpus names, else 1)")
     gpus: str = field("", "GPUs on this machine: a count, ids like 0,1 (CUDA_VISIBLE_DEVICES), or all; "
                       "empty = every visible one (or the CPU)")
     nnodes: int = field(1, "machines taking part (each runs this same command with its own --node_rank)")
@@ -55,7 +55,7 @@ class DistConfig:
 
     def problems(self) -> list[str]:
         p = []
-        if self.nproc < 0:
+        if self.nproc is not None and self.nproc < 1:
             p.append(f"--nproc (NPROC) must be at least 1 (got {self.nproc})")
         if self.gpus and not (self.gpus == "all" or all(x.strip().isdigit() for x in self.gpus.split(","))):
             p.append(f"--gpus (GPUS) {self.gpus!r}: expected all, a count, or device ids like 0,1")
@@ -79,7 +79,7 @@ class DistConfig:
 # Pure helpers: tested without a model.
 # ---------------------------------------------------------------------------------------------
 
-def processes_per_node(nproc: int, gpus: str) -> int:
+def processes_per_node(nproc: int | None, gpus: str) -> int:
     """--nproc when given; else one process per GPU named by --gpus (4 -> 4, "0,3" -> 2); else (all, none) 1."""
     if nproc:
         return nproc
@@ -225,7 +225,7 @@ def record_failure(partial: Path, error: str, user_error: bool = False) -> None:
 # Edges: run accelerate's launcher and own the final status.
 # ---------------------------------------------------------------------------------------------
 
-def run_dir_for(train_args: list[str]) -> tuple[list[str], Path, object]:
+def run_dir_for(train_args: list[str], dist: str) -> tuple[list[str], Path]:
     """Check train_dpo's flags and data before starting N processes (a bad flag or line is one error, not N),
     and fix the run name here so this wrapper knows which run directory it owns. On machines other than 0
     rank 0's name is used anyway (train_dpo broadcasts it)."""
@@ -233,17 +233,24 @@ def run_dir_for(train_args: list[str]) -> tuple[list[str], Path, object]:
     import train_dpo
 
     cfg = kit.parse_config(train_dpo.TrainConfig, train_args, train_dpo.__doc__)
+    if dist in SHARDED and cfg.load_in_4bit:
+        raise UserError(f"DIST={dist} shards full-precision weights: add ARGS=--no_load_in_4bit "
+                        "(a 4-bit base trains with DIST=ddp or zero2)")
     _, data = formats.load_pairs(cfg.data, cfg.skip_invalid)
     if not cfg.run_name:
         cfg.run_name = train_dpo.default_run_name(data["sha256"], dt.datetime.now(dt.timezone.utc))
         train_args = [*train_args, "--run_name", cfg.run_name]
-    return train_args, Path(cfg.output_dir) / f"{cfg.run_name}.partial", cfg
+    return train_args, Path(cfg.output_dir) / f"{cfg.run_name}.partial"
 
 
-def write_failure(partial: Path, summary: dict) -> None:
-    """Turn the run's status to failed, naming the rank (rank 0 may have been killed before it could)."""
+def write_failure(partial: Path, summary: dict, since: str) -> None:
+    """Turn the run's status to failed, naming the rank (rank 0 may have been killed before it could); only
+    when this launch got as far as touching the run (status written at or after `since`, ISO UTC seconds):
+    a refused resume must not mark someone's earlier run failed."""
     path = partial / "status.json"
-    old = json.loads(path.read_text()) if path.exists() else {"run_name": partial.name[:-len(".partial")]}
+    old = json.loads(path.read_text()) if path.exists() else {}
+    if not any(h["at"] >= since for h in old.get("history", [])):
+        return
     if old.get("state") == "cancelled" and summary["rank"] is None:
         return  # a signal stopped it and rank 0 saved a checkpoint: resumable, not failed
     history = old.get("history", [])
@@ -255,10 +262,7 @@ def write_failure(partial: Path, summary: dict) -> None:
 
 def launch(cfg: DistConfig, train_args: list[str]) -> int:
     """Run train_dpo.py in every process through accelerate's launcher; on failure, name the rank."""
-    train_args, partial, tcfg = run_dir_for(train_args)
-    if cfg.dist in SHARDED and tcfg.load_in_4bit:
-        raise UserError(f"DIST={cfg.dist} shards full-precision weights: add ARGS=--no_load_in_4bit "
-                        "(a 4-bit base trains with DIST=ddp or zero2)")
+    train_args, partial = run_dir_for(train_args, cfg.dist)
     accelerate = str(Path(sys.executable).with_name("accelerate"))
     cmd = accelerate_command(cfg, str(ROOT / "train_dpo.py"), train_args, configs_dir=str(ROOT / "configs"))
     print(f"[launch] {shlex.join(['accelerate', *cmd[1:]])}", flush=True)
@@ -275,13 +279,14 @@ def launch(cfg: DistConfig, train_args: list[str]) -> int:
 
     args = launch_command_parser().parse_args(cmd[2:])
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT))
+    since = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     try:
         launch_command(args)
         return 0
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         first = {"rank": rank, "exitcode": failure.exitcode}
-        code = failure.exitcode if failure.exitcode > 0 else 1
+        code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode  # killed by signal N: 128 + N
     except KeyboardInterrupt:
         return 128 + signal.SIGINT  # torchrun has stopped the ranks; rank 0 saved a checkpoint (cancelled)
     except Exception as e:  # noqa: BLE001 - torchrun's SignalException and friends
@@ -291,7 +296,7 @@ def launch(cfg: DistConfig, train_args: list[str]) -> int:
     if cfg.node_rank == 0 and partial.is_dir():  # machine 0 owns the run directory
         records = [json.loads(p.read_text()) for p in sorted((partial / FAILURES_DIR).glob("rank-*.json"))]
         summary = failure_status(records, first, code)
-        write_failure(partial, summary)
+        write_failure(partial, summary, since)
         root = next((r for r in records if r["rank"] == summary["rank"]), {})
         print(f"[launch] failed: rank {summary['rank']}: {summary['error']}\n[launch] state kept in {partial}; "
               f"the same command resumes from the last checkpoint", file=sys.stderr)

@@ -922,16 +922,23 @@ def train(cfg, run, model_path, ref_path, pairs, held, probes, data, resume_from
     if interrupt.signum is not None:
         run.set_status("cancelled", error=f"signal {interrupt.signum}", step=trainer.state.global_step)
         return None
+    sharded = distributed.device_map(on_gpu) is None  # ZeRO-3 / FSDP: each process holds a shard of the weights
+    if sharded:  # gathering the shards is collective; the Trainer writes on rank 0 (untested here: no GPUs)
+        trainer.save_model(str(run.partial))
+        (run.partial / "training_args.bin").unlink(missing_ok=True)
     if not distributed.is_main_process():  # rank 0 alone saves, evaluates and hands off
         return []
 
-    trainer.model.save_pretrained(run.partial)
+    if not sharded:
+        trainer.model.save_pretrained(run.partial)
     tokenizer.save_pretrained(run.partial)
     trainer.model.eval()
     t0 = time.time()
     if not on_gpu:
         dequantize_4bit_(trainer.model)  # after saving; same values, much faster CPU inference
-    evaluation = evaluate(trainer.model, tokenizer, held, probes, cfg)
+    if sharded:
+        print(f"[eval] skipped: rank 0 holds only a shard; `make eval RUN={run.name}` evaluates the saved adapter")
+    evaluation = {} if sharded else evaluate(trainer.model, tokenizer, held, probes, cfg)
     metrics = [json.loads(r) for r in (run.partial / "metrics.jsonl").read_text().splitlines() if r.strip()]
     plots = plot_metrics(metrics, run.partial)
     kit.atomic_write_json(run.partial / "evaluation.json", evaluation)
