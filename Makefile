@@ -1,6 +1,7 @@
 # dpo-kit: agent run logs -> DPO pairs -> 4-bit LoRA DPO training -> adapter tarball.
 # Every variable can be set on the command line: make train DATA=pairs.jsonl RUN=try1 ARGS="--max_steps 20"
 # In a container (launcher.py, Docker SDK): make train RUNNER=docker GPUS=all DATA=pairs.jsonl [DRY_RUN=1]
+# Data parallel (distributed.py -> accelerate launch): make train GPUS=4 | NPROC=2 | GPUS=8 NNODES=2 NODE_RANK=1 MASTER_ADDR=ip
 .DEFAULT_GOAL := help
 SHELL := /bin/bash
 
@@ -27,6 +28,20 @@ PRUNE ?= 1
 DRY_RUN ?=
 BASE_IMAGE ?=
 TORCH_VARIANT ?=
+# Optional image extras: EXTRAS=deepspeed (requirements-deepspeed.txt, for DIST=zero2|zero3)
+EXTRAS ?=
+# Several processes, GPUs and machines (distributed.py runs `accelerate launch`; README "Many GPUs, many machines"):
+#   GPUS=N      N GPUs and N processes, one per GPU (GPUS=0,1: those devices, one process each)
+#   GPUS=all    every GPU visible to one process, as before (add NPROC=N to use N of them data-parallel)
+#   NPROC=N     N processes on this machine, overriding the count GPUS gives (no GPU: N CPU processes over gloo)
+#   NNODES=M NODE_RANK=0..M-1 MASTER_ADDR=<machine 0's address> [MASTER_PORT=29500]: the same command on each machine
+#   DIST=zero2|zero3|fsdp   DeepSpeed ZeRO-2/3 or FSDP (configs/<dist>.yaml); default ddp
+NPROC ?=
+NNODES ?=
+NODE_RANK ?=
+MASTER_ADDR ?=
+MASTER_PORT ?=
+DIST ?=
 # make bench QUICK=1: shorter sequences, fewer steps, smaller build_pairs logs (under 3 minutes)
 QUICK ?=
 
@@ -42,9 +57,16 @@ LVENV := .venv-launcher
 LAUNCHER_PINS := $(shell grep -E '^(docker|requests|urllib3|certifi|idna|charset-normalizer)==' requirements.txt 2>/dev/null)
 LAUNCHER_STAMP := $(LVENV)/.installed-$(shell echo '$(LAUNCHER_PINS)' | cksum | cut -d' ' -f1)
 LAUNCH_IMAGE = --image $(IMAGE) $(if $(TAG),--tag $(TAG)) $(if $(BASE_IMAGE),--base_image $(BASE_IMAGE)) \
-  $(if $(TORCH_VARIANT),--torch_variant $(TORCH_VARIANT))
-LAUNCH_RUN = $(LAUNCH_IMAGE) --output_dir $(OUT) $(if $(GPUS),--gpus $(GPUS)) $(if $(DRY_RUN),--dry_run)
+  $(if $(TORCH_VARIANT),--torch_variant $(TORCH_VARIANT)) $(if $(EXTRAS),--extras $(EXTRAS))
+DIST_FLAGS = $(if $(NPROC),--nproc $(NPROC)) $(if $(NNODES),--nnodes $(NNODES)) $(if $(NODE_RANK),--node_rank $(NODE_RANK)) \
+  $(if $(MASTER_ADDR),--master_addr $(MASTER_ADDR)) $(if $(MASTER_PORT),--master_port $(MASTER_PORT)) $(if $(DIST),--dist $(DIST))
+# Through distributed.py when any of these asks for more than one plain process (GPUS=all alone does not).
+DISTRIBUTED := $(strip $(NPROC)$(NNODES)$(NODE_RANK)$(MASTER_ADDR)$(MASTER_PORT)$(DIST)$(filter-out all 1,$(GPUS)))
+LAUNCH_RUN = $(LAUNCH_IMAGE) --output_dir $(OUT) $(if $(GPUS),--gpus $(GPUS)) $(DIST_FLAGS) $(if $(DRY_RUN),--dry_run)
+# A dry run needs no Docker SDK: any Python prints the commands.
+LAUNCHER_PY = $(if $(DRY_RUN),$(PYTHON),$(LVENV)/bin/python)
 $(if $(filter-out auto local docker,$(RUNNER)),$(error RUNNER=$(RUNNER): expected auto, local or docker))
+$(if $(filter-out ddp zero2 zero3 fsdp,$(DIST)),$(error DIST=$(DIST): expected ddp, zero2, zero3 or fsdp))
 ifeq ($(RUNNER),auto)
 ifneq ($(filter train,$(MAKECMDGOALS)),)
 override RUNNER := $(if $(shell timeout 10 docker version --format '{{.Server.Version}}' 2>/dev/null),docker,local)
@@ -95,19 +117,20 @@ $(OUT)/pairs/%.pairs.jsonl: FORCE | $(STAMP)
 	$(PY) build_pairs.py $(LOGS) -o $@ --report $(@:.jsonl=.report.json)
 
 .PHONY: train
-train: train-$(RUNNER) ## train an adapter: DATA=pairs.jsonl or LOGS=runs.jsonl, MODEL=, RUN=, ARGS=; RUNNER=local|docker, GPUS=all
+train: train-$(RUNNER) ## train an adapter: DATA= or LOGS=, MODEL=, RUN=, ARGS=; RUNNER=local|docker; GPUS=N NPROC= NNODES= DIST=
 
 .PHONY: train-auto
 train-auto: train-local
 
 .PHONY: train-local
 train-local: $(STAMP) $(if $(MODEL),,$(BUNDLED_MODEL)/config.json) $(if $(DATA),,$(PAIRS))
-	$(PY) train_dpo.py --data $(PAIRS) --output_dir $(OUT) $(if $(MODEL),--model_name_or_path $(MODEL)) \
+	$(PY) $(if $(DISTRIBUTED),distributed.py $(if $(GPUS),--gpus $(GPUS)) $(DIST_FLAGS) $(if $(DRY_RUN),--dry_run) --,train_dpo.py) \
+	  --data $(PAIRS) --output_dir $(OUT) $(if $(MODEL),--model_name_or_path $(MODEL)) \
 	  $(if $(RUN),--run_name $(RUN)) $(if $(MIX),--mix $(MIX)) $(ARGS)
 
 .PHONY: train-docker
-train-docker: $(LAUNCHER_STAMP)
-	$(LVENV)/bin/python launcher.py train $(LAUNCH_RUN) $(if $(DATA),--data $(DATA),--logs $(LOGS)) \
+train-docker: $(if $(DRY_RUN),,$(LAUNCHER_STAMP))
+	$(LAUNCHER_PY) launcher.py train $(LAUNCH_RUN) $(if $(DATA),--data $(DATA),--logs $(LOGS)) \
 	  $(if $(MODEL),--model $(MODEL)) $(if $(RUN),--run_name $(RUN)) $(if $(filter 0,$(PRUNE)),--no_prune) -- $(if $(MIX),--mix $(MIX)) $(ARGS)
 
 $(LAUNCHER_STAMP): requirements.txt
@@ -117,7 +140,7 @@ $(LAUNCHER_STAMP): requirements.txt
 	@touch $@
 
 .PHONY: build
-build: $(LAUNCHER_STAMP) ## build the image IMAGE:TAG (BASE_IMAGE=, TORCH_VARIANT=cpu|cuda) with the Docker SDK
+build: $(LAUNCHER_STAMP) ## build the image IMAGE:TAG (BASE_IMAGE=, TORCH_VARIANT=cpu|cuda, EXTRAS=deepspeed) with the Docker SDK
 	$(LVENV)/bin/python launcher.py build $(LAUNCH_IMAGE) $(if $(DRY_RUN),--dry_run)
 
 .PHONY: shell

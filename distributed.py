@@ -81,7 +81,7 @@ class DistConfig:
 
 def processes_per_node(nproc: int | None, gpus: str) -> int:
     """--nproc when given; else one process per GPU named by --gpus (4 -> 4, "0,3" -> 2); else (all, none) 1."""
-    if nproc:
+    if nproc is not None:
         return nproc
     if gpus.isdigit():
         return int(gpus)

@@ -3,6 +3,7 @@
     python entrypoint.py model [DEST]          # convert the bundled SmolLM2-135M-Instruct GGUF to safetensors
     python entrypoint.py pairs RUNS.jsonl -o pairs.jsonl [build_pairs options]
     python entrypoint.py train --data pairs.jsonl [train_dpo options]
+    python entrypoint.py launch --nproc 4 [--nnodes 2 --node_rank 1 --master_addr IP] [--dist zero2] -- --data pairs.jsonl ...
     python entrypoint.py check [--require_gpu]  # torch / CUDA / bitsandbytes status
     python entrypoint.py verify RUN.tar.gz      # checksums, safe paths, serving rules; what the adapter is
     python entrypoint.py chat RUN_DIR|RUN.tar.gz [--compare] [PROMPT ...]   # no PROMPT: read the terminal
@@ -88,6 +89,12 @@ def evaluate(argv) -> int:
     return 0
 
 
+def launch(argv) -> int:
+    import distributed  # accelerate launch over several processes / machines, then the failing rank in status.json
+
+    return distributed.main(argv)
+
+
 def runs(argv) -> int:
     print(kit.runs_table(argv[0] if argv else "artifacts"))
     return 0
@@ -108,7 +115,7 @@ def main(argv=None) -> int:
 
         return build_pairs.main(rest)
     commands = {"model": model, "check": check, "verify": verify, "chat": chat, "merge": merge, "eval": evaluate,
-                "runs": runs}
+                "runs": runs, "launch": launch}
     if command in commands:
         return commands[command](rest)
     raise kit.UserError(f"unknown command {command!r}; expected one of: train, pairs, {', '.join(commands)}")

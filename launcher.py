@@ -8,6 +8,7 @@
     python launcher.py shell [-- -c 'command']       # bash in the image, with the same mounts
     python launcher.py prune                         # stopped kit containers, dangling/superseded kit images
     python launcher.py train ... --dry_run           # print the equivalent docker commands, run nothing
+    python launcher.py train --gpus 8 --nnodes 2 --node_rank 1 --master_addr 10.0.0.1 ...  # machine 1 of 2
     make build | make train RUNNER=docker GPUS=all DATA=pairs.jsonl [DRY_RUN=1] | make prune | make shell
 
 The engine is whatever DOCKER_HOST points at (default: the local Docker socket). The image is
@@ -17,6 +18,9 @@ build args, so any change rebuilds. In the container the data file is mounted re
 runs as the caller's uid:gid (files on the host are the caller's), HF_TOKEN is passed at run time
 only when set, and the container is removed when it ends. Ctrl-C or SIGTERM stops the container
 (`docker stop`: the run saves a checkpoint and is marked cancelled); the same command resumes it.
+With several processes (--gpus N, --nproc, --nnodes, --dist) the container runs `entrypoint.py launch`
+(distributed.py: accelerate launch over N processes, one per GPU); with several machines it uses the host's
+network (`--network host`: the rendezvous port and NCCL need the machines' own addresses).
 Exit status: the job's own (0, 1 failed, 2 bad input, 143 cancelled), or 2 when no engine answers.
 """
 
@@ -30,15 +34,16 @@ import signal
 import sys
 from pathlib import Path
 
+import distributed
 import kit
 from kit import UserError, field
 
 KIT_LABEL = "dpo-kit"  # every image and container the kit makes carries `dpo-kit=1`; prune filters on it
 ROOT = Path(__file__).resolve().parent
-TAG_INPUTS = ("Dockerfile", "requirements.txt", "*.py", "data/*", "certs/*.crt")  # what the image is made of
+TAG_INPUTS = ("Dockerfile", "requirements*.txt", "*.py", "data/*", "configs/*", "certs/*.crt")  # what the image is made of
 PASS_ENV = ("HF_TOKEN", "HF_ENDPOINT", "HTTPS_PROXY", "HTTP_PROXY", "NO_PROXY")  # passed at run time when set
 STOP_TIMEOUT = 300  # seconds `docker stop` waits for the checkpoint before SIGKILL
-IN_DATA, IN_ARTIFACTS, IN_HF, IN_MODELS = "/data", "/artifacts", "/cache/huggingface", "/models"
+IN_DATA, IN_ARTIFACTS, IN_HF, IN_MODELS, IN_KIT = "/data", "/artifacts", "/cache/huggingface", "/models", "/opt/kit"
 
 
 @dataclasses.dataclass
@@ -50,12 +55,20 @@ class LaunchConfig:
     base_image: str = field("", "build arg BASE_IMAGE (default: the Dockerfile's CUDA runtime image)")
     torch_variant: str = field("cuda", "build arg TORCH_VARIANT: cuda = whole lock, cpu = without CUDA wheels",
                                choices=("cuda", "cpu"))
+    extras: str = field("", "build arg EXTRAS: optional requirements-<name>.txt to add, e.g. deepspeed (DIST=zero2|zero3)")
     data: str = field("", "preference pairs on the host (JSONL), mounted read-only")
     logs: str = field("data/runs.jsonl", "agent run logs on the host, used when --data is not given")
     output_dir: str = field("artifacts", "host directory mounted at /artifacts (runs, tarballs, pairs)")
     model: str = field("", "host model directory (mounted read-only) or hub id; empty = bundled in the image")
     run_name: str = field("", "run name (the same name resumes)")
-    gpus: str = field("", "GPUs for the container: all, a count, or device ids like 0,1; empty = none")
+    gpus: str = field("", "GPUs for the container: all (one process sees them all), a count N (N processes, "
+                      "one per GPU), or device ids like 0,1 (one process each); empty = none")
+    nproc: int | None = field(None, "training processes in the container (default: one per GPU that --gpus counts)")
+    nnodes: int = field(1, "machines taking part; each runs the same command with its own --node_rank")
+    node_rank: int = field(0, "this machine's index, 0 .. nnodes-1")
+    master_addr: str = field("", "address of machine 0 (needed when nnodes > 1)")
+    master_port: int = field(29500, "rendezvous port on machine 0")
+    dist: str = field("ddp", "ddp | zero2 | zero3 | fsdp (configs/<dist>.yaml)", choices=tuple(distributed.DIST_CONFIGS))
     user: str = field("", "uid:gid the job runs as (default: the caller's, so host files are theirs)")
     shm_size: str = field("8g", "/dev/shm size (DataLoader workers and NCCL need more than Docker's 64m)")
     hf_cache: str = field("", "host HF cache mounted writable (default: $HF_HOME or ~/.cache/huggingface)")
@@ -70,7 +83,7 @@ class LaunchConfig:
             p.append(f"--gpus {self.gpus!r}: expected all, a count, or device ids like 0,1")
         if self.user and not all(x.isdigit() for x in self.user.split(":")):
             p.append(f"--user {self.user!r}: expected numeric uid or uid:gid")
-        return p
+        return p + [x for x in dist_config(self).problems() if not x.startswith("--gpus")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,6 +104,8 @@ def build_args(cfg: LaunchConfig) -> dict[str, str]:
     args = {"TORCH_VARIANT": cfg.torch_variant}
     if cfg.base_image:
         args["BASE_IMAGE"] = cfg.base_image
+    if cfg.extras:
+        args["EXTRAS"] = cfg.extras
     return args
 
 
@@ -136,6 +151,23 @@ def gpu_request(gpus: str) -> dict | None:
             "capabilities": [["gpu"]]}
 
 
+def dist_config(cfg: LaunchConfig) -> distributed.DistConfig:
+    """The container's view: docker exposes the chosen GPUs renumbered from 0, so only the process count goes in."""
+    return distributed.DistConfig(nproc=distributed.processes_per_node(cfg.nproc, cfg.gpus), nnodes=cfg.nnodes,
+                                  node_rank=cfg.node_rank, master_addr=cfg.master_addr, master_port=cfg.master_port,
+                                  dist=cfg.dist)
+
+
+def launch_flags(d: distributed.DistConfig) -> list[str]:
+    """entrypoint.py launch's flags for a distributed config (defaults left out)."""
+    out = ["--nproc", str(d.nproc)]
+    if d.nnodes > 1:
+        out += ["--nnodes", str(d.nnodes), "--node_rank", str(d.node_rank), "--master_addr", d.master_addr]
+    if d.master_port != 29500:
+        out += ["--master_port", str(d.master_port)]
+    return out + (["--dist", d.dist] if d.dist != "ddp" else [])
+
+
 def pairs_output(logs_in: str) -> str:
     """Where the pairs built from run logs go, in the container (as `make pairs` names them on the host)."""
     return f"{IN_ARTIFACTS}/pairs/{Path(logs_in).name.rsplit('.', 1)[0]}.pairs.jsonl"
@@ -150,12 +182,15 @@ def job_command(cfg: LaunchConfig, data_in: str, extra: list[str], model_in: str
         return ["check", *(["--require_gpu"] if cfg.gpus else []), *extra]
     if cfg.action == "shell":
         return extra
-    cmd = ["train", "--data", data_in, "--output_dir", IN_ARTIFACTS]
+    cmd = ["--data", data_in, "--output_dir", IN_ARTIFACTS]
     if model_in:
         cmd += ["--model_name_or_path", model_in]
     if cfg.run_name:
         cmd += ["--run_name", cfg.run_name]
-    return cmd + extra
+    d = dist_config(cfg)
+    if distributed.is_distributed(d):  # accelerate launch in the container, one process per GPU
+        return ["launch", *launch_flags(d), "--", *cmd, *extra]
+    return ["train", *cmd, *extra]
 
 
 def run_spec(cfg: LaunchConfig, ref: str, paths: dict[str, str], extra: list[str], user: str,
@@ -179,6 +214,7 @@ def run_spec(cfg: LaunchConfig, ref: str, paths: dict[str, str], extra: list[str
         "mounts": mounts,
         "environment": {k: env[k] for k in PASS_ENV if env.get(k)},
         "gpus": gpu_request(cfg.gpus),
+        "network": "host" if cfg.nnodes > 1 and cfg.action == "train" else None,  # other machines reach this one
         "shm_size": cfg.shm_size,
         "labels": {KIT_LABEL: "1", f"{KIT_LABEL}.action": cfg.action},
     }
@@ -190,6 +226,8 @@ def docker_run_cli(spec: dict, gpus: str = "", interactive: bool = False) -> str
     if gpus:
         args += ["--gpus", gpus if gpus == "all" or gpus.isdigit() else f'"device={gpus}"']
     args += ["--user", spec["user"], "--shm-size", spec["shm_size"]]
+    if spec.get("network"):
+        args += ["--network", spec["network"]]
     for m in spec["mounts"]:
         args += ["-v", f"{m['source']}:{m['target']}" + (":ro" if m["read_only"] else "")]
     for key in spec["environment"]:
@@ -274,7 +312,7 @@ def run(client, spec: dict) -> int:
     container = client.containers.run(
         spec["image"], spec["command"], entrypoint=spec["entrypoint"], detach=True, user=spec["user"],
         mounts=[Mount(m["target"], m["source"], type="bind", read_only=m["read_only"]) for m in spec["mounts"]],
-        environment=spec["environment"], shm_size=spec["shm_size"], labels=spec["labels"],
+        environment=spec["environment"], shm_size=spec["shm_size"], labels=spec["labels"], network_mode=spec["network"],
         device_requests=[DeviceRequest(**gpus)] if gpus else None)
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM -> KeyboardInterrupt
     try:
@@ -348,6 +386,11 @@ def main(argv=None) -> int:
     if cfg.dry_run:
         for what, spec in jobs:
             print(f"# {what}\n{docker_run_cli(spec, cfg.gpus, interactive=cfg.action == 'shell' and not extra)}")
+        if jobs[-1][1]["command"][0] == "launch":  # what `entrypoint.py launch` runs in the container
+            cmd = jobs[-1][1]["command"]
+            inside = distributed.accelerate_command(dist_config(cfg), f"{IN_KIT}/train_dpo.py", cmd[cmd.index("--") + 1:],
+                                                    configs_dir=f"{IN_KIT}/configs")
+            print(f"# in the container, `launch` runs (adding --run_name when none is given):\n# {shlex.join(inside)}")
         return 0
     client = engine()
     if cfg.rebuild or not client.images.list(name=ref):

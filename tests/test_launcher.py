@@ -4,6 +4,7 @@ a few tests against a real engine (DOCKER_HOST, e.g. podman's socket in CI), ski
     .venv/bin/python -m pytest -q tests/test_launcher.py
 """
 
+import dataclasses
 import os
 import shlex
 import subprocess
@@ -208,3 +209,59 @@ def test_build_streams_and_labels_the_image(client, tmp_path, monkeypatch, capsy
         assert "[launcher] built dpo-kit-test:built" in capsys.readouterr().out
     finally:
         client.images.remove("dpo-kit-test:built", force=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Several GPUs and machines: the container runs `entrypoint.py launch` (distributed.py), one process per GPU.
+# ---------------------------------------------------------------------------------------------
+
+def test_gpus_as_a_count_means_that_many_processes_and_all_keeps_one():
+    one = launcher.run_spec(LaunchConfig(gpus="all"), "i:t", PATHS, [], "0:0", {})
+    assert one["command"][:1] == ["train"] and one["network"] is None  # GPUS=all: as before
+    four = launcher.run_spec(LaunchConfig(gpus="4", run_name="r"), "i:t", PATHS, ["--max_steps", "2"], "0:0", {})
+    assert four["command"] == ["launch", "--nproc", "4", "--", "--data", "/data/pairs.jsonl", "--output_dir",
+                               "/artifacts", "--run_name", "r", "--max_steps", "2"]
+    assert four["gpus"]["count"] == 4
+    ids = launcher.run_spec(LaunchConfig(gpus="2,3"), "i:t", PATHS, [], "0:0", {})
+    assert ids["command"][:3] == ["launch", "--nproc", "2"]  # docker renumbers devices 2,3 as 0,1 inside
+    cpu = launcher.run_spec(LaunchConfig(nproc=2, dist="zero2"), "i:t", PATHS, [], "0:0", {})
+    assert cpu["command"][:5] == ["launch", "--nproc", "2", "--dist", "zero2"] and cpu["gpus"] is None
+
+
+def test_second_machine_uses_host_network_and_names_the_rendezvous():
+    cfg = LaunchConfig(gpus="8", nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29501)
+    spec = launcher.run_spec(cfg, "dpo-kit:t", PATHS, [], "1000:1000", {})
+    assert spec["network"] == "host"
+    assert spec["command"][:12] == ["launch", "--nproc", "8", "--nnodes", "2", "--node_rank", "1", "--master_addr",
+                                    "10.0.0.1", "--master_port", "29501", "--"]
+    line = launcher.docker_run_cli(spec, "8")
+    assert "--gpus 8 --user 1000:1000 --shm-size 8g --network host " in line
+    assert launcher.run_spec(dataclasses.replace(cfg, action="pairs"), "i:t", PATHS, [], "0:0", {})["network"] is None
+
+
+def test_distributed_mistakes_are_reported_with_the_others():
+    with pytest.raises(kit.UserError) as e:
+        kit.parse_config(LaunchConfig, ["train", "--nnodes", "2", "--node_rank", "2", "--nproc", "0"], "",
+                         positional="action")
+    assert "NODE_RANK) must be in 0..1" in str(e.value) and "MASTER_ADDR) is required" in str(e.value)
+    assert "NPROC) must be at least 1 (got 0)" in str(e.value)
+
+
+def test_make_dry_run_prints_the_second_machines_command_without_an_engine(tmp_path):
+    out = subprocess.run(["make", "--no-print-directory", "train", "GPUS=8", "NNODES=2", "NODE_RANK=1",
+                          "MASTER_ADDR=10.0.0.1", "RUNNER=docker", "DRY_RUN=1", f"OUT={tmp_path}/a", "TAG=t1",
+                          f"PYTHON={sys.executable}"], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                         env={**os.environ, "DOCKER_HOST": "unix:///nonexistent.sock"})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    train = lines[lines.index("# train") + 1]
+    assert train.startswith("docker run --rm --gpus 8 ") and " --network host " in train
+    assert train.endswith("dpo-kit:t1 launch --nproc 8 --nnodes 2 --node_rank 1 --master_addr 10.0.0.1 -- "
+                          "--data /data/runs.pairs.jsonl --output_dir /artifacts")
+    assert lines[-1] == ("# accelerate launch --num_processes 16 --num_machines 2 --machine_rank 1 --main_process_ip "
+                         "10.0.0.1 --main_process_port 29500 --multi_gpu --mixed_precision no --dynamo_backend no "
+                         "/opt/kit/train_dpo.py --data /data/runs.pairs.jsonl --output_dir /artifacts")
+    assert not (tmp_path / "a").exists()
+    bad = subprocess.run(["make", "train", "DIST=zero4", "RUNNER=docker", "DRY_RUN=1"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=60)
+    assert bad.returncode == 2 and "DIST=zero4: expected ddp, zero2, zero3 or fsdp" in bad.stderr
