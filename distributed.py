@@ -263,6 +263,13 @@ def write_failure(partial: Path, summary: dict, since: str) -> None:
 def launch(cfg: DistConfig, train_args: list[str]) -> int:
     """Run train_dpo.py in every process through accelerate's launcher; on failure, name the rank."""
     train_args, partial = run_dir_for(train_args, cfg.dist)
+    if not is_distributed(cfg):  # one plain process: nothing to launch
+        print(f"[launch] one process: {shlex.join(['python', 'train_dpo.py', *train_args])}", flush=True)
+        if cfg.dry_run:
+            return 0
+        import train_dpo
+
+        return train_dpo.main(train_args)
     accelerate = str(Path(sys.executable).with_name("accelerate"))
     cmd = accelerate_command(cfg, str(ROOT / "train_dpo.py"), train_args, configs_dir=str(ROOT / "configs"))
     print(f"[launch] {shlex.join(['accelerate', *cmd[1:]])}", flush=True)

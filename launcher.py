@@ -41,7 +41,8 @@ from kit import UserError, field
 KIT_LABEL = "dpo-kit"  # every image and container the kit makes carries `dpo-kit=1`; prune filters on it
 ROOT = Path(__file__).resolve().parent
 TAG_INPUTS = ("Dockerfile", "requirements*.txt", "*.py", "data/*", "configs/*", "certs/*.crt")  # what the image is made of
-PASS_ENV = ("HF_TOKEN", "HF_ENDPOINT", "HTTPS_PROXY", "HTTP_PROXY", "NO_PROXY")  # passed at run time when set
+PASS_ENV = ("HF_TOKEN", "HF_ENDPOINT", "HTTPS_PROXY", "HTTP_PROXY", "NO_PROXY",  # passed at run time when set
+            "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_DEBUG")  # several machines: which interface to use
 STOP_TIMEOUT = 300  # seconds `docker stop` waits for the checkpoint before SIGKILL
 IN_DATA, IN_ARTIFACTS, IN_HF, IN_MODELS, IN_KIT = "/data", "/artifacts", "/cache/huggingface", "/models", "/opt/kit"
 

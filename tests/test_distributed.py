@@ -132,6 +132,8 @@ def test_dry_run_prints_the_command_with_a_fixed_run_name_and_writes_nothing(tmp
     line = out.stdout.strip()
     assert line.startswith("[launch] accelerate launch --num_processes 2 --num_machines 1 ")
     assert f"train_dpo.py --data {data} --output_dir {tmp_path}/a --run_name " in line  # every rank: one name
+    single = run_dist("--gpus", "all", "--dry_run", "--", "--data", data, "--run_name", "x")  # GPUS=all: 1 process
+    assert single.returncode == 0 and single.stdout == f"[launch] one process: python train_dpo.py --data {data} --run_name x\n"
     assert not (tmp_path / "a").exists()
 
 
