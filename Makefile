@@ -1,7 +1,7 @@
 # dpo-kit: agent run logs -> DPO pairs -> 4-bit LoRA DPO training -> adapter tarball.
 # Every variable can be set on the command line: make train DATA=pairs.jsonl RUN=try1 ARGS="--max_steps 20"
 # In a container (launcher.py, Docker SDK): make train RUNNER=docker GPUS=all DATA=pairs.jsonl [DRY_RUN=1]
-# Data parallel (distributed.py -> accelerate launch): make train GPUS=4 | NPROC=2 | GPUS=8 NNODES=2 NODE_RANK=1 MASTER_ADDR=ip
+# Data parallel (scaleout.py -> accelerate launch): make train GPUS=4 | NPROC=2 | GPUS=8 NNODES=2 NODE_RANK=1 MASTER_ADDR=ip
 .DEFAULT_GOAL := help
 SHELL := /bin/bash
 
@@ -30,7 +30,7 @@ BASE_IMAGE ?=
 TORCH_VARIANT ?=
 # Optional image extras: EXTRAS=deepspeed (requirements-deepspeed.txt, for DIST=zero2|zero3)
 EXTRAS ?=
-# Several processes, GPUs and machines (distributed.py runs `accelerate launch`; README "Many GPUs, many machines"):
+# Several processes, GPUs and machines (scaleout.py runs `accelerate launch`; README "Many GPUs, many machines"):
 #   GPUS=N      N GPUs and N processes, one per GPU (GPUS=0,1: those devices, one process each)
 #   GPUS=all    every GPU visible to one process, as before (add NPROC=N to use N of them data-parallel)
 #   NPROC=N     N processes on this machine, overriding the count GPUS gives (no GPU: N CPU processes over gloo)
@@ -60,7 +60,7 @@ LAUNCH_IMAGE = --image $(IMAGE) $(if $(TAG),--tag $(TAG)) $(if $(BASE_IMAGE),--b
   $(if $(TORCH_VARIANT),--torch_variant $(TORCH_VARIANT)) $(if $(EXTRAS),--extras $(EXTRAS))
 DIST_FLAGS = $(if $(NPROC),--nproc $(NPROC)) $(if $(NNODES),--nnodes $(NNODES)) $(if $(NODE_RANK),--node_rank $(NODE_RANK)) \
   $(if $(MASTER_ADDR),--master_addr $(MASTER_ADDR)) $(if $(MASTER_PORT),--master_port $(MASTER_PORT)) $(if $(DIST),--dist $(DIST))
-# Through distributed.py when any of these asks for more than one plain process (GPUS=all alone does not).
+# Through scaleout.py when any of these asks for more than one plain process (GPUS=all alone does not).
 DISTRIBUTED := $(strip $(NPROC)$(NNODES)$(NODE_RANK)$(MASTER_ADDR)$(MASTER_PORT)$(DIST)$(filter-out all 1,$(GPUS)))
 LAUNCH_RUN = $(LAUNCH_IMAGE) --output_dir $(OUT) $(if $(GPUS),--gpus $(GPUS)) $(DIST_FLAGS) $(if $(DRY_RUN),--dry_run)
 # A dry run needs no Docker SDK: any Python prints the commands.
@@ -124,7 +124,7 @@ train-auto: train-local
 
 .PHONY: train-local
 train-local: $(STAMP) $(if $(MODEL),,$(BUNDLED_MODEL)/config.json) $(if $(DATA),,$(PAIRS))
-	$(PY) $(if $(DISTRIBUTED),distributed.py $(if $(GPUS),--gpus $(GPUS)) $(DIST_FLAGS) $(if $(DRY_RUN),--dry_run) --,train_dpo.py) \
+	$(PY) $(if $(DISTRIBUTED),scaleout.py $(if $(GPUS),--gpus $(GPUS)) $(DIST_FLAGS) $(if $(DRY_RUN),--dry_run) --,train_dpo.py) \
 	  --data $(PAIRS) --output_dir $(OUT) $(if $(MODEL),--model_name_or_path $(MODEL)) \
 	  $(if $(RUN),--run_name $(RUN)) $(if $(MIX),--mix $(MIX)) $(ARGS)
 

@@ -90,9 +90,9 @@ def evaluate(argv) -> int:
 
 
 def launch(argv) -> int:
-    import distributed  # accelerate launch over several processes / machines, then the failing rank in status.json
+    import scaleout  # accelerate launch over several processes / machines, then the failing rank in status.json
 
-    return distributed.main(argv)
+    return scaleout.main(argv)
 
 
 def runs(argv) -> int:

@@ -19,7 +19,7 @@ runs as the caller's uid:gid (files on the host are the caller's), HF_TOKEN is p
 only when set, and the container is removed when it ends. Ctrl-C or SIGTERM stops the container
 (`docker stop`: the run saves a checkpoint and is marked cancelled); the same command resumes it.
 With several processes (--gpus N, --nproc, --nnodes, --dist) the container runs `entrypoint.py launch`
-(distributed.py: accelerate launch over N processes, one per GPU); with several machines it uses the host's
+(scaleout.py: accelerate launch over N processes, one per GPU); with several machines it uses the host's
 network (`--network host`: the rendezvous port and NCCL need the machines' own addresses).
 Exit status: the job's own (0, 1 failed, 2 bad input, 143 cancelled), or 2 when no engine answers.
 """
@@ -34,7 +34,7 @@ import signal
 import sys
 from pathlib import Path
 
-import distributed
+import scaleout
 import kit
 from kit import UserError, field
 
@@ -69,7 +69,7 @@ class LaunchConfig:
     node_rank: int = field(0, "this machine's index, 0 .. nnodes-1")
     master_addr: str = field("", "address of machine 0 (needed when nnodes > 1)")
     master_port: int = field(29500, "rendezvous port on machine 0")
-    dist: str = field("ddp", "ddp | zero2 | zero3 | fsdp (configs/<dist>.yaml)", choices=tuple(distributed.DIST_CONFIGS))
+    dist: str = field("ddp", "ddp | zero2 | zero3 | fsdp (configs/<dist>.yaml)", choices=tuple(scaleout.DIST_CONFIGS))
     user: str = field("", "uid:gid the job runs as (default: the caller's, so host files are theirs)")
     shm_size: str = field("8g", "/dev/shm size (DataLoader workers and NCCL need more than Docker's 64m)")
     hf_cache: str = field("", "host HF cache mounted writable (default: $HF_HOME or ~/.cache/huggingface)")
@@ -152,14 +152,14 @@ def gpu_request(gpus: str) -> dict | None:
             "capabilities": [["gpu"]]}
 
 
-def dist_config(cfg: LaunchConfig) -> distributed.DistConfig:
+def dist_config(cfg: LaunchConfig) -> scaleout.DistConfig:
     """The container's view: docker exposes the chosen GPUs renumbered from 0, so only the process count goes in."""
-    return distributed.DistConfig(nproc=distributed.processes_per_node(cfg.nproc, cfg.gpus), nnodes=cfg.nnodes,
+    return scaleout.DistConfig(nproc=scaleout.processes_per_node(cfg.nproc, cfg.gpus), nnodes=cfg.nnodes,
                                   node_rank=cfg.node_rank, master_addr=cfg.master_addr, master_port=cfg.master_port,
                                   dist=cfg.dist)
 
 
-def launch_flags(d: distributed.DistConfig) -> list[str]:
+def launch_flags(d: scaleout.DistConfig) -> list[str]:
     """entrypoint.py launch's flags for a distributed config (defaults left out)."""
     out = ["--nproc", str(d.nproc)]
     if d.nnodes > 1:
@@ -189,7 +189,7 @@ def job_command(cfg: LaunchConfig, data_in: str, extra: list[str], model_in: str
     if cfg.run_name:
         cmd += ["--run_name", cfg.run_name]
     d = dist_config(cfg)
-    if distributed.is_distributed(d):  # accelerate launch in the container, one process per GPU
+    if scaleout.is_distributed(d):  # accelerate launch in the container, one process per GPU
         return ["launch", *launch_flags(d), "--", *cmd, *extra]
     return ["train", *cmd, *extra]
 
@@ -389,7 +389,7 @@ def main(argv=None) -> int:
             print(f"# {what}\n{docker_run_cli(spec, cfg.gpus, interactive=cfg.action == 'shell' and not extra)}")
         if jobs[-1][1]["command"][0] == "launch":  # what `entrypoint.py launch` runs in the container
             cmd = jobs[-1][1]["command"]
-            inside = distributed.accelerate_command(dist_config(cfg), f"{IN_KIT}/train_dpo.py", cmd[cmd.index("--") + 1:],
+            inside = scaleout.accelerate_command(dist_config(cfg), f"{IN_KIT}/train_dpo.py", cmd[cmd.index("--") + 1:],
                                                     configs_dir=f"{IN_KIT}/configs")
             print(f"# in the container, `launch` runs (adding --run_name when none is given):\n# {shlex.join(inside)}")
         return 0

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-import distributed
+import scaleout
 import kit
 from kit import UserError, field
 
@@ -335,7 +335,7 @@ def load_model(path: str, cfg: TrainConfig, on_gpu: bool, bf16_ok: bool):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     dtype = getattr(torch, resolve_compute_dtype(cfg.compute_dtype, on_gpu, bf16_ok))
-    kwargs = {"dtype": dtype, "device_map": distributed.device_map(on_gpu)}  # each process: its own GPU
+    kwargs = {"dtype": dtype, "device_map": scaleout.device_map(on_gpu)}  # each process: its own GPU
     if cfg.load_in_4bit:
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type=cfg.bnb_4bit_quant_type,
@@ -403,7 +403,7 @@ class Run:
         self.checkpoints = self.partial / "checkpoints"
 
     def set_status(self, state: str, **extra) -> None:
-        if not distributed.is_main_process():  # one status per run: rank 0's
+        if not scaleout.is_main_process():  # one status per run: rank 0's
             return
         path = self.partial / "status.json"
         old = json.loads(path.read_text()) if path.exists() else {}
@@ -413,8 +413,8 @@ class Run:
 
 def batch_info(cfg: TrainConfig) -> dict:
     """Processes and pairs per optimiser step of this run (the same global batch on 1 or N GPUs trains the same)."""
-    w = distributed.world()
-    return {"processes": w["world_size"], "nodes": w["nodes"], "effective_batch_size": distributed.effective_batch_size(
+    w = scaleout.world()
+    return {"processes": w["world_size"], "nodes": w["nodes"], "effective_batch_size": scaleout.effective_batch_size(
         cfg.per_device_train_batch_size, w["world_size"], cfg.gradient_accumulation_steps)}
 
 
@@ -449,7 +449,7 @@ def make_callbacks(run: Run, interrupt: Interrupt):
                 f.write(json.dumps(row) + "\n")
 
         def on_step_end(self, args, state, control, **kwargs):
-            if distributed.any_process(interrupt.signum is not None):  # every rank stops at the same step
+            if scaleout.any_process(interrupt.signum is not None):  # every rank stops at the same step
                 control.should_save = True
                 control.should_training_stop = True
 
@@ -739,19 +739,19 @@ def main(argv=None) -> int:
     ref_path = resolve_model_path(cfg.ref_model_name_or_path) if cfg.ref_model_name_or_path else None
     run = Run(cfg.output_dir, cfg.run_name or default_run_name(data["sha256"], dt.datetime.now(dt.timezone.utc)))
     resolved = dataclasses.asdict(cfg) | {"run_name": run.name}
-    # Several processes (distributed.py): rank 0 alone prepares the run directory; the others take its run
+    # Several processes (scaleout.py): rank 0 alone prepares the run directory; the others take its run
     # name and checkpoint, which must be on storage they see too.
-    rank0 = distributed.is_main_process()
-    name, resume_from = distributed.share_from_rank0(
+    rank0 = scaleout.is_main_process()
+    name, resume_from = scaleout.share_from_rank0(
         (run.name, prepare_run_dir(run, resolved, data["sha256"])) if rank0 else None)
     run = Run(cfg.output_dir, name)
     if resume_from is None:
         return 0
     if resume_from and not Path(resume_from).is_dir():
-        raise UserError(f"rank {distributed.world()['rank']} cannot see {resume_from} to resume from: with several "
+        raise UserError(f"rank {scaleout.world()['rank']} cannot see {resume_from} to resume from: with several "
                         "machines, put --output_dir on storage they all mount")
     if not rank0:
-        print(f"[rank {distributed.world()['rank']}] training {run.name} as one of {batch_info(cfg)['processes']} "
+        print(f"[rank {scaleout.world()['rank']}] training {run.name} as one of {batch_info(cfg)['processes']} "
               "processes", flush=True)
     else:
         print(f"[data] {cfg.data}: {data['pairs']:,} pairs, format {data['format']}, skipped {data['skipped'] or 0}; "
@@ -774,12 +774,12 @@ def main(argv=None) -> int:
         print(f"[run] cancelled; resume with --run_name {run.name}", file=sys.stderr)
         return 128 + (interrupt.signum or signal.SIGINT)
     except UserError as e:
-        distributed.record_failure(run.partial, str(e), user_error=True)
-        run.set_status("failed", error=str(e), rank=distributed.world()["rank"])
+        scaleout.record_failure(run.partial, str(e), user_error=True)
+        run.set_status("failed", error=str(e), rank=scaleout.world()["rank"])
         raise
     except Exception as e:
-        distributed.record_failure(run.partial, f"{type(e).__name__}: {e}")
-        run.set_status("failed", error=f"{type(e).__name__}: {e}", rank=distributed.world()["rank"])
+        scaleout.record_failure(run.partial, f"{type(e).__name__}: {e}")
+        run.set_status("failed", error=f"{type(e).__name__}: {e}", rank=scaleout.world()["rank"])
         print(f"[run] failed: {type(e).__name__}: {e}\n[run] state kept in {run.partial}; fix and rerun with "
               f"--run_name {run.name} to resume", file=sys.stderr)
         raise
@@ -831,7 +831,7 @@ def prepare_run_dir(run: Run, resolved: dict, data_sha: str):
             print(f"[run] {run.final} is already complete; nothing to do (tarball: {run.tarball})")
             return None
     run.partial.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(run.partial / distributed.FAILURES_DIR, ignore_errors=True)  # an earlier attempt's
+    shutil.rmtree(run.partial / scaleout.FAILURES_DIR, ignore_errors=True)  # an earlier attempt's
     kit.atomic_write_json(run.partial / "config.json", resolved)
     from transformers.trainer_utils import get_last_checkpoint
 
@@ -911,7 +911,7 @@ def train(cfg, run, model_path, ref_path, pairs, held, probes, data, resume_from
           f"{data['dropped_too_long']} dropped (prompt alone fills max_length)")
     params = count_parameters(trainer.model.named_parameters()) | {"quantized_4bit": quantized}
     print("[params]\n" + parameter_table(params), flush=True)
-    if distributed.is_main_process():
+    if scaleout.is_main_process():
         kit.atomic_write_json(run.partial / "data.json", data)
         kit.atomic_write_json(run.partial / "parameters.json", params)
 
@@ -922,11 +922,11 @@ def train(cfg, run, model_path, ref_path, pairs, held, probes, data, resume_from
     if interrupt.signum is not None:
         run.set_status("cancelled", error=f"signal {interrupt.signum}", step=trainer.state.global_step)
         return None
-    sharded = distributed.device_map(on_gpu) is None  # ZeRO-3 / FSDP: each process holds a shard of the weights
+    sharded = scaleout.device_map(on_gpu) is None  # ZeRO-3 / FSDP: each process holds a shard of the weights
     if sharded:  # gathering the shards is collective; the Trainer writes on rank 0 (untested here: no GPUs)
         trainer.save_model(str(run.partial))
         (run.partial / "training_args.bin").unlink(missing_ok=True)
-    if not distributed.is_main_process():  # rank 0 alone saves, evaluates and hands off
+    if not scaleout.is_main_process():  # rank 0 alone saves, evaluates and hands off
         return []
 
     if not sharded:

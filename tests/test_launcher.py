@@ -212,7 +212,7 @@ def test_build_streams_and_labels_the_image(client, tmp_path, monkeypatch, capsy
 
 
 # ---------------------------------------------------------------------------------------------
-# Several GPUs and machines: the container runs `entrypoint.py launch` (distributed.py), one process per GPU.
+# Several GPUs and machines: the container runs `entrypoint.py launch` (scaleout.py), one process per GPU.
 # ---------------------------------------------------------------------------------------------
 
 def test_gpus_as_a_count_means_that_many_processes_and_all_keeps_one():

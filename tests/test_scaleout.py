@@ -1,8 +1,8 @@
-"""distributed.py: the accelerate launch command, effective batch, failure status and the accelerate configs on
+"""scaleout.py: the accelerate launch command, effective batch, failure status and the accelerate configs on
 worked examples; then two real CPU processes (gloo) on a tiny Llama against one process with the same global batch,
 and a rank killed mid-run that status.json names before the same command resumes.
 
-    .venv/bin/python -m pytest -q tests/test_distributed.py [-m "not integration"]
+    .venv/bin/python -m pytest -q tests/test_scaleout.py [-m "not integration"]
 """
 
 import json
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-import distributed
+import scaleout
 import kit
-from distributed import DistConfig
+from scaleout import DistConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = ROOT / "models" / "SmolLM2-135M-Instruct"
@@ -28,7 +28,7 @@ BUNDLED = ROOT / "models" / "SmolLM2-135M-Instruct"
 # ------------------------------------------------------------------ pure helpers, no model
 
 def test_accelerate_command_for_one_machine_with_four_gpus():
-    cmd = distributed.accelerate_command(DistConfig(gpus="4"), "train_dpo.py", ["--data", "p.jsonl"])
+    cmd = scaleout.accelerate_command(DistConfig(gpus="4"), "train_dpo.py", ["--data", "p.jsonl"])
     assert cmd == ["accelerate", "launch", "--num_processes", "4", "--num_machines", "1", "--main_process_port",
                    "29500", "--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no",
                    "train_dpo.py", "--data", "p.jsonl"]
@@ -36,53 +36,53 @@ def test_accelerate_command_for_one_machine_with_four_gpus():
 
 def test_accelerate_command_for_the_second_of_two_machines_counts_processes_over_both():
     cfg = DistConfig(nproc=8, nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29501)
-    cmd = distributed.accelerate_command(cfg, "/opt/kit/train_dpo.py", [])
+    cmd = scaleout.accelerate_command(cfg, "/opt/kit/train_dpo.py", [])
     assert cmd[:12] == ["accelerate", "launch", "--num_processes", "16", "--num_machines", "2", "--machine_rank",
                         "1", "--main_process_ip", "10.0.0.1", "--main_process_port", "29501"]
     assert "--multi_gpu" in cmd and cmd[-1] == "/opt/kit/train_dpo.py"
 
 
 def test_accelerate_command_with_gpu_ids_and_with_a_sharding_config():
-    ids = distributed.accelerate_command(DistConfig(gpus="0, 3"), "t.py", [])
+    ids = scaleout.accelerate_command(DistConfig(gpus="0, 3"), "t.py", [])
     assert ids[ids.index("--num_processes") + 1] == "2" and ids[ids.index("--gpu_ids") + 1] == "0,3"
-    zero2 = distributed.accelerate_command(DistConfig(nproc=4, dist="zero2"), "t.py", [], configs_dir="/k/configs")
+    zero2 = scaleout.accelerate_command(DistConfig(nproc=4, dist="zero2"), "t.py", [], configs_dir="/k/configs")
     assert zero2[zero2.index("--config_file") + 1] == "/k/configs/zero2.yaml" and "--multi_gpu" not in zero2
     # a single process with DIST=zero3 still goes through accelerate (DeepSpeed's engine); plain ddp does not
-    assert distributed.is_distributed(DistConfig(dist="zero3")) and not distributed.is_distributed(DistConfig())
+    assert scaleout.is_distributed(DistConfig(dist="zero3")) and not scaleout.is_distributed(DistConfig())
 
 
 def test_processes_per_node_from_nproc_or_gpus():
-    assert distributed.processes_per_node(None, "") == 1
-    assert distributed.processes_per_node(None, "all") == 1  # GPUS=all: every GPU visible, one process (as before)
-    assert distributed.processes_per_node(None, "4") == 4
-    assert distributed.processes_per_node(None, "1,2,5") == 3
-    assert distributed.processes_per_node(2, "all") == 2  # NPROC wins
+    assert scaleout.processes_per_node(None, "") == 1
+    assert scaleout.processes_per_node(None, "all") == 1  # GPUS=all: every GPU visible, one process (as before)
+    assert scaleout.processes_per_node(None, "4") == 4
+    assert scaleout.processes_per_node(None, "1,2,5") == 3
+    assert scaleout.processes_per_node(2, "all") == 2  # NPROC wins
 
 
 def test_effective_batch_makes_one_gpu_and_four_equivalent():
-    assert distributed.effective_batch_size(2, 4, 2) == 16
-    assert distributed.effective_batch_size(8, 1, 2) == distributed.effective_batch_size(2, 4, 2)
+    assert scaleout.effective_batch_size(2, 4, 2) == 16
+    assert scaleout.effective_batch_size(8, 1, 2) == scaleout.effective_batch_size(2, 4, 2)
 
 
 def test_world_from_torchrun_variables():
-    assert distributed.world_from_env({}) == {"rank": 0, "local_rank": 0, "world_size": 1, "nodes": 1}
+    assert scaleout.world_from_env({}) == {"rank": 0, "local_rank": 0, "world_size": 1, "nodes": 1}
     env = {"RANK": "9", "LOCAL_RANK": "1", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}
-    assert distributed.world_from_env(env) == {"rank": 9, "local_rank": 1, "world_size": 16, "nodes": 2}
+    assert scaleout.world_from_env(env) == {"rank": 9, "local_rank": 1, "world_size": 16, "nodes": 2}
 
 
 def test_failure_status_names_the_first_failing_rank():
     records = [{"rank": 0, "error": "RuntimeError: gloo: Connection reset by peer", "at": 20.0},
                {"rank": 3, "error": "torch.OutOfMemoryError: CUDA out of memory", "at": 10.0}]
     # the launcher saw rank 3 fail first: its own words are the error; rank 0 only lost its peer
-    got = distributed.failure_status(records, {"rank": 3, "exitcode": 1}, 1)
+    got = scaleout.failure_status(records, {"rank": 3, "exitcode": 1}, 1)
     assert got == {"rank": 3, "error": "torch.OutOfMemoryError: CUDA out of memory", "failed_ranks": [0, 3],
                    "exit_code": 1}
     # killed before it could write anything: the launcher's exit code says how
-    killed = distributed.failure_status(records[:1], {"rank": 1, "exitcode": -9}, 137)
+    killed = scaleout.failure_status(records[:1], {"rank": 1, "exitcode": -9}, 137)
     assert killed["rank"] == 1 and "SIGKILL" in killed["error"] and killed["failed_ranks"] == [0, 1]
     # no launcher information (e.g. another machine's rank): the earliest record
-    assert distributed.failure_status(records, None, 1)["rank"] == 3
-    assert distributed.failure_status([], None, 1)["rank"] is None
+    assert scaleout.failure_status(records, None, 1)["rank"] == 3
+    assert scaleout.failure_status([], None, 1)["rank"] is None
 
 
 def test_config_problems_are_reported_together():
@@ -102,14 +102,14 @@ def test_accelerate_accepts_every_key_of_the_dist_configs(name):
     from accelerate.commands.config.config_args import load_config_from_file
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 
-    path = ROOT / distributed.DIST_CONFIGS[name]
+    path = ROOT / scaleout.DIST_CONFIGS[name]
     load_config_from_file(str(path))  # raises on unknown top-level keys
     raw = yaml.safe_load(path.read_text())
     parser = launch_command_parser()
     known = {a.dest for a in parser._actions}
     nested = raw.get("deepspeed_config") or raw.get("fsdp_config")
     assert nested and set(nested) <= known, set(nested) - known
-    args = parser.parse_args(distributed.accelerate_command(DistConfig(nproc=4, dist=name), "t.py", [],
+    args = parser.parse_args(scaleout.accelerate_command(DistConfig(nproc=4, dist=name), "t.py", [],
                                                             configs_dir=str(ROOT / "configs"))[2:])
     args, _, _ = _validate_launch_command(args)
     assert args.num_processes == 4
@@ -120,7 +120,7 @@ def test_accelerate_accepts_every_key_of_the_dist_configs(name):
 
 
 def run_dist(*args, timeout=60, env=None):
-    return subprocess.run([sys.executable, str(ROOT / "distributed.py"), *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, str(ROOT / "scaleout.py"), *map(str, args)], capture_output=True,
                           text=True, cwd=ROOT, timeout=timeout, env={**os.environ, **(env or {})})
 
 
@@ -204,7 +204,7 @@ def test_two_cpu_processes_match_one_with_the_same_global_batch(tmp_path, tiny):
     runs = {  # side by side: the wall time is mostly imports
         "one": [str(ROOT / "train_dpo.py"), *train_args(tiny, data, tmp_path / "one", "r",
                                                          "--per_device_train_batch_size", 4, *common)],
-        "two": [str(ROOT / "distributed.py"), "--nproc", 2, "--master_port", free_port(), "--",
+        "two": [str(ROOT / "scaleout.py"), "--nproc", 2, "--master_port", free_port(), "--",
                 *train_args(tiny, data, tmp_path / "two", "r", "--per_device_train_batch_size", 2, *common)]}
     procs = {k: subprocess.Popen([sys.executable, *map(str, v)], cwd=ROOT, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True) for k, v in runs.items()}
@@ -225,7 +225,7 @@ def test_two_cpu_processes_match_one_with_the_same_global_batch(tmp_path, tiny):
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["r", "r.tar.gz", "r.tar.gz.sha256"]
     status = json.loads((tmp_path / "two" / "r" / "status.json").read_text())
     assert [h["state"] for h in status["history"]] == ["pending", "running", "succeeded"]
-    assert not (tmp_path / "two" / "r" / distributed.FAILURES_DIR).exists()
+    assert not (tmp_path / "two" / "r" / scaleout.FAILURES_DIR).exists()
     manifest = json.loads((tmp_path / "two" / "r" / "manifest.json").read_text())
     assert manifest["distributed"] == {"processes": 2, "nodes": 1, "effective_batch_size": 4}
     assert manifest["files"] == kit.file_hashes(tmp_path / "two" / "r")
@@ -251,7 +251,7 @@ def test_a_killed_rank_is_named_in_the_status_and_the_same_command_resumes(tmp_p
             *train_args(tiny, data, tmp_path / "art", "k", "--per_device_train_batch_size", 1, "--max_steps", 16,
                         "--save_steps", 2)]
     marker = f"{os.getpid()}-{time.time()}"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "distributed.py"), *map(str, args)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scaleout.py"), *map(str, args)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "KIT_TEST_MARKER": marker})
     partial = tmp_path / "art" / "k.partial"

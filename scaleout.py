@@ -1,10 +1,10 @@
 """Train data-parallel over several processes, GPUs and machines: `accelerate launch` runs train_dpo.py once per
 process, and this wrapper names the failing rank in the run's status.json when one fails.
 
-    python distributed.py --nproc 4 -- --data pairs.jsonl [train_dpo flags]      # 4 processes (GPUs) on this machine
-    python distributed.py --nproc 8 --nnodes 2 --node_rank 1 --master_addr 10.0.0.1 -- --data pairs.jsonl
-    python distributed.py --nproc 4 --dist zero2 -- ...     # DeepSpeed ZeRO-2 (configs/zero2.yaml; needs deepspeed)
-    python distributed.py ... --dry_run                     # print the accelerate launch command, run nothing
+    python scaleout.py --nproc 4 -- --data pairs.jsonl [train_dpo flags]      # 4 processes (GPUs) on this machine
+    python scaleout.py --nproc 8 --nnodes 2 --node_rank 1 --master_addr 10.0.0.1 -- --data pairs.jsonl
+    python scaleout.py --nproc 4 --dist zero2 -- ...     # DeepSpeed ZeRO-2 (configs/zero2.yaml; needs deepspeed)
+    python scaleout.py ... --dry_run                     # print the accelerate launch command, run nothing
     make train GPUS=4 | make train NPROC=2 (CPU processes, gloo) | make train GPUS=8 NNODES=2 NODE_RANK=1 MASTER_ADDR=...
     (in the container: entrypoint.py launch ...; launcher.py builds that command for RUNNER=docker)
 
@@ -156,7 +156,7 @@ def failure_status(records: list[dict], first_failure: dict | None, exit_code: i
 
 
 def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    """distributed.py's own flags, and train_dpo's after `--`."""
+    """scaleout.py's own flags, and train_dpo's after `--`."""
     if "--" in argv:
         i = argv.index("--")
         return argv[:i], argv[i + 1:]
