@@ -173,3 +173,30 @@ stages:
     mtime = tarball.stat().st_mtime
     assert iterate.main([plan, "--output_dir", str(out)]) == 0
     assert tarball.stat().st_mtime == mtime
+
+
+def test_trainable_adapter_starts_at_the_reference_or_at_the_checkpoint(tmp_path):
+    """sync_trainable_adapter_ on a toy PEFT model with TRL's layout: 'default' trained, 'ref' frozen."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    toy = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    config = LoraConfig(r=2, target_modules=["0"], init_lora_weights=False)
+    model = get_peft_model(toy, config)
+    model.add_adapter("ref", config)  # what DPOTrainer does for a PeftModel given without peft_config
+    params = dict(model.named_parameters())
+    ref_a, default_a = params["base_model.model.0.lora_A.ref.weight"], params["base_model.model.0.lora_A.default.weight"]
+    default_a.data = default_a.data.bfloat16().float() + 0.01  # rounded and off, as after TRL's bfloat16 cast
+    assert not torch.equal(default_a, ref_a)
+    train_dpo.sync_trainable_adapter_(model, "")  # fresh start: exactly the reference
+    assert torch.equal(default_a, ref_a) and default_a.data_ptr() != ref_a.data_ptr()
+    # Resume: the trained adapter comes from the checkpoint root (what PEFT saves for 'default').
+    ckpt = tmp_path / "checkpoint-1"
+    ckpt.mkdir()
+    saved = {"base_model.model.0.lora_A.weight": torch.full((2, 4), 0.5),
+             "base_model.model.0.lora_B.weight": torch.full((4, 2), -0.5)}
+    save_file(saved, ckpt / "adapter_model.safetensors")
+    train_dpo.sync_trainable_adapter_(model, str(ckpt))
+    assert torch.equal(default_a, torch.full((2, 4), 0.5)) and not torch.equal(ref_a, default_a)
