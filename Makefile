@@ -116,6 +116,12 @@ pairs: $(PAIRS) ## build DPO pairs from agent run logs (LOGS=runs.jsonl)
 $(OUT)/pairs/%.pairs.jsonl: FORCE | $(STAMP)
 	$(PY) build_pairs.py $(LOGS) -o $@ --report $(@:.jsonl=.report.json)
 
+PLAN ?= data/plan.yaml
+
+.PHONY: iterate
+iterate: $(STAMP) $(BUNDLED_MODEL)/config.json ## rounds from PLAN=plan.yaml (SPIN, self-reward, DPO, SFT stages), each from the last adapter
+	$(PY) entrypoint.py iterate $(PLAN) --output_dir $(OUT) $(ARGS)
+
 .PHONY: train
 train: train-$(RUNNER) ## train an adapter: DATA= or LOGS=, MODEL=, RUN=, ARGS=; RUNNER=local|docker; GPUS=N NPROC= NNODES= DIST=
 

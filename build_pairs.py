@@ -10,6 +10,17 @@ An attempt *succeeded* when it ran and scored > 0 (`--score_key`, default space_
   cross_run                   shared prompt -> best run's strategy vs each never-succeeded run's strategy
 `-` as input reads standard input; `-o -` writes standard output. `-o` is short for --output, and
 --dashed-names work as well as --underscored_names. The summary goes to standard error.
+
+Pairs the model makes for itself (Self-Rewarding LMs and SPIN; the model loads in 4-bit like training):
+
+    python build_pairs.py spin data/sft.jsonl --model M -o pairs.jsonl
+    python build_pairs.py self-reward data/prompts.jsonl --model M [--judge_model J] --candidates 4 \
+        [--judge probs|generate --judge_template FILE --reward_pattern 'Score: {reward}']
+
+  spin         reference answer (chosen)  vs  the model's own answer (rejected); identical ones dropped
+  self_reward  the model's candidates, scored by a judge prompt: best vs worst when they differ by min_margin
+M (and J) is a model directory or hub id, or a finished run (directory or .tar.gz): its base + adapter.
+`python build_pairs.py spin --help` (or self-reward --help) lists their options.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import kit
 from formats import ROLES
 
 RULES = ("mixed", "first_try_strategy", "first_try_code", "cross_run")
+SUBCOMMANDS = ("spin", "self-reward")  # anything else is the run-log file (the default, unchanged)
 OUTCOMES = ("first_try", "mixed", "never_succeeded", "never_ran")
 GARBLE_TRIES = 20  # rule-garbling rounds before the always-failing fallback
 MODEL_TEMPERATURE = 1.5  # "high-temperature garbled output", as the retraining document puts it
@@ -636,6 +648,11 @@ def print_summary(s: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMANDS:  # pairs the model makes for itself (self_pairs.py)
+        import self_pairs
+
+        return self_pairs.main(argv[0], argv[1:])
     cfg = kit.parse_config(PairsConfig, argv, __doc__, positional="runs")
     garbler = ModelGarbler(cfg.model, cfg.seed) if cfg.garble == "model" else RuleGarbler(cfg.seed)
     index = CrossRunIndex(cfg.max_pairs_per_prompt) if cfg.cross_run else None

@@ -10,6 +10,7 @@
     python entrypoint.py merge RUN_DIR|RUN.tar.gz [OUT_DIR]                  # standalone 16-bit model
     python entrypoint.py eval RUN_DIR|RUN.tar.gz [PAIRS.jsonl]   # held-out accuracy, probes -> <run>-eval/report.md
     python entrypoint.py runs [ARTIFACTS_DIR]   # every run: status, data, steps, held-out accuracy, size
+    python entrypoint.py iterate [PLAN.yaml] [--output_dir DIR]   # rounds: SPIN / self-reward / DPO / SFT stages
 
 No logic of its own: each subcommand hands its arguments to one script's `main`.
 """
@@ -114,11 +115,15 @@ def main(argv=None) -> int:
         import build_pairs
 
         return build_pairs.main(rest)
+    if command == "iterate":
+        import iterate
+
+        return iterate.main(rest)
     commands = {"model": model, "check": check, "verify": verify, "chat": chat, "merge": merge, "eval": evaluate,
                 "runs": runs, "launch": launch}
     if command in commands:
         return commands[command](rest)
-    raise kit.UserError(f"unknown command {command!r}; expected one of: train, pairs, {', '.join(commands)}")
+    raise kit.UserError(f"unknown command {command!r}; expected one of: train, pairs, iterate, {', '.join(commands)}")
 
 
 if __name__ == "__main__":

@@ -63,7 +63,8 @@ class TrainConfig:
     precompute_ref_log_probs: bool = field(False, "compute reference log-probs once before training")
     # DPO and optimisation (TRL / transformers names)
     beta: float = field(0.1, "DPO temperature: higher keeps the policy closer to the reference")
-    loss_type: str = field("sigmoid", "TRL DPO loss", choices=("sigmoid", "hinge", "ipo", "robust", "sigmoid_norm"))
+    loss_type: str = field("sigmoid", "TRL DPO loss (sft: only the chosen side's NLL, the rounds' SFT stage)",
+                           choices=("sigmoid", "hinge", "ipo", "robust", "sigmoid_norm", "sft"))
     learning_rate: float = field(2e-4, "AdamW learning rate for the LoRA weights")
     lr_scheduler_type: str = field("linear", "learning-rate schedule", choices=("linear", "cosine", "constant"))
     warmup_steps: int = field(0, "linear warm-up steps")
@@ -87,6 +88,11 @@ class TrainConfig:
     mix: str = field("", "more pair files mixed into training, as shares of the mixture: 'a.jsonl:0.2,b.jsonl:0.1'; "
                      f"a bare share ('0.2') uses the bundled {GENERAL_MIX}")
     sft_weight: float = field(0.0, "weight of an SFT loss on the chosen responses, added to the DPO loss; 0 = off")
+    # Rounds (iterate.py): each stage starts from the previous stage's adapter, which is also its reference
+    init_adapter: str = field("", "a finished run (directory or .tar.gz) on the same base: its adapter is trained "
+                              "further and, frozen, is the reference (TRL's 'ref' adapter copy); its LoRA shape "
+                              "replaces --lora_r/--lora_alpha/--lora_target_modules")
+    lineage: str = field("", "a JSON file copied into the run as lineage.json (iterate.py: the stages that led here)")
 
     def problems(self) -> list[str]:
         p = []
@@ -117,6 +123,8 @@ class TrainConfig:
             parse_mix(self.mix)
         except ValueError as e:
             p.append(f"--mix: {e}")
+        if self.init_adapter and self.ref_model_name_or_path:
+            p.append("--init_adapter is the reference; it does not go with --ref_model_name_or_path")
         if self.run_name and (os.sep in self.run_name or self.run_name.startswith(".")):
             p.append(f"--run_name must be a plain name, not a path (got {self.run_name!r})")
         return p
@@ -389,6 +397,58 @@ def detect_lora_targets(model) -> list[str]:
     return lora_target_modules(model.named_modules(), lambda m: isinstance(m, torch.nn.Linear), head_names)
 
 
+def start_from(model, peft_config, targets, cfg: TrainConfig, run):
+    """Rounds: with --init_adapter, the model gets a finished run's adapter, trainable, and no new LoRA
+    config; DPOTrainer, given a PeftModel and no peft_config, copies that adapter into a frozen one named
+    'ref' and activates it for the reference log-probs (TRL 1.14 has no ref_adapter_name option; this is
+    its way of loading the adapter twice). So the reference is base + previous adapter, not the bare base.
+    --lineage is copied into the run. Returns (model, peft_config, targets, parent run info or None)."""
+    import tempfile
+
+    from peft import PeftModel
+
+    if cfg.lineage:
+        try:
+            kit.atomic_write_json(run.partial / "lineage.json", json.loads(Path(cfg.lineage).read_text()))
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot read the lineage file: {e}", cfg.lineage) from None
+    if not cfg.init_adapter:
+        return model, peft_config, targets, None
+    with tempfile.TemporaryDirectory(prefix="init-adapter-") as tmp:
+        parent, parent_cfg = open_run(cfg.init_adapter, tmp)
+        mismatch = [f"{k} {getattr(parent_cfg, k)!r} (here {getattr(cfg, k)!r})"
+                    for k in ("model_name_or_path", "load_in_4bit", "bnb_4bit_quant_type")
+                    if str(getattr(parent_cfg, k)).rstrip("/") != str(getattr(cfg, k)).rstrip("/")]
+        if mismatch:
+            raise UserError(f"--init_adapter {cfg.init_adapter} was trained with {'; '.join(mismatch)}: the "
+                            "reference must be the model that run produced")
+        model = PeftModel.from_pretrained(model, parent, is_trainable=True)
+        info = {"path": cfg.init_adapter, "run_name": parent.name,
+                "adapter_sha256": kit.sha256_file(parent / "adapter_model.safetensors")}
+    print(f"[model] starting from the adapter of {info['run_name']} (reference = base + that adapter, frozen)")
+    return model, None, sorted(model.peft_config["default"].target_modules), info
+
+
+def sync_trainable_adapter_(model, resume_from: str) -> None:
+    """Put the trainable adapter where it must start: equal to the frozen 'ref' copy on a fresh start
+    (TRL rounded it to bfloat16 for a 4-bit base; on a CPU it is cast back but the rounding stays), or
+    the checkpoint's weights on resume (transformers, finding the 'ref' subdirectory in a checkpoint,
+    loads only that one and leaves the trained adapter at its initial value)."""
+    import peft
+    from safetensors.torch import load_file
+
+    if "ref" not in getattr(model, "peft_config", {}):
+        return
+    if resume_from:
+        peft.set_peft_model_state_dict(model, load_file(Path(resume_from) / "adapter_model.safetensors"),
+                                       adapter_name="default")
+        return
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        if ".ref." in name:
+            params[name.replace(".ref.", ".default.")].data.copy_(p.data)
+
+
 # ---------------------------------------------------------------------------------------------
 # The run directory: written as <run>.partial, renamed to <run> only when complete.
 # ---------------------------------------------------------------------------------------------
@@ -507,6 +567,8 @@ def model_card(run: Run, cfg: TrainConfig, data: dict, params: dict, targets, me
 
 
 def reference_mode(cfg: TrainConfig) -> str:
+    if cfg.init_adapter:
+        return f"base with the adapter of {cfg.init_adapter} (the run this one started from), frozen"
     if cfg.ref_model_name_or_path:
         return f"separate model {cfg.ref_model_name_or_path} ({'4-bit' if cfg.load_in_4bit else 'full'})"
     if cfg.precompute_ref_log_probs:
@@ -894,6 +956,7 @@ def train(cfg, run, model_path, ref_path, pairs, held, probes, data, resume_from
         from transformers import EarlyStoppingCallback
 
         callbacks.append(EarlyStoppingCallback(early_stopping_patience=cfg.early_stopping_patience))
+    model, peft_config, targets, init = start_from(model, peft_config, targets, cfg, run)
     trainer = DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=Dataset.from_list(pairs),
                          eval_dataset=Dataset.from_list(held) if held else None,
                          processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
@@ -901,6 +964,7 @@ def train(cfg, run, model_path, ref_path, pairs, held, probes, data, resume_from
         for p in trainer.model.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
+    sync_trainable_adapter_(trainer.model, resume_from)
 
     ds = trainer.train_dataset
     data["pairs_trained"] = len(ds)
@@ -930,7 +994,7 @@ def train(cfg, run, model_path, ref_path, pairs, held, probes, data, resume_from
         return []
 
     if not sharded:
-        trainer.model.save_pretrained(run.partial)
+        trainer.model.save_pretrained(run.partial, selected_adapters=["default"])  # not TRL's frozen 'ref' copy
     tokenizer.save_pretrained(run.partial)
     trainer.model.eval()
     t0 = time.time()
@@ -964,6 +1028,7 @@ def train(cfg, run, model_path, ref_path, pairs, held, probes, data, resume_from
         "versions": kit.package_versions(), "python": platform.python_version(), "platform": platform.platform(),
         "device": torch.cuda.get_device_name(0) if on_gpu else "cpu", "git_commit": kit.git_commit(),
         "files": kit.file_hashes(run.partial)}
+    manifest["init_adapter"] = init  # the parent run in a chain of rounds (lineage.json has the whole chain)
     kit.atomic_write_json(run.partial / "manifest.json", manifest)
     os.replace(run.partial, run.final)
     digest = kit.make_tarball(run.final, run.tarball)

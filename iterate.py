@@ -1,0 +1,278 @@
+"""Run a plan of training rounds: each stage starts from the previous stage's adapter and uses it, frozen, as its reference.
+
+    python iterate.py data/plan.yaml [--output_dir artifacts]
+    make iterate [PLAN=plan.yaml]
+
+A plan is YAML: a `name`, an optional base `model`, `train` options for every stage (train_dpo.py's
+names) and a list of `stages`, in any order, each with a `kind`, its `data`, and its own `pairs`
+(build_pairs options) and `train` options on top:
+
+  dpo          train on a pairs file as it is
+  spin         pairs from `build_pairs.py spin` on an SFT file, answered by the current model
+  self_reward  pairs from `build_pairs.py self-reward` on a prompts file, sampled and judged by the current model
+  sft          plain SFT on an SFT file (TRL's SFT loss: the reference answer's NLL)
+
+Stage i trains `<name>-<i>-<kind>-<hash>` in the output directory with `--init_adapter` = stage i-1's
+run (stage 1 starts from a fresh LoRA on the base); the hash covers the stage, its data and its
+parent, so editing a stage re-runs it and everything after it, and a re-run of the same plan skips
+the stages already complete. Built pairs and their reports go to `<output_dir>/<name>/`; every run
+carries lineage.json (the stages that led to it), and the last stage's tarball is the handoff.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import kit
+
+KINDS = ("dpo", "spin", "self_reward", "sft")
+PLAN_KEYS = {"name", "model", "train", "stages"}
+STAGE_KEYS = {"kind", "data", "pairs", "train"}
+# Options the runner sets itself: a plan giving them would be silently overridden.
+RUNNER_TRAIN_OPTIONS = {"data", "output_dir", "run_name", "init_adapter", "lineage", "model_name_or_path"}
+RUNNER_PAIRS_OPTIONS = {"sft", "prompts", "model", "output", "report", "format"}
+
+
+@dataclasses.dataclass
+class IterateConfig:
+    plan: str = kit.field("data/plan.yaml", "the plan (YAML): name, model, train options, stages")
+    output_dir: str = kit.field("artifacts", "where the stages' runs (and <name>/ with their pairs) go")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    index: int  # 1-based
+    kind: str
+    data: str
+    pairs: dict
+    train: dict
+    line: int  # where the stage starts in the plan file
+    run_name: str = ""
+    parent: str | None = None  # the previous stage's run name; None = fresh LoRA on the base
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure: plan validation and chaining order (tested without a model).
+# ---------------------------------------------------------------------------------------------
+
+def option_names(kind: str) -> tuple[set, set]:
+    """(train option names, pairs option names) a stage of this kind accepts."""
+    import train_dpo
+
+    train = {f.name for f in dataclasses.fields(train_dpo.TrainConfig)} - RUNNER_TRAIN_OPTIONS
+    pairs = set()
+    if kind in ("spin", "self_reward"):
+        import self_pairs
+
+        cls = self_pairs.SpinConfig if kind == "spin" else self_pairs.SelfRewardConfig
+        pairs = {f.name for f in dataclasses.fields(cls)} - RUNNER_PAIRS_OPTIONS
+    return train, pairs
+
+
+def plan_problems(plan, stage_lines: list[int]) -> list[tuple[int, str]]:
+    """Every problem of a decoded plan as (line, message), all at once."""
+    if not isinstance(plan, dict):
+        return [(1, "a plan is a mapping with name, stages and optionally model and train")]
+    p = [(1, f"unknown key {k!r}; expected {', '.join(sorted(PLAN_KEYS))}") for k in sorted(set(plan) - PLAN_KEYS)]
+    name = plan.get("name")
+    if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+        p.append((1, f"name must be a plain name (it prefixes the run names), got {name!r}"))
+    if "model" in plan and not isinstance(plan["model"], str):
+        p.append((1, "model must be a model directory or hub id"))
+    train_all = plan.get("train", {})
+    if not isinstance(train_all, dict):
+        p.append((1, "train must be a mapping of train_dpo.py options"))
+        train_all = {}
+    stages = plan.get("stages")
+    if not isinstance(stages, list) or not stages:
+        return p + [(1, "stages must be a non-empty list")]
+    allowed_train = option_names("dpo")[0]
+    p += [(1, f"train: unknown or runner-set option {k!r}") for k in sorted(set(train_all) - allowed_train)]
+    for i, st in enumerate(stages):
+        line = stage_lines[i] if i < len(stage_lines) else 1
+        where = f"stage {i + 1}"
+        if not isinstance(st, dict):
+            p.append((line, f"{where}: a stage is a mapping with kind and data"))
+            continue
+        p += [(line, f"{where}: unknown key {k!r}; expected {', '.join(sorted(STAGE_KEYS))}")
+              for k in sorted(set(st) - STAGE_KEYS)]
+        kind = st.get("kind")
+        if kind not in KINDS:
+            p.append((line, f"{where}: unknown kind {kind!r}; expected one of {', '.join(KINDS)}"))
+            continue
+        if not isinstance(st.get("data"), str) or not st.get("data"):
+            p.append((line, f"{where}: data (a file) is required"))
+        train_ok, pairs_ok = option_names(kind)
+        for key, allowed in (("train", train_ok), ("pairs", pairs_ok)):
+            value = st.get(key, {})
+            if not isinstance(value, dict):
+                p.append((line, f"{where}: {key} must be a mapping of options"))
+            elif bad := sorted(set(value) - allowed):
+                what = "no pairs options (its data is used as it is)" if not allowed else "unknown or runner-set"
+                p.append((line, f"{where} ({kind}): {key} option(s) {', '.join(map(repr, bad))}: {what}"))
+    return p
+
+
+def chain(plan: dict, stage_lines: list[int], data_sha256: dict[str, str]) -> list[Stage]:
+    """The stages in plan order, each named and linked to its parent (the previous stage's run).
+
+    A run name ends in a hash of the stage (kind, data content, options), the base model and the
+    parent's run name, so a changed stage changes its name and every later one."""
+    stages, parent = [], None
+    base = plan.get("model", "")
+    for i, st in enumerate(plan["stages"], 1):
+        train = {**plan.get("train", {}), **st.get("train", {})}
+        ident = json.dumps([st["kind"], data_sha256[st["data"]], st.get("pairs", {}), train, base, parent],
+                           sort_keys=True)
+        name = f"{plan['name']}-{i}-{st['kind']}-{hashlib.sha256(ident.encode()).hexdigest()[:8]}"
+        stages.append(Stage(i, st["kind"], st["data"], dict(st.get("pairs", {})), train, stage_lines[i - 1],
+                            name, parent))
+        parent = name
+    return stages
+
+
+def as_flags(options: dict) -> list[str]:
+    """{'max_steps': 2, 'load_in_4bit': False} -> ['--max_steps', '2', '--load_in_4bit', 'false']"""
+    out = []
+    for k, v in options.items():
+        out += [f"--{k}", str(v).lower() if isinstance(v, bool) else "" if v is None else str(v)]
+    return out
+
+
+def lineage_entry(stage: Stage, data_sha: str, pairs: str, pairs_sha: str, report: dict | None) -> dict:
+    keep = ("examples", "prompts", "candidates", "judge_mode", "judgements", "judgements_parsed",
+            "judgements_unparsable", "judgements_out_of_range", "pairs_written", "dropped_same_as_reference")
+    return {"stage": stage.index, "kind": stage.kind, "data": stage.data, "data_sha256": data_sha,
+            "pairs": pairs, "pairs_sha256": pairs_sha, "run_name": stage.run_name, "parent": stage.parent,
+            "pairs_report": {k: report[k] for k in keep if k in report} if report else None}
+
+
+def sft_pairs(examples, seed: int) -> list[dict]:
+    """SFT examples as pairs for the sft stage: chosen = the reference answer; rejected = a garbled
+    copy, never trained on (loss_type sft reads only the chosen side) but needed by the pair format."""
+    import build_pairs
+
+    out = []
+    for line, prompt, answer in examples:
+        rng = build_pairs.rng_for(seed, str(line), answer)
+        out.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": answer}],
+                    "rejected": [{"role": "assistant", "content": build_pairs.garble_text(answer, rng)}]})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Side effects: read the plan, build each stage's pairs, train, record the lineage.
+# ---------------------------------------------------------------------------------------------
+
+def load_plan(path: str) -> tuple[dict, list[int]]:
+    """The decoded plan and the line where each stage starts; YAML errors as FILE:LINE."""
+    import yaml
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise kit.UserError(f"cannot read the plan: {e.strerror}", path) from None
+    try:
+        node = yaml.compose(text)
+        plan = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        raise kit.UserError(f"not valid YAML: {getattr(e, 'problem', e)}", path,
+                            mark.line + 1 if mark else None) from None
+    lines = []
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            if key.value == "stages" and isinstance(value, yaml.SequenceNode):
+                lines = [item.start_mark.line + 1 for item in value.value]
+    problems = plan_problems(plan, lines)
+    if problems:
+        raise kit.UserError("bad plan:\n" + "\n".join(f"{path}:{line}: {msg}" for line, msg in problems))
+    for st, line in zip(plan["stages"], lines):
+        if not Path(st["data"]).is_file():
+            raise kit.UserError(f"stage data {st['data']} not found", path, line)
+    return plan, lines
+
+
+def build_stage_pairs(stage: Stage, policy: str, folder: Path) -> tuple[str, dict | None]:
+    """The stage's pairs file (built once; an existing one is reused so a resumed run sees the same data)."""
+    import build_pairs
+
+    if stage.kind == "dpo":
+        return stage.data, None
+    out = folder / f"{stage.run_name}.pairs.jsonl"
+    report = folder / f"{stage.run_name}.pairs.report.json"
+    if out.exists() and report.exists():
+        print(f"[iterate] stage {stage.index}: reusing {out}", flush=True)
+        return str(out), json.loads(report.read_text())
+    if stage.kind == "sft":
+        import self_pairs
+
+        examples = self_pairs.read_examples(stage.data, need_answer=True)
+        records = sft_pairs(examples, 0)
+        kit.atomic_write_text(report, json.dumps({"examples": len(examples), "pairs_written": len(records)}) + "\n")
+        kit.atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        return str(out), json.loads(report.read_text())
+    command = "spin" if stage.kind == "spin" else "self-reward"
+    status = build_pairs.main([command, stage.data, "--model", policy, "-o", str(out), "--report", str(report),
+                               *as_flags(stage.pairs)])
+    if status != 0:
+        raise kit.UserError(f"stage {stage.index} ({stage.kind}) made no pairs; see {report}")
+    return str(out), json.loads(report.read_text())
+
+
+def run_plan(cfg: IterateConfig) -> Path:
+    import train_dpo
+
+    plan, lines = load_plan(cfg.plan)
+    base = plan.get("model", train_dpo.BUNDLED_MODEL_DIR)
+    shas = {st["data"]: kit.sha256_file(st["data"]) for st in plan["stages"]}
+    stages = chain(plan, lines, shas)
+    out = Path(cfg.output_dir)
+    folder = out / plan["name"]
+    folder.mkdir(parents=True, exist_ok=True)
+    lineage = []
+    for st in stages:
+        run_dir = out / st.run_name
+        done = run_dir.is_dir() and (run_dir / "manifest.json").exists()
+        print(f"[iterate] stage {st.index}/{len(stages)} {st.kind} on {st.data} -> {st.run_name} "
+              f"(parent: {st.parent or 'base ' + base}){' already complete' if done else ''}", flush=True)
+        if done:
+            lineage = json.loads((run_dir / "lineage.json").read_text())
+            continue
+        policy = str(out / st.parent) if st.parent else base
+        pairs, report = build_stage_pairs(st, policy, folder)
+        lineage = lineage + [lineage_entry(st, shas[st.data], pairs, kit.sha256_file(pairs), report)]
+        lineage_file = folder / f"{st.run_name}.lineage.json"
+        kit.atomic_write_json(lineage_file, lineage)
+        args = ["--data", pairs, "--output_dir", str(out), "--run_name", st.run_name, "--model_name_or_path", base,
+                "--lineage", str(lineage_file), *as_flags(st.train)]
+        if st.parent:
+            args += ["--init_adapter", str(out / st.parent)]
+        if st.kind == "sft":
+            args += ["--loss_type", "sft"]
+        status = train_dpo.main(args)
+        if status != 0 or not (run_dir / "manifest.json").exists():
+            raise kit.UserError(f"stage {st.index} ({st.run_name}) did not finish (status {status}); "
+                                "run the same plan again to resume it")
+    final = out / f"{stages[-1].run_name}.tar.gz"
+    summary = {"plan": cfg.plan, "plan_sha256": kit.sha256_file(cfg.plan), "base_model": base, "stages": lineage,
+               "final_run": stages[-1].run_name, "tarball": str(final),
+               "tarball_sha256": final.with_name(final.name + ".sha256").read_text().split()[0]}
+    kit.atomic_write_json(out / f"{plan['name']}.lineage.json", summary)
+    print(f"[iterate] {len(stages)} stages done; handoff: {final} (lineage.json inside; "
+          f"{out / (plan['name'] + '.lineage.json')})", flush=True)
+    return final
+
+
+def main(argv=None) -> int:
+    cfg = kit.parse_config(IterateConfig, argv, __doc__, positional="plan")
+    run_plan(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(kit.run_cli(main))

@@ -1,0 +1,202 @@
+"""iterate.py: plan validation and chaining order (no model), then a two-stage plan on the bundled model."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import iterate
+import kit
+import train_dpo
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ROOT / train_dpo.BUNDLED_MODEL_DIR
+
+
+def write(tmp_path, text, name="plan.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+PLAN = """\
+name: t
+train: {max_steps: 1}
+stages:
+  - kind: spin
+    data: DATA
+    pairs: {max_new_tokens: 8}
+  - kind: self_reward
+    data: DATA
+    train: {learning_rate: 1.0e-4}
+"""
+
+
+# ------------------------------------------------------------------ validation: FILE:LINE, all problems at once
+
+def test_bad_yaml_names_the_line(tmp_path):
+    path = write(tmp_path, "name: t\nstages:\n  - kind: spin\n   data: x\n")
+    with pytest.raises(kit.UserError) as e:
+        iterate.load_plan(path)
+    assert e.value.path == path and e.value.line == 4 and "not valid YAML" in str(e.value)
+
+
+def test_every_stage_problem_is_reported_with_its_line(tmp_path):
+    data = write(tmp_path, "{}\n", "d.jsonl")
+    path = write(tmp_path, f"""\
+name: t
+stages:
+  - kind: spin
+    data: {data}
+    pairs: {{candidates: 4}}
+  - kind: spn
+    data: {data}
+  - kind: dpo
+    data: {data}
+    pairs: {{max_new_tokens: 8}}
+    train: {{beta: 0.2, run_name: x}}
+""")
+    with pytest.raises(kit.UserError) as e:
+        iterate.load_plan(path)
+    msg = str(e.value)
+    assert f"{path}:3: stage 1 (spin): pairs option(s) 'candidates'" in msg  # a self-reward option
+    assert f"{path}:6: stage 2: unknown kind 'spn'; expected one of dpo, spin, self_reward, sft" in msg
+    assert f"{path}:8: stage 3 (dpo): pairs option(s) 'max_new_tokens': no pairs options" in msg
+    assert f"{path}:8: stage 3 (dpo): train option(s) 'run_name'" in msg  # the runner names runs
+
+
+def test_missing_data_file_and_missing_stages(tmp_path):
+    with pytest.raises(kit.UserError) as e:
+        iterate.load_plan(write(tmp_path, "name: t\nstages:\n  - kind: dpo\n    data: nope.jsonl\n"))
+    assert e.value.line == 3 and "nope.jsonl not found" in str(e.value)
+    with pytest.raises(kit.UserError, match="stages must be a non-empty list"):
+        iterate.load_plan(write(tmp_path, "name: t\n", "p2.yaml"))
+
+
+def test_plan_errors_exit_2_without_a_traceback(tmp_path):
+    path = write(tmp_path, "name: t\nstages:\n  - kind: nope\n    data: x\n")
+    result = subprocess.run([sys.executable, str(ROOT / "entrypoint.py"), "iterate", path], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr and f"{path}:3:" in result.stderr
+
+
+# ------------------------------------------------------------------ chaining order
+
+def test_each_stage_starts_from_the_previous_one_and_names_follow_content(tmp_path):
+    data = write(tmp_path, "{}\n", "d.jsonl")
+    plan, lines = iterate.load_plan(write(tmp_path, PLAN.replace("DATA", data)))
+    stages = iterate.chain(plan, lines, {data: "a" * 64})
+    assert [(s.index, s.kind, s.line) for s in stages] == [(1, "spin", 4), (2, "self_reward", 7)]
+    assert stages[0].parent is None and stages[1].parent == stages[0].run_name
+    assert stages[1].train == {"max_steps": 1, "learning_rate": 1e-4}  # the stage's own options on top
+    assert stages[0].run_name.startswith("t-1-spin-") and stages[1].run_name.startswith("t-2-self_reward-")
+    # Changing stage 1 (its data or options) renames it and, through the parent, stage 2; same plan, same names.
+    again = iterate.chain(plan, lines, {data: "a" * 64})
+    assert [s.run_name for s in again] == [s.run_name for s in stages]
+    changed = iterate.chain(plan, lines, {data: "b" * 64})
+    assert changed[0].run_name != stages[0].run_name and changed[1].run_name != stages[1].run_name
+    plan["stages"][1]["train"] = {"learning_rate": 2e-4}
+    later = iterate.chain(plan, lines, {data: "a" * 64})
+    assert later[0].run_name == stages[0].run_name and later[1].run_name != stages[1].run_name
+
+
+def test_flags_and_sft_pairs():
+    assert iterate.as_flags({"max_steps": 2, "load_in_4bit": False, "probes": ""}) == \
+        ["--max_steps", "2", "--load_in_4bit", "false", "--probes", ""]
+    [pair] = iterate.sft_pairs([(1, [{"role": "user", "content": "Q"}], "the answer is four")], 0)
+    assert pair["chosen"] == [{"role": "assistant", "content": "the answer is four"}]
+    assert pair["rejected"][0]["content"] != "the answer is four"
+
+
+# ------------------------------------------------------------------ the real thing: SPIN then self-reward
+
+@pytest.mark.integration
+@pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="bundled model not converted (make model)")
+def test_two_stage_plan_runs_to_a_tarball_and_stage_two_reference_is_stage_one(tmp_path, monkeypatch):
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("".join(json.dumps({"prompt": q, "completion": a}) + "\n" for q, a in [
+        ("How do I clear apt's cache?", "Run `sudo apt-get clean`."),
+        ("What is 12 times 12?", "144."),
+        ("Name the capital of France.", "Paris.")]))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "How do I find big files on Linux?"}\n{"prompt": "What is 7 plus 8?"}\n')
+    plan = write(tmp_path, f"""\
+name: e2e
+model: {MODEL}
+train: {{max_length: 128, lora_r: 4, lora_alpha: 8, eval_fraction: 0, probes: "", save_steps: 50}}
+stages:
+  - kind: spin
+    data: {sft}
+    pairs: {{max_new_tokens: 12}}
+    train: {{max_steps: 3, learning_rate: 5.0e-3, per_device_train_batch_size: 3}}
+  - kind: self_reward
+    data: {prompts}
+    pairs: {{candidates: 2, max_new_tokens: 12, min_margin: 0}}
+    train: {{max_steps: 1, per_device_train_batch_size: 8}}
+""")
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "art"
+    assert iterate.main([plan, "--output_dir", str(out)]) == 0
+    summary = json.loads((out / "e2e.lineage.json").read_text())
+    s1, s2 = (out / s["run_name"] for s in summary["stages"])
+    tarball = Path(summary["tarball"])
+    assert tarball == out / f"{s2.name}.tar.gz"
+    manifest = kit.verify_tarball(tarball)  # the handoff checks out and carries the lineage
+    assert "lineage.json" in manifest["files"] and manifest["init_adapter"]["run_name"] == s1.name
+    lineage = json.loads((s2 / "lineage.json").read_text())
+    assert [(x["kind"], x["parent"]) for x in lineage] == [("spin", None), ("self_reward", s1.name)]
+    assert lineage[1]["pairs_report"]["judge_mode"] == "probs" and lineage[0]["pairs_report"]["pairs_written"] >= 1
+
+    # Stage 2's reference is stage 1's tuned model: TRL logs the policy's log-prob and beta * (policy -
+    # reference); the policy starts at the reference, so the rewards are 0 and the reference log-prob is
+    # the logged one. It must equal stage 1's tuned model's, and differ from the base's.
+    first = json.loads((s2 / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["rewards/chosen"] == pytest.approx(0, abs=1e-4)
+    import formats
+
+    pairs, _ = formats.load_pairs(lineage[1]["pairs"])
+    model, tok = train_dpo.load_for_chat(s1, train_dpo.TrainConfig(**json.loads((s1 / "config.json").read_text())))
+    toks = [train_dpo.tokenize_pair(tok, r, 128) for r in pairs]
+
+    def mean_chosen():
+        rows = train_dpo.completion_logps(model, [t[0] for t in toks], [t[1] for t in toks], tok.pad_token_id)
+        return sum(lp for lp, _ in rows) / len(rows)
+
+    tuned = mean_chosen()
+    with model.disable_adapter():
+        base = mean_chosen()
+    assert abs(tuned - base) > 0.5  # stage 1 moved the model, so the check below can tell them apart
+    assert first["logps/chosen"] - first["rewards/chosen"] / 0.1 == pytest.approx(tuned, abs=0.05)
+
+    # The same plan again: both stages are complete and skipped.
+    mtime = tarball.stat().st_mtime
+    assert iterate.main([plan, "--output_dir", str(out)]) == 0
+    assert tarball.stat().st_mtime == mtime
+
+
+def test_trainable_adapter_starts_at_the_reference_or_at_the_checkpoint(tmp_path):
+    """sync_trainable_adapter_ on a toy PEFT model with TRL's layout: 'default' trained, 'ref' frozen."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    toy = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    config = LoraConfig(r=2, target_modules=["0"], init_lora_weights=False)
+    model = get_peft_model(toy, config)
+    model.add_adapter("ref", config)  # what DPOTrainer does for a PeftModel given without peft_config
+    params = dict(model.named_parameters())
+    ref_a, default_a = params["base_model.model.0.lora_A.ref.weight"], params["base_model.model.0.lora_A.default.weight"]
+    default_a.data = default_a.data.bfloat16().float() + 0.01  # rounded and off, as after TRL's bfloat16 cast
+    assert not torch.equal(default_a, ref_a)
+    train_dpo.sync_trainable_adapter_(model, "")  # fresh start: exactly the reference
+    assert torch.equal(default_a, ref_a) and default_a.data_ptr() != ref_a.data_ptr()
+    # Resume: the trained adapter comes from the checkpoint root (what PEFT saves for 'default').
+    ckpt = tmp_path / "checkpoint-1"
+    ckpt.mkdir()
+    saved = {"base_model.model.0.lora_A.weight": torch.full((2, 4), 0.5),
+             "base_model.model.0.lora_B.weight": torch.full((4, 2), -0.5)}
+    save_file(saved, ckpt / "adapter_model.safetensors")
+    train_dpo.sync_trainable_adapter_(model, str(ckpt))
+    assert torch.equal(default_a, torch.full((2, 4), 0.5)) and not torch.equal(ref_a, default_a)
