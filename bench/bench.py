@@ -11,12 +11,18 @@ build_pairs.py runs on generated logs of 10k, 100k and 1M runs (QUICK: 10k and 1
 bench/results.json, bench/results.md (the table and the ratios issue 7 asks for) and bench/results.png
 (QUICK: bench/results-quick.*, not committed).
 
-Modes:
-  default          the kit's default: reference = base with the adapter disabled, NF4 dequantised once (CPU)
-  bnb_kernels      the same with --no_dequantize_on_cpu: bitsandbytes 4-bit kernels, i.e. TRL used directly
-  separate_ref     --ref_model_name_or_path = the same model: a second 4-bit (dequantised) copy as reference
-  precompute_ref   --precompute_ref_log_probs: one reference pass over the data before training
-  no_4bit          --no_load_in_4bit: LoRA on the float32 weights
+Modes (issue 7's (a)-(d), plus what each of the kit's choices buys on its own):
+  default           (a) the kit's default: reference = base with the adapter disabled, log-probs of the
+                    completion tokens only through the head in chunks, float32 matmuls on a CPU (bfloat16 on a GPU;
+                    LoRA weights and optimizer in float32), NF4 dequantised once (CPU)
+  trl_separate_ref  (b) the original pipeline: TRL 1.14.2 as it comes, "the main model and a reference model":
+                    a second 4-bit copy as reference, full logits, float32 matmuls, bitsandbytes 4-bit kernels
+  separate_ref      the kit's fast path with a separate 4-bit reference (what (a) gains from the reference alone)
+  precompute_ref    (c) --precompute_ref_log_probs: one reference pass over the data before training
+  no_4bit           (d) --no_load_in_4bit: LoRA on the unquantised weights
+  default_bf16      (a) with bfloat16 autocast on the CPU: what it would buy (not the default: see README)
+  full_logits       (a) with TRL's full-logits log-probs: what the chunked head buys
+  bnb_kernels       (a) with bitsandbytes' 4-bit kernels instead of the dequantised copy (not run by default)
 
 FLOP count (model FLOPs per optimizer step; matmuls only, multiply-add = 2 FLOPs; no padding: every
 sequence is exactly T tokens). With N_base = the parameters of every linear layer in the blocks plus
@@ -29,7 +35,10 @@ L layers of width d:
                                                                       attention backward = 2x its forward)
   reference, per token     f_ref = 2 N_base + 4 L d T               (0 when precomputed: counted in start-up)
   per step                 FLOPs = batch x 2 sequences (chosen, rejected) x T x (f_pol + b_pol + f_ref)
-MFU = FLOPs per step / seconds per step / the fp32 torch.matmul peak measured in the same run.
+except that the output head counts only for the completion tokens (3/4 of T here): the prompt's logits
+are not needed by DPO, so computing them (TRL's full-logits path does) is waste, not model FLOPs.
+MFU = FLOPs per step / seconds per step / the torch.matmul peak, measured in the same run, in the dtype
+that mode's matmuls run in (float32 for the kit's default on a CPU).
 """
 
 from __future__ import annotations
@@ -55,16 +64,22 @@ from kit import field  # noqa: E402
 
 MODES = {  # mode -> extra train_dpo flags (see the docstring)
     "default": [],
-    "bnb_kernels": ["--no_dequantize_on_cpu"],
+    "trl_separate_ref": ["--ref_model_name_or_path", "{model}", "--no_chunked_logps", "--compute_dtype", "float32",
+                         "--no_dequantize_on_cpu"],
     "separate_ref": ["--ref_model_name_or_path", "{model}"],
     "precompute_ref": ["--precompute_ref_log_probs"],
     "no_4bit": ["--no_load_in_4bit"],
+    "default_bf16": ["--compute_dtype", "bfloat16"],
+    "full_logits": ["--no_chunked_logps"],
+    "bnb_kernels": ["--no_dequantize_on_cpu"],
 }
+DEFAULT_MODES = [m for m in MODES if m != "bnb_kernels"]
+BASELINE = "trl_separate_ref"  # issue 7's (b): the ratios are against it
 
 
 @dataclasses.dataclass
 class BenchConfig:
-    quick: bool = field(False, "under 3 minutes: lengths 128,256, default and separate_ref only, 1 step each, "
+    quick: bool = field(False, f"under 3 minutes: lengths 128,256, default and {BASELINE} only, 1 step each, "
                         "build_pairs up to 100k runs")
     model_name_or_path: str = field("models/SmolLM2-135M-Instruct", "base model directory (the bundled one)")
     out_dir: str = field("bench", "where results.json, results.md and results.png go (quick: results-quick.*)")
@@ -74,9 +89,9 @@ class BenchConfig:
     long_steps: int = field(1, "optimizer steps at lengths over 512 (one step of ~100 s at 1024 tokens on 2 cores: "
                             "its warm-up is a few percent of it)")
     batch_size: int = field(4, "pairs per step (per_device_train_batch_size)")
-    modes: str = field("", f"training modes to measure, comma-separated; '' = {','.join(MODES)} "
-                       "(quick: default,separate_ref)")
-    long_modes: str = field("default,separate_ref", "the modes also run at the longest length (the ratios issue 7 "
+    modes: str = field("", f"training modes to measure, comma-separated; '' = {','.join(DEFAULT_MODES)} "
+                       f"(quick: default,{BASELINE})")
+    long_modes: str = field(f"default,{BASELINE}", "the modes also run at the longest length (the ratios issue 7 "
                             "asks for; the others there would take the run past 15 minutes)")
     pairs_runs: str = field("", "build_pairs log sizes in runs; '' = 10000,100000,1000000 (quick: 10000,100000)")
     matmul_size: int = field(2048, "square matrix size for the fp32 matmul peak")
@@ -91,7 +106,7 @@ class BenchConfig:
         return p
 
     def mode_list(self) -> list[str]:
-        modes = self.modes or ("default,separate_ref" if self.quick else ",".join(MODES))
+        modes = self.modes or (f"default,{BASELINE}" if self.quick else ",".join(DEFAULT_MODES))
         return [m.strip() for m in modes.split(",") if m.strip()]
 
     def length_list(self) -> list[int]:
@@ -132,10 +147,18 @@ def step_flops(shape: dict, n_lora: int, seq_len: int, batch: int, reference: bo
     n, layers, d, t = shape["n_base"], shape["layers"], shape["d_model"], seq_len
     attention = 4 * layers * d * t
     tokens = batch * 2 * t  # chosen and rejected, no padding
-    parts = {"policy_forward": tokens * (2 * (n + n_lora) + attention),
-             "policy_backward": tokens * (2 * n + 4 * n_lora + 2 * attention),
-             "reference_forward": tokens * (2 * n + attention) if reference else 0}
+    head_skipped = batch * 2 * (t // 4) * 2 * shape["n_head"]  # the prompt's logits: not needed, not counted
+    parts = {"policy_forward": tokens * (2 * (n + n_lora) + attention) - head_skipped,
+             "policy_backward": tokens * (2 * n + 4 * n_lora + 2 * attention) - head_skipped,
+             "reference_forward": tokens * (2 * n + attention) - head_skipped if reference else 0}
     return parts | {"total": sum(parts.values())}
+
+
+def mode_dtype(flags: list[str], auto: str) -> str:
+    """The dtype a mode's matmuls run in: the one --compute_dtype names, else train_dpo's auto choice."""
+    if "--compute_dtype" in flags:
+        return flags[flags.index("--compute_dtype") + 1]
+    return auto
 
 
 def summarize_steps(step_ends: list[float], process_start: float, init_end: float, train_begin: float,
@@ -164,21 +187,25 @@ def ratios(train: dict, lengths: list[int]) -> dict:
         return a / b if a is not None and b else None
 
     long = max(lengths)
-    out = {f"speed_default_vs_separate_ref_L{n}": div(get("default", n, "pairs_per_s"),
-                                                       get("separate_ref", n, "pairs_per_s")) for n in lengths}
-    out |= {f"speed_default_vs_bnb_kernels_L{n}": div(get("default", n, "pairs_per_s"),
-                                                       get("bnb_kernels", n, "pairs_per_s")) for n in lengths}
-    out[f"memory_default_vs_separate_ref_L{long}"] = div(get("default", long, "peak_train_mb"),
-                                                           get("separate_ref", long, "peak_train_mb"))
+    out = {f"speed_default_vs_{BASELINE}_L{n}": div(get("default", n, "pairs_per_s"),
+                                                     get(BASELINE, n, "pairs_per_s")) for n in lengths}
+    out[f"memory_default_vs_{BASELINE}_L{long}"] = div(get("default", long, "peak_train_mb"),
+                                                         get(BASELINE, long, "peak_train_mb"))
+    for other in ("separate_ref", "default_bf16", "full_logits", "bnb_kernels", "precompute_ref"):
+        out |= {f"speed_default_vs_{other}_L{n}": div(get("default", n, "pairs_per_s"), get(other, n, "pairs_per_s"))
+                for n in lengths if get(other, n, "pairs_per_s")}
+    if get("full_logits", long, "peak_train_mb"):
+        out[f"memory_default_vs_full_logits_L{long}"] = div(get("default", long, "peak_train_mb"),
+                                                              get("full_logits", long, "peak_train_mb"))
     out |= {f"mfu_default_L{n}": get("default", n, "mfu") for n in lengths}
     out["startup_default_s"] = get("default", min(lengths), "startup_s")
     return out
 
 
 GOALS = (  # (ratio key prefix, comparison, target, what)
-    ("speed_default_vs_separate_ref", ">=", 1.5, "default pairs/s >= 1.5x separate 4-bit reference"),
-    ("memory_default_vs_separate_ref", "<=", 0.7, "default peak memory <= 0.7x separate reference (longest L)"),
-    ("mfu_default", ">=", 0.5, "default MFU >= 50% of the measured fp32 matmul peak"),
+    (f"speed_default_vs_{BASELINE}", ">=", 1.5, "default pairs/s >= 1.5x (b) separate 4-bit reference"),
+    (f"memory_default_vs_{BASELINE}", "<=", 0.7, "default peak memory <= 0.7x (b) separate reference (longest L)"),
+    ("mfu_default", ">=", 0.5, "default MFU >= 50% of the measured matmul peak in its dtype"),
     ("startup_default", "<=", 20.0, "start-up (process start -> first optimizer step begins) < 20 s"),
 )
 
@@ -207,24 +234,24 @@ def markdown(results: dict) -> str:
     lines = [f"# dpo-kit benchmark ({'QUICK' if results['quick'] else 'full'})", "",
              f"{m['cpu']}; {m['cores']} cores, torch threads {m['torch_threads']}; python {m['python']}; "
              + ", ".join(f"{k} {v}" for k, v in m["versions"].items()), "",
-             f"fp32 matmul peak ({results['matmul']['size']}^2, torch.matmul): "
-             f"**{results['matmul']['gflops']:.1f} GFLOP/s**. Batch {results['batch_size']} pairs, "
+             f"matmul peak ({results['matmul']['size']}^2, torch.matmul): float32 "
+             f"**{results['matmul']['gflops']:.1f} GFLOP/s**"
+             + (f", bfloat16 **{results['matmul_bf16']['gflops']:.1f} GFLOP/s**" if "matmul_bf16" in results else "")
+             + f" (each mode's MFU is against the peak of the dtype it runs in). Batch {results['batch_size']} pairs, "
              "steps per mode " + ", ".join(f"{v} at L={k}" for k, v in results["steps"].items())
-             + " (with more than one, the first is warm-up and not timed), sequences of exactly L tokens."
-             + (f" For comparison, bfloat16 torch.matmul here: {results['matmul_bf16']['gflops']:.1f} GFLOP/s."
-                if "matmul_bf16" in results else ""), "",
-             "| mode | L | pairs/s | tokens/s | s/step | GFLOP/s | MFU | peak RSS train (MB) | start-up (s) "
+             + " (with more than one, the first is warm-up and not timed), sequences of exactly L tokens.", "",
+             "| mode | L | matmuls | pairs/s | tokens/s | s/step | GFLOP/s | MFU | peak RSS train (MB) | start-up (s) "
              "| precompute (s) | loss (last step) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for mode, by_len in results["train"].items():
         for n in lengths:
             r = by_len.get(str(n))
             if not r:
                 continue
             if "error" in r:
-                lines.append(f"| {mode} | {n} | failed: {r['error'][:80]} |||||||||")
+                lines.append(f"| {mode} | {n} | failed: {r['error'][:80]} ||||||||||")
                 continue
-            lines.append(f"| {mode} | {n} | {r['pairs_per_s']:.3f} | {r['tokens_per_s']:.0f} | {r['step_s']:.2f} "
+            lines.append(f"| {mode} | {n} | {r.get('dtype', 'float32')} | {r['pairs_per_s']:.3f} | {r['tokens_per_s']:.0f} | {r['step_s']:.2f} "
                          f"| {r['gflops']:.1f} | {r['mfu']:.1%} | {r['peak_train_mb']:,.0f} | {r['startup_s']:.1f} "
                          f"| {r['precompute_s']:.1f} | {r.get('last_loss', float('nan')):.4f} |")
     lines += ["", "| build_pairs runs | runs/s | peak RSS (MB) | wall (s) | pairs written |", "| --- | --- | --- | --- | --- |"]
@@ -363,13 +390,14 @@ def run_child(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
 
 
 def bench_train(cfg: BenchConfig, mode: str, seq_len: int, data: Path, work: Path, shape: dict,
-                n_lora: int, peak_flops: float) -> dict:
+                n_lora: int, peaks: dict) -> dict:
     run_dir, timing = work / f"{mode}-{seq_len}", work / f"{mode}-{seq_len}.timing.json"
     model = str(Path(cfg.model_name_or_path).resolve())
     argv = ["--data", str(data), "--model_name_or_path", model, "--output_dir", str(run_dir), "--run_name", "r",
             "--max_steps", str(cfg.step_count(seq_len)), "--max_length", str(seq_len),
             "--per_device_train_batch_size", str(cfg.batch_size), "--eval_fraction", "0", "--probes", "",
             "--save_steps", "100000", "--seed", "42"] + [a.format(model=model) for a in MODES[mode]]
+    dtype = mode_dtype(MODES[mode], peaks["auto"])
     start = time.time()
     status, wall = run_child(child_command("child_train", argv, str(timing)), work / f"{mode}-{seq_len}.log",
                              timeout=900)
@@ -384,7 +412,8 @@ def bench_train(cfg: BenchConfig, mode: str, seq_len: int, data: Path, work: Pat
     losses = [m["loss"] for m in metrics if "loss" in m]
     out |= {"wall_s": wall, "peak_train_mb": rec.get("peak_train_mb"),
             "flops_per_step": flops, "gflops": flops["total"] / out["step_s"] / 1e9,
-            "mfu": flops["total"] / out["step_s"] / peak_flops, "first_loss": losses[0] if losses else None,
+            "dtype": dtype, "mfu": flops["total"] / out["step_s"] / (peaks[dtype] * 1e9),
+            "first_loss": losses[0] if losses else None,
             "last_loss": losses[-1] if losses else None, "torch_threads": rec["torch_threads"],
             "train_runtime_s": next((m["train_runtime"] for m in metrics if "train_runtime" in m), None)}
     return out
@@ -440,7 +469,7 @@ def plot(results: dict, dest: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     width = 0.8 / max(len(lengths), 1)
     for k, (key, title) in enumerate([("pairs_per_s", "pairs/s (higher is better)"),
-                                      ("peak_train_mb", "peak RSS in training, MB"), ("mfu", "MFU (fp32 peak)")]):
+                                      ("peak_train_mb", "peak RSS in training, MB"), ("mfu", "MFU (peak in the mode's dtype)")]):
         ax = axes[k]
         for j, n in enumerate(lengths):
             vals = [results["train"][m].get(str(n), {}).get(key) or 0 for m in modes]
@@ -469,7 +498,13 @@ def main(argv=None) -> int:
                "batch_size": cfg.batch_size, "machine": machine(), "shape": shape, "lora_params": n_lora,
                "config": dataclasses.asdict(cfg), "train": {}, "build_pairs": []}
     results["matmul"] = matmul_peak(cfg.matmul_size)
-    results["matmul_bf16"] = matmul_peak(cfg.matmul_size, seconds=2.0, dtype="bfloat16")  # the kit trains in fp32
+    results["matmul_bf16"] = matmul_peak(cfg.matmul_size, seconds=2.0, dtype="bfloat16")
+    import torch
+    import train_dpo
+
+    peaks = {"float32": results["matmul"]["gflops"], "bfloat16": results["matmul_bf16"]["gflops"],
+             "auto": train_dpo.resolve_compute_dtype("auto", torch.cuda.is_available(),
+                                                     torch.cuda.is_available() and torch.cuda.is_bf16_supported())}
     print(f"[bench] matmul peak: fp32 {results['matmul']['gflops']:.1f} GFLOP/s "
           f"(bf16 {results['matmul_bf16']['gflops']:.1f})", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -482,7 +517,7 @@ def main(argv=None) -> int:
             for mode in cfg.mode_list():
                 if n == max(cfg.length_list()) and n != min(cfg.length_list()) and mode not in long_modes:
                     continue
-                r = bench_train(cfg, mode, n, data, work, shape, n_lora, results["matmul"]["gflops"] * 1e9)
+                r = bench_train(cfg, mode, n, data, work, shape, n_lora, peaks)
                 results["train"].setdefault(mode, {})[str(n)] = r
                 print(f"[bench] {mode:<15} L={n:<5} " + (r["error"] if "error" in r else
                       f"{r['pairs_per_s']:.3f} pairs/s, {r['step_s']:.2f} s/step, MFU {r['mfu']:.1%}, peak "

@@ -27,14 +27,22 @@ def test_model_shape_of_smollm2_135m():
 
 
 def test_step_flops_worked_example():
-    shape = {"n_base": 100, "layers": 2, "d_model": 4}
+    shape = {"n_base": 100, "n_head": 30, "layers": 2, "d_model": 4}
     f = bench.step_flops(shape, n_lora=10, seq_len=8, batch=1, reference=True)
-    # 16 tokens (chosen + rejected); attention 4 * 2 layers * 4 * 8 = 256 per token
-    assert f["policy_forward"] == 16 * (2 * 110 + 256) == 7616
-    assert f["policy_backward"] == 16 * (2 * 100 + 4 * 10 + 2 * 256) == 12032
-    assert f["reference_forward"] == 16 * (2 * 100 + 256) == 7296
-    assert f["total"] == 26944
-    assert bench.step_flops(shape, 10, 8, 1, reference=False)["total"] == 26944 - 7296
+    # 16 tokens (chosen + rejected); attention 4 * 2 layers * 4 * 8 = 256 per token; the head (30 of the 100)
+    # is not counted for the 2 prompt tokens of each sequence: 2 sequences * 2 tokens * 2 * 30 = 240 per pass
+    assert f["policy_forward"] == 16 * (2 * 110 + 256) - 240 == 7376
+    assert f["policy_backward"] == 16 * (2 * 100 + 4 * 10 + 2 * 256) - 240 == 11792
+    assert f["reference_forward"] == 16 * (2 * 100 + 256) - 240 == 7056
+    assert f["total"] == 26224
+    assert bench.step_flops(shape, 10, 8, 1, reference=False)["total"] == 26224 - 7056
+
+
+def test_mode_dtype_follows_the_flag_else_the_auto_choice():
+    assert bench.mode_dtype(bench.MODES["default"], auto="float32") == "float32"
+    assert bench.mode_dtype(bench.MODES["default"], auto="bfloat16") == "bfloat16"
+    assert bench.mode_dtype(bench.MODES["trl_separate_ref"], auto="bfloat16") == "float32"
+    assert bench.mode_dtype(bench.MODES["default_bf16"], auto="float32") == "bfloat16"
 
 
 def test_summarize_steps_worked_example():
@@ -53,16 +61,16 @@ def result(pairs_per_s, peak, mfu=0.1, startup=30.0):
 
 def test_ratios_and_goals():
     train = {"default": {"256": result(0.75, 3000, mfu=0.2, startup=15.0), "1024": result(0.3, 4000)},
-             "separate_ref": {"256": result(0.5, 4000), "1024": result(0.2, 8000)}}
+             "trl_separate_ref": {"256": result(0.5, 4000), "1024": result(0.2, 8000)}}
     r = bench.ratios(train, [256, 1024])
-    assert r["speed_default_vs_separate_ref_L256"] == pytest.approx(1.5)
-    assert r["speed_default_vs_separate_ref_L1024"] == pytest.approx(1.5)
-    assert r["memory_default_vs_separate_ref_L1024"] == pytest.approx(0.5)
+    assert r["speed_default_vs_trl_separate_ref_L256"] == pytest.approx(1.5)
+    assert r["speed_default_vs_trl_separate_ref_L1024"] == pytest.approx(1.5)
+    assert r["memory_default_vs_trl_separate_ref_L1024"] == pytest.approx(0.5)
     assert r["mfu_default_L256"] == 0.2 and r["startup_default_s"] == 15.0
-    assert r["speed_default_vs_bnb_kernels_L256"] is None  # not run: no ratio, no goal row
+    assert "speed_default_vs_bnb_kernels_L256" not in r  # not run: no ratio, no goal row
     rows = {g.split(" [")[-1].rstrip("]"): ok for g, _, ok in bench.goal_rows(r, [])}
-    assert rows["speed_default_vs_separate_ref_L256"] == "met"
-    assert rows["memory_default_vs_separate_ref_L1024"] == "met"
+    assert rows["speed_default_vs_trl_separate_ref_L256"] == "met"
+    assert rows["memory_default_vs_trl_separate_ref_L1024"] == "met"
     assert rows["mfu_default_L256"].startswith("missed (0.40x")
     assert rows["startup_default_s"] == "met"
     pairs = [{"runs": 10_000, "runs_per_s": 25_000.0, "peak_mb": 30.0},
@@ -80,7 +88,7 @@ def test_markdown_table():
                "build_pairs": [{"runs": 10_000, "runs_per_s": 5000.0, "peak_mb": 29.0, "wall_s": 2.0, "pairs": 13}]}
     results["ratios"] = bench.ratios(results["train"], [128])
     text = bench.markdown(results)
-    assert "| default | 128 | 0.500 |" in text and "failed: exit 1: boom" in text
+    assert "| default | 128 | float32 | 0.500 |" in text and "failed: exit 1: boom" in text
     assert "| 10,000 | 5,000 | 29 | 2.00 | 13 |" in text and "100.0 GFLOP/s" in text
 
 
@@ -88,9 +96,9 @@ def test_config_defaults_and_problems():
     quick = kit.parse_config(bench.BenchConfig, ["--quick"], "")
     assert quick.length_list() == [128, 256] and quick.run_sizes() == [10_000, 100_000]
     full = kit.parse_config(bench.BenchConfig, [], "")
-    assert quick.mode_list() == ["default", "separate_ref"] and quick.step_count(256) == 1
+    assert quick.mode_list() == ["default", "trl_separate_ref"] and quick.step_count(256) == 1
     assert full.length_list() == [256, 1024] and full.run_sizes()[-1] == 1_000_000
-    assert full.step_count(256) == 2 and full.step_count(1024) == 1 and len(full.mode_list()) == 5
+    assert full.step_count(256) == 2 and full.step_count(1024) == 1 and len(full.mode_list()) == 7
     with pytest.raises(kit.UserError, match="unknown fast"):
         kit.parse_config(bench.BenchConfig, ["--modes", "default,fast"], "")
 

@@ -110,6 +110,11 @@ def test_dpo_config_mapping_uses_trl_names_and_device():
     assert (gpu["use_cpu"], gpu["bf16"], gpu["fp16"]) == (False, True, False)
     old_gpu = train_dpo.dpo_config_kwargs(cfg, "/tmp/ck", on_gpu=True, bf16_ok=False)
     assert (old_gpu["bf16"], old_gpu["fp16"]) == (False, True)
+    asked = train_dpo.TrainConfig(data="x.jsonl", compute_dtype="bfloat16")
+    cpu_bf16 = train_dpo.dpo_config_kwargs(asked, "/tmp/ck", on_gpu=False, bf16_ok=False)
+    assert (cpu_bf16["use_cpu"], cpu_bf16["bf16"], cpu_bf16["fp16"]) == (True, True, False)  # autocast on the CPU
+    pinned = train_dpo.TrainConfig(data="x.jsonl", compute_dtype="float32")
+    assert train_dpo.dpo_config_kwargs(pinned, "/tmp/ck", on_gpu=True, bf16_ok=True)["bf16"] is False
 
 
 def test_every_dpo_config_key_exists_in_trl():
@@ -353,10 +358,42 @@ def test_conversational_run_loads_with_peft_generates_and_is_reproducible(tmp_pa
     run_b, _ = small_run(tmp_path, "trl_conversational", "b")
     assert kit.sha256_file(run_a / "adapter_model.safetensors") == kit.sha256_file(run_b / "adapter_model.safetensors")
     # The CPU shortcut (NF4 weights dequantised once) must train exactly what the 4-bit kernels train.
-    assert "NF4 layers dequantised once" in out
+    assert "NF4 layers dequantised once to float32" in out
     run_c, out_c = small_run(tmp_path, "trl_conversational", "c", "--no_dequantize_on_cpu")
     assert "dequantised once" not in out_c
     assert kit.sha256_file(run_a / "adapter_model.safetensors") == kit.sha256_file(run_c / "adapter_model.safetensors")
+
+
+@needs_model
+@pytest.mark.integration
+def test_chunked_log_probs_learn_what_the_full_logits_path_learns(tmp_path, trained):
+    """The default (completion tokens only, output head in chunks) against TRL's full-logits path:
+    the same losses and rewards at every step, to float rounding, and the same adapter update."""
+    from safetensors.torch import load_file
+
+    run_a, out = trained
+    assert "log-probs: chunked, completion tokens only" in out
+    run_f, out_f = small_run(tmp_path, "trl_conversational", "full", "--no_chunked_logps")
+    assert "log-probs: full logits" in out_f
+
+    def rows(run):
+        return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+    a, f = rows(run_a), rows(run_f)
+    assert len(a) == len(f) == 2
+    for ra, rf in zip(a, f):
+        for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins"):
+            assert ra[key] == pytest.approx(rf[key], rel=1e-4, abs=1e-5), key
+    assert a[1]["loss"] != a[0]["loss"]  # the second step saw a moved adapter: the comparison is not vacuous
+    # lora_B starts at zero, so it is all learned: the two updates agree to well under 1% (Adam divides by
+    # the gradient's size, so near-zero gradients amplify rounding: an element-wise bound would be noise)
+    import torch
+
+    wa, wf = load_file(run_a / "adapter_model.safetensors"), load_file(run_f / "adapter_model.safetensors")
+    b = [k for k in wa if "lora_B" in k]
+    learned = torch.cat([wa[k].flatten() for k in b])
+    assert learned.norm() > 0
+    assert (learned - torch.cat([wf[k].flatten() for k in b])).norm() / learned.norm() < 1e-2
 
 
 @needs_model
