@@ -392,9 +392,12 @@ def enable_chunked_logps(trainer, targets: list[str]) -> str:
     package although the path is plain PyTorch (trl/trainer/utils.py, _ChunkedLogProbFunction); the same
     losses to float rounding (tests/test_train_dpo.py checks it). Not with LoRA on the head: TRL reads the
     head's weight directly."""
+    from trl.models.utils import _ForwardRedirection
+
     if any(t in ("lm_head", "embed_out", "output") for t in targets):
         return "full logits (LoRA on the output head)"
     trainer.use_liger_kernel = True
+    trainer._forward_redirection = _ForwardRedirection()  # runs the loss inside DDP's / ZeRO's forward: syncs grads
     return "chunked, completion tokens only"
 
 
