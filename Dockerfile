@@ -72,10 +72,12 @@ RUN useradd --uid ${KIT_UID} --create-home --home-dir /home/kit --shell /bin/bas
 WORKDIR /opt/kit
 # The bundled default model, converted at build time (no hub download at run time): only the scripts the
 # conversion needs, so editing build_pairs.py does not redo it.
-COPY kit.py formats.py train_dpo.py entrypoint.py ./
+COPY kit.py formats.py scaleout.py train_dpo.py entrypoint.py ./
 RUN python entrypoint.py model models/SmolLM2-135M-Instruct && chmod -R a+rX models
 
 COPY . .
+# Tokenised pairs kept between runs, beside the HF cache the launcher mounts from the host
+ENV DPO_KIT_CACHE=/cache/huggingface/dpo-kit
 USER kit
 ENTRYPOINT ["python", "/opt/kit/entrypoint.py"]
 CMD ["check"]

@@ -90,6 +90,8 @@ class TrainConfig:
     early_stopping_patience: int = field(0, "stop after N evaluations without a lower held-out loss and keep "
                                          "the best checkpoint; 0 = off")
     probes: str = field("data/probes.jsonl", "retention probes: general prompts answered by base and tuned; '' = none")
+    tokenized_cache: str = field("", "where tokenised pairs are kept between runs of the same data, tokenizer and "
+                                 "max_length ('' = $DPO_KIT_CACHE or ~/.cache/dpo-kit; 'none' = off)")
     mix: str = field("", "more pair files mixed into training, as shares of the mixture: 'a.jsonl:0.2,b.jsonl:0.1'; "
                      f"a bare share ('0.2') uses the bundled {GENERAL_MIX}")
     sft_weight: float = field(0.0, "weight of an SFT loss on the chosen responses, added to the DPO loss; 0 = off")
@@ -279,6 +281,70 @@ def resolve_compute_dtype(name: str, on_gpu: bool, bf16_ok: bool) -> str:
 def config_conflicts(old: dict, new: dict) -> list[str]:
     """Options that differ between a stored run and this invocation and make a resume unsafe."""
     return sorted(k for k in set(old) | set(new) if k not in RESUMABLE_CHANGES and old.get(k) != new.get(k))
+
+
+def tokenized_cache_key(rows: list[dict], tokenizer_digest: str, settings: dict) -> str:
+    """What TRL's tokenisation of one split depends on: the rows (content and order), the tokenizer
+    (vocabulary, special tokens, chat template) and the settings (max_length, truncation, versions)."""
+    h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode() + b"\0" + tokenizer_digest.encode() + b"\0")
+    for row in rows:
+        h.update(json.dumps(row, sort_keys=True, ensure_ascii=False).encode("utf-8", "surrogatepass") + b"\n")
+    return h.hexdigest()[:32]
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """sha256 of everything in a tokenizer that changes token ids: its full serialisation (fast
+    tokenizers), else its vocabulary, plus the chat template and special tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    extra = json.dumps({"class": type(tokenizer).__name__, "chat_template": getattr(tokenizer, "chat_template", None),
+                        "special": getattr(tokenizer, "special_tokens_map", {})}, sort_keys=True, default=str)
+    return hashlib.sha256((body + "\0" + extra).encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def tokenized_cache_dir(setting: str) -> Path | None:
+    if setting.lower() == "none":
+        return None
+    return Path(setting or os.environ.get("DPO_KIT_CACHE") or Path.home() / ".cache" / "dpo-kit") / "tokenized"
+
+
+def with_tokenized_cache(trainer_cls, cache_dir: Path | None, keys: dict, record: dict):
+    """trainer_cls whose dataset preparation (TRL: prompt extraction, chat template, tokenisation,
+    dropping prompts that fill max_length) is read from cache_dir/<key> when an earlier run of the
+    same split, tokenizer and settings left it there; else done and saved (rank 0, renamed into place)."""
+    from datasets import Dataset
+
+    class Cached(trainer_cls):
+        def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+            key = keys.get(dataset_name)
+            if cache_dir is None or key is None:
+                return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+            path = cache_dir / key
+            if (path / "state.json").exists():
+                try:
+                    out = Dataset.load_from_disk(str(path))
+                    record[dataset_name] = f"from cache ({len(out)} pairs)"
+                    return out
+                except Exception as e:  # a damaged entry: tokenise again and replace it
+                    print(f"[data] ignoring damaged cache entry {path}: {e}")
+            t0 = time.time()
+            out = super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+            record[dataset_name] = f"tokenised in {time.time() - t0:.1f}s"
+            if scaleout.is_main_process():
+                tmp = cache_dir / f".{key}.{os.getpid()}.tmp"
+                try:
+                    cache_dir.mkdir(parents=True, exist_ok=True)
+                    out.save_to_disk(str(tmp))
+                    shutil.rmtree(path, ignore_errors=True)
+                    os.replace(tmp, path)
+                    record[dataset_name] += ", cached"
+                except OSError as e:  # a read-only or full disk costs the next run time, not this one
+                    print(f"[data] tokenised data not cached ({e})")
+                    shutil.rmtree(tmp, ignore_errors=True)
+            return out
+
+    Cached.__name__ = Cached.__qualname__ = trainer_cls.__name__
+    return Cached
 
 
 def truncation_stats(prompt_lens, chosen_lens, rejected_lens, max_length: int) -> int:
@@ -981,7 +1047,18 @@ def train(cfg, run, model_path, ref_path, pairs, held, probes, data, resume_from
 
         callbacks.append(EarlyStoppingCallback(early_stopping_patience=cfg.early_stopping_patience))
     model, peft_config, targets, init = start_from(model, peft_config, targets, cfg, run)
-    trainer = DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=Dataset.from_list(pairs),
+    import trl
+
+    cache_dir = tokenized_cache_dir(cfg.tokenized_cache)
+    settings = {"max_length": cfg.max_length, "truncation_mode": args.truncation_mode, "trl": trl.__version__,
+                "kit_cache": 1}
+    digest = tokenizer_digest(tokenizer) if cache_dir is not None else ""
+    keys = {"train": tokenized_cache_key(pairs, digest, settings | {"split": "train"})} if cache_dir else {}
+    if cache_dir is not None and held:
+        keys["eval"] = tokenized_cache_key(held, digest, settings | {"split": "eval"})
+    data["tokenized"] = {}
+    trainer_cls = with_tokenized_cache(DPOTrainer, cache_dir, keys, data["tokenized"])
+    trainer = trainer_cls(model=model, ref_model=ref_model, args=args, train_dataset=Dataset.from_list(pairs),
                          eval_dataset=Dataset.from_list(held) if held else None,
                          processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
     if cfg.chunked_logps:
@@ -998,6 +1075,8 @@ def train(cfg, run, model_path, ref_path, pairs, held, probes, data, resume_from
     data["truncated"] = truncation_stats(map(len, ds["prompt_ids"]), map(len, ds["chosen_ids"]),
                                          map(len, ds["rejected_ids"]), cfg.max_length)
     print(f"[model] log-probs: {data.get('logps', 'full logits (--no_chunked_logps)')}")
+    if data["tokenized"]:
+        print(f"[data] {'; '.join(f'{k}: {v}' for k, v in data['tokenized'].items())} ({cache_dir})")
     print(f"[data] {data['truncated']} pairs truncated to max_length={cfg.max_length} tokens; "
           f"{data['dropped_too_long']} dropped (prompt alone fills max_length)")
     params = count_parameters(trainer.model.named_parameters()) | {"quantized_4bit": quantized}

@@ -1,5 +1,15 @@
-"""Test set-up: the scripts live at the repository root, so put it on sys.path."""
+"""Test set-up: the scripts live at the repository root, so put it on sys.path; the kit's
+tokenised-data cache goes to a directory of this test session, not the user's ~/.cache."""
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("DPO_KIT_CACHE", tempfile.mkdtemp(prefix="dpo-kit-test-cache-"))
+
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+
+atexit.register(shutil.rmtree, os.environ["DPO_KIT_CACHE"], True) if "dpo-kit-test-cache-" in os.environ[
+    "DPO_KIT_CACHE"] else None

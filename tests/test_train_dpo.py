@@ -117,6 +117,19 @@ def test_dpo_config_mapping_uses_trl_names_and_device():
     assert train_dpo.dpo_config_kwargs(pinned, "/tmp/ck", on_gpu=True, bf16_ok=True)["bf16"] is False
 
 
+def test_tokenized_cache_key_changes_with_what_tokenisation_depends_on():
+    rows = [{"prompt": "p1", "chosen": "a", "rejected": "b"}, {"prompt": "p2", "chosen": "c", "rejected": "d"}]
+    key = train_dpo.tokenized_cache_key(rows, "tok", {"max_length": 512})
+    assert key == train_dpo.tokenized_cache_key([dict(r) for r in rows], "tok", {"max_length": 512})
+    assert key != train_dpo.tokenized_cache_key(rows[::-1], "tok", {"max_length": 512})  # order is data order
+    assert key != train_dpo.tokenized_cache_key(rows[:1], "tok", {"max_length": 512})
+    assert key != train_dpo.tokenized_cache_key([rows[0], rows[1] | {"rejected": "e"}], "tok", {"max_length": 512})
+    assert key != train_dpo.tokenized_cache_key(rows, "other tokenizer", {"max_length": 512})
+    assert key != train_dpo.tokenized_cache_key(rows, "tok", {"max_length": 256})
+    assert train_dpo.tokenized_cache_dir("none") is None
+    assert train_dpo.tokenized_cache_dir("/x") == Path("/x/tokenized")
+
+
 def test_every_dpo_config_key_exists_in_trl():
     from trl import DPOConfig
 
@@ -355,12 +368,14 @@ def test_conversational_run_loads_with_peft_generates_and_is_reproducible(tmp_pa
     assert any("lora_B" in k and v.abs().sum() > 0 for k, v in weights.items())  # training moved B off zero
     assert generate(run_a, PAIRS[0][0])
 
-    run_b, _ = small_run(tmp_path, "trl_conversational", "b")
+    run_b, out_b = small_run(tmp_path, "trl_conversational", "b")
+    assert "[data] train: from cache (4 pairs)" in out_b  # the same data and tokenizer: tokenised once
     assert kit.sha256_file(run_a / "adapter_model.safetensors") == kit.sha256_file(run_b / "adapter_model.safetensors")
-    # The CPU shortcut (NF4 weights dequantised once) must train exactly what the 4-bit kernels train.
+    # The CPU shortcut (NF4 weights dequantised once) must train exactly what the 4-bit kernels train,
+    # and tokenising afresh (no cache) exactly what the cached tokens train.
     assert "NF4 layers dequantised once to float32" in out
-    run_c, out_c = small_run(tmp_path, "trl_conversational", "c", "--no_dequantize_on_cpu")
-    assert "dequantised once" not in out_c
+    run_c, out_c = small_run(tmp_path, "trl_conversational", "c", "--no_dequantize_on_cpu", "--tokenized_cache", "none")
+    assert "dequantised once" not in out_c and "from cache" not in out_c
     assert kit.sha256_file(run_a / "adapter_model.safetensors") == kit.sha256_file(run_c / "adapter_model.safetensors")
 
 
@@ -537,3 +552,14 @@ def test_unknown_lora_target_is_a_user_error_with_the_choices(tmp_path, capsys):
     assert status == 2 and "no module named nope_proj" in err and "q_proj, up_proj, v_proj" in err
     status_json = json.loads((tmp_path / "art" / "bad.partial" / "status.json").read_text())
     assert status_json["state"] == "failed" and "nope_proj" in status_json["error"]
+
+
+@needs_model
+def test_tokenizer_digest_sees_the_chat_template():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    digest = train_dpo.tokenizer_digest(tok)
+    assert digest == train_dpo.tokenizer_digest(AutoTokenizer.from_pretrained(MODEL))
+    tok.chat_template = tok.chat_template.replace("<|im_start|>", "<|im_start|> ")
+    assert train_dpo.tokenizer_digest(tok) != digest
