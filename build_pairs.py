@@ -35,6 +35,7 @@ import shutil
 import sys
 import tempfile
 import warnings
+from array import array
 from collections import Counter
 from dataclasses import dataclass
 
@@ -499,10 +500,43 @@ class ModelGarbler:
 # Output: canonical lines, duplicates dropped, streamed to a file renamed into place at the end.
 # ---------------------------------------------------------------------------------------------
 
-def pair_digest(pair: Pair) -> bytes:
-    """sha256 of the canonical (prompt, chosen, rejected): what makes two pairs the same pair."""
+def pair_digest(pair: Pair) -> int:
+    """64 bits of the sha256 of the canonical (prompt, chosen, rejected): what makes two pairs the same
+    pair. Two different pairs among n collide with odds of about n^2 / 2^65 (1e-8 for a million)."""
     canon = f"[{_canon_prompt(pair.prompt)},{_quote(pair.chosen)},{_quote(pair.rejected)}]"  # = _canon([...])
-    return hashlib.sha256(canon.encode("utf-8")).digest()[:16]  # 128 bits: no collision in practice, half the memory
+    return int.from_bytes(hashlib.sha256(canon.encode("utf-8")).digest()[:8], "big")
+
+
+class DigestSet:
+    """The digests of the pairs written so far, in flat arrays: about 10 bytes a pair, where a Python
+    set of digest objects takes about 90 (a million pairs: ~10 MB instead of ~100). Buckets by the top
+    bits, each an array('Q') scanned in C; four times as many buckets whenever they average 16 entries."""
+
+    def __init__(self, bits: int = 8):
+        self.bits, self.size = bits, 0
+        self.buckets = [array("Q") for _ in range(1 << bits)]
+
+    def add(self, digest: int) -> bool:
+        """Add digest; False when it was already there."""
+        bucket = self.buckets[digest >> (64 - self.bits)]
+        if digest in bucket:
+            return False
+        bucket.append(digest)
+        self.size += 1
+        if self.size > 16 << self.bits:
+            self._grow()
+        return True
+
+    def __len__(self) -> int:
+        return self.size
+
+    def _grow(self) -> None:
+        old, self.bits = self.buckets, self.bits + 2
+        self.buckets = [array("Q") for _ in range(1 << self.bits)]
+        shift = 64 - self.bits
+        for bucket in old:
+            for digest in bucket:
+                self.buckets[digest >> shift].append(digest)
 
 
 def to_record(pair: Pair, fmt: str = "trl") -> dict:
@@ -527,7 +561,7 @@ class PairWriter:
 
     def __init__(self, dest: str, fmt: str):
         self.dest, self.fmt = dest, fmt
-        self.seen, self.by_rule, self.duplicates = set(), Counter(), 0
+        self.seen, self.by_rule, self.duplicates = DigestSet(), Counter(), 0
         folder = tempfile.gettempdir() if dest == "-" else os.path.dirname(os.path.abspath(dest))
         os.makedirs(folder, exist_ok=True)
         fd, self.tmp = tempfile.mkstemp(prefix=f".{os.path.basename(dest)}.", suffix=".tmp", dir=folder)
@@ -535,11 +569,9 @@ class PairWriter:
 
     def write(self, pairs) -> None:
         for pair in pairs:
-            digest = pair_digest(pair)
-            if digest in self.seen:
+            if not self.seen.add(pair_digest(pair)):
                 self.duplicates += 1
                 continue
-            self.seen.add(digest)
             self.file.write(to_line(to_record(pair, self.fmt)))
             self.by_rule[pair.meta["rule"]] += 1
 
