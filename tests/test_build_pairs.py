@@ -439,9 +439,9 @@ def test_digest_set_finds_every_duplicate_across_growth():
 
     rng = random.Random(7)
     values = [rng.getrandbits(64) for _ in range(5000)]
-    s = bp.DigestSet(bits=2)  # grows at 64 entries, then 256, 1024, ...: rehashing is exercised
+    s = bp.DigestSet(bits=0)  # grows at 128 entries, then 512, 2048: rehashing is exercised
     assert all(s.add(v) for v in values)
-    assert s.bits > 8 and len(s) == 5000
+    assert s.bits == 6 and len(s) == 5000
     assert not any(s.add(v) for v in values[::7])  # every one of them is still found after the rehashes
     assert s.add(values[0] ^ 1) and len(s) == 5001  # a neighbour is a different digest
     assert sorted(v for b in s.buckets for v in b) == sorted(values + [values[0] ^ 1])
