@@ -50,10 +50,12 @@ class TrainConfig:
     bnb_4bit_quant_type: str = field("nf4", "4-bit data type", choices=("nf4", "fp4"))
     bnb_4bit_use_double_quant: bool = field(True, "quantise the quantisation constants too (~0.4 bit/param saved)")
     compute_dtype: str = field("auto", "matmul dtype: auto = bfloat16 on a GPU that has it (float16 on older "
-                               "GPUs), float32 on a CPU; bfloat16 on a CPU is autocast (about 1.1x faster steps "
-                               "with AMX, and it learns measurably differently: bench/); LoRA weights and "
-                               "optimizer state stay float32",
+                               "GPUs), float32 on a CPU; bfloat16 on a CPU is autocast (faster with AMX, and it "
+                               "learns measurably differently: README); LoRA weights and optimizer state stay float32",
                                choices=("auto", "float32", "bfloat16", "float16"))
+    cpu_matmul_precision: str = field("float32", "CPU float32 matmuls: float32 = exact; bf16 = oneDNN rounds their "
+                                      "inputs to bfloat16 and accumulates in float32, everything else stays "
+                                      "float32 (AMX CPUs: ~1.4x faster steps; a CPU's TF32)", choices=("float32", "bf16"))
     # LoRA (peft)
     lora_r: int = field(16, "LoRA rank")
     lora_alpha: int = field(32, "LoRA scale numerator (scale = lora_alpha / lora_r)")
@@ -918,8 +920,9 @@ def main(argv=None) -> int:
     interrupt = Interrupt()
     old_handlers = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        metrics = train(cfg, run, model_path, ref_path, train_pairs, held, probes, data, resume_from,
-                        interrupt, started)
+        with cpu_matmul_precision(cfg.cpu_matmul_precision):
+            metrics = train(cfg, run, model_path, ref_path, train_pairs, held, probes, data, resume_from,
+                            interrupt, started)
     except KeyboardInterrupt:
         run.set_status("cancelled", error="interrupted outside the training loop; resumes from the last checkpoint")
         print(f"[run] cancelled; resume with --run_name {run.name}", file=sys.stderr)
@@ -997,6 +1000,25 @@ def prepare_run_dir(run: Run, resolved: dict, data_sha: str):
     return last or ""
 
 
+@contextlib.contextmanager
+def cpu_matmul_precision(name: str):
+    """--cpu_matmul_precision bf16 on a CPU: torch's global oneDNN setting for float32 matmuls, restored
+    on the way out (in-process callers, tests among them, keep exact float32 afterwards)."""
+    import torch
+
+    if name == "float32" or torch.cuda.is_available():
+        yield
+        return
+    matmul = torch.backends.mkldnn.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        raise UserError(f"--cpu_matmul_precision {name} needs torch 2.9 or later (this is {torch.__version__})")
+    old, matmul.fp32_precision = matmul.fp32_precision, name
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = old
+
+
 def train(cfg, run, model_path, ref_path, pairs, held, probes, data, resume_from, interrupt, started):
     import torch
     from datasets import Dataset
@@ -1037,6 +1059,10 @@ def train(cfg, run, model_path, ref_path, pairs, held, probes, data, resume_from
         else:
             print(f"[model] cpu: keeping 4-bit kernels (a {compute} copy would take {dense_mb:,.0f} MB)")
 
+    if not on_gpu and cfg.cpu_matmul_precision == "bf16":
+        data["compute"] += ", bfloat16 inputs accumulated in float32 (--cpu_matmul_precision bf16)"
+        print("[model] cpu: float32 matmuls round their inputs to bfloat16 and accumulate in float32 "
+              "(--cpu_matmul_precision bf16)")
     set_seed(cfg.seed)  # LoRA init and data order depend on it
     peft_config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                              target_modules=targets, task_type="CAUSAL_LM", bias="none")

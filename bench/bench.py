@@ -26,6 +26,8 @@ Modes (issue 7's (a)-(d), plus what each of the kit's choices buys on its own):
   default_bf16      (a) with bfloat16 autocast on the CPU: what it would buy (not the default: see README)
   full_logits       (a) with TRL's full-logits log-probs: what the chunked head buys (not run by default)
   bnb_kernels       (a) with bitsandbytes' 4-bit kernels instead of the dequantised copy (not run by default)
+  cpu_matmul_bf16   (a) with --cpu_matmul_precision bf16: float32 everywhere but the matmuls' inputs (not run
+                    by default yet)
 
 FLOP count (model FLOPs per optimizer step; matmuls only, multiply-add = 2 FLOPs; no padding: every
 sequence is exactly T tokens). With N_base = the parameters of every linear layer in the blocks plus
@@ -75,8 +77,9 @@ MODES = {  # mode -> extra train_dpo flags (see the docstring)
     "default_bf16": ["--compute_dtype", "bfloat16"],
     "full_logits": ["--no_chunked_logps"],
     "bnb_kernels": ["--no_dequantize_on_cpu"],
+    "cpu_matmul_bf16": ["--cpu_matmul_precision", "bf16"],
 }
-OPTIONAL_MODES = ("separate_ref", "full_logits", "bnb_kernels")  # --modes: each a minute more (15-minute budget)
+OPTIONAL_MODES = ("separate_ref", "full_logits", "bnb_kernels", "cpu_matmul_bf16")  # --modes: each a minute more (15-minute budget)
 DEFAULT_MODES = [m for m in MODES if m not in OPTIONAL_MODES]
 BASELINE = "trl_separate_ref"  # issue 7's (b): the ratios are against it
 
@@ -162,6 +165,8 @@ def mode_dtype(flags: list[str], auto: str) -> str:
     """The dtype a mode's matmuls run in: the one --compute_dtype names, else train_dpo's auto choice."""
     if "--compute_dtype" in flags:
         return flags[flags.index("--compute_dtype") + 1]
+    if "--cpu_matmul_precision" in flags and flags[flags.index("--cpu_matmul_precision") + 1] == "bf16":
+        return "bfloat16"  # the matmuls run at the bfloat16 rate: that is the peak to compare with
     return auto
 
 
@@ -195,7 +200,7 @@ def ratios(train: dict, lengths: list[int]) -> dict:
                                                      get(BASELINE, n, "pairs_per_s")) for n in lengths}
     out[f"memory_default_vs_{BASELINE}_L{long}"] = div(get("default", long, "peak_train_mb"),
                                                          get(BASELINE, long, "peak_train_mb"))
-    for other in ("separate_ref", "default_bf16", "full_logits", "bnb_kernels", "precompute_ref"):
+    for other in ("separate_ref", "default_bf16", "cpu_matmul_bf16", "full_logits", "bnb_kernels", "precompute_ref"):
         out |= {f"speed_default_vs_{other}_L{n}": div(get("default", n, "pairs_per_s"), get(other, n, "pairs_per_s"))
                 for n in lengths if get(other, n, "pairs_per_s")}
     if get("full_logits", long, "peak_train_mb"):

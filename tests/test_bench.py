@@ -43,6 +43,7 @@ def test_mode_dtype_follows_the_flag_else_the_auto_choice():
     assert bench.mode_dtype(bench.MODES["default"], auto="bfloat16") == "bfloat16"
     assert bench.mode_dtype(bench.MODES["trl_separate_ref"], auto="bfloat16") == "float32"
     assert bench.mode_dtype(bench.MODES["default_bf16"], auto="float32") == "bfloat16"
+    assert bench.mode_dtype(bench.MODES["cpu_matmul_bf16"], auto="float32") == "bfloat16"
 
 
 def test_summarize_steps_worked_example():

@@ -563,3 +563,23 @@ def test_tokenizer_digest_sees_the_chat_template():
     assert digest == train_dpo.tokenizer_digest(AutoTokenizer.from_pretrained(MODEL))
     tok.chat_template = tok.chat_template.replace("<|im_start|>", "<|im_start|> ")
     assert train_dpo.tokenizer_digest(tok) != digest
+
+
+@needs_model
+@pytest.mark.integration
+def test_cpu_matmul_precision_bf16_is_recorded_close_to_float32_and_undone(tmp_path, trained):
+    """The opt-in CPU 'TF32': the same training to bfloat16 rounding, recorded, and torch's global
+    setting put back afterwards (the other in-process tests stay exact float32)."""
+    import torch
+
+    run_a, _ = trained
+    run_m, out = small_run(tmp_path, "trl_conversational", "fpmath", "--cpu_matmul_precision", "bf16")
+    assert "round their inputs to bfloat16" in out
+    assert "--cpu_matmul_precision bf16" in json.loads((run_m / "data.json").read_text())["compute"]
+    assert torch.backends.mkldnn.matmul.fp32_precision == "none"
+
+    def losses(run):
+        return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+    assert losses(run_m) == pytest.approx(losses(run_a), abs=0.02)
+
