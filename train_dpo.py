@@ -23,8 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-import scaleout
+import fastpath
 import kit
+import scaleout
 from kit import UserError, field
 
 KIT_NAME = "dpo-kit"
@@ -68,6 +69,9 @@ class TrainConfig:
     precompute_ref_log_probs: bool = field(False, "compute reference log-probs once before training")
     chunked_logps: bool = field(True, "log-probs of the completion tokens only, through the output head in chunks: "
                                 "never the [tokens x vocabulary] logits (false = TRL's full-logits path)")
+    fused_ops: bool = field(True, "float32 training (the CPU default): LoRA layers, RMSNorm and the chunked head "
+                            "through fastpath.py's fused kernels (the same values to float rounding, fewer "
+                            "memory passes and saved tensors); false = the libraries' own modules")
     # DPO and optimisation (TRL / transformers names)
     beta: float = field(0.1, "DPO temperature: higher keeps the policy closer to the reference")
     loss_type: str = field("sigmoid", "TRL DPO loss (sft: only the chosen side's NLL, the rounds' SFT stage)",
@@ -347,6 +351,23 @@ def with_tokenized_cache(trainer_cls, cache_dir: Path | None, keys: dict, record
 
     Cached.__name__ = Cached.__qualname__ = trainer_cls.__name__
     return Cached
+
+
+def with_fast_logps(trainer_cls):
+    """trainer_cls whose per-token log-probs go through fastpath.dpo_logps once train() sets
+    kit_fused_logps (falling back to TRL's chunked path wherever that one does not apply)."""
+
+    class Fast(trainer_cls):
+        kit_fused_logps = False
+
+        def _get_per_token_logps_and_entropies(self, model, model_kwargs, input_ids, completion_mask):
+            out = fastpath.dpo_logps(self, model, model_kwargs, input_ids, completion_mask) \
+                if self.kit_fused_logps else None
+            return out if out is not None else super()._get_per_token_logps_and_entropies(
+                model, model_kwargs, input_ids, completion_mask)
+
+    Fast.__name__ = Fast.__qualname__ = trainer_cls.__name__
+    return Fast
 
 
 def truncation_stats(prompt_lens, chosen_lens, rejected_lens, max_length: int) -> int:
@@ -1083,12 +1104,18 @@ def train(cfg, run, model_path, ref_path, pairs, held, probes, data, resume_from
     if cache_dir is not None and held:
         keys["eval"] = tokenized_cache_key(held, digest, settings | {"split": "eval"})
     data["tokenized"] = {}
-    trainer_cls = with_tokenized_cache(DPOTrainer, cache_dir, keys, data["tokenized"])
+    trainer_cls = with_fast_logps(with_tokenized_cache(DPOTrainer, cache_dir, keys, data["tokenized"]))
     trainer = trainer_cls(model=model, ref_model=ref_model, args=args, train_dataset=Dataset.from_list(pairs),
                          eval_dataset=Dataset.from_list(held) if held else None,
                          processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
     if cfg.chunked_logps:
         data["logps"] = enable_chunked_logps(trainer, targets)
+    if cfg.fused_ops:
+        fused = fastpath.enable(trainer.model)
+        trainer.kit_fused_logps = data.get("logps", "").startswith("chunked")
+        data["fused_ops"] = fused | {"chunked_head": trainer.kit_fused_logps}
+        print(f"[model] fused ops (fastpath.py): {fused['lora_linear']} LoRA layers, {fused['rms_norm']} RMSNorms"
+              f"{', the chunked head' if trainer.kit_fused_logps else ''} (float32, no autocast; --no_fused_ops: off)")
     if not on_gpu:  # TRL casts LoRA weights to bf16 for 4-bit bases; on a CPU that is slow and rounds updates away
         for p in trainer.model.parameters():
             if p.requires_grad:

@@ -372,11 +372,17 @@ def test_conversational_run_loads_with_peft_generates_and_is_reproducible(tmp_pa
     assert "[data] train: from cache (4 pairs)" in out_b  # the same data and tokenizer: tokenised once
     assert kit.sha256_file(run_a / "adapter_model.safetensors") == kit.sha256_file(run_b / "adapter_model.safetensors")
     # The CPU shortcut (NF4 weights dequantised once) must train exactly what the 4-bit kernels train,
-    # and tokenising afresh (no cache) exactly what the cached tokens train.
+    # and tokenising afresh (no cache) exactly what the cached tokens train. (Compared with the libraries'
+    # own LoRA modules on both sides: the fused ones sum the same gradients in another order, see below.)
     assert "NF4 layers dequantised once to float32" in out
-    run_c, out_c = small_run(tmp_path, "trl_conversational", "c", "--no_dequantize_on_cpu", "--tokenized_cache", "none")
-    assert "dequantised once" not in out_c and "from cache" not in out_c
-    assert kit.sha256_file(run_a / "adapter_model.safetensors") == kit.sha256_file(run_c / "adapter_model.safetensors")
+    run_c, out_c = small_run(tmp_path, "trl_conversational", "c", "--no_dequantize_on_cpu", "--tokenized_cache", "none",
+                             "--no_fused_ops")
+    assert "dequantised once" not in out_c and "from cache" not in out_c and "fused ops" not in out_c
+    run_d, out_d = small_run(tmp_path, "trl_conversational", "d", "--no_fused_ops")
+    assert kit.sha256_file(run_d / "adapter_model.safetensors") == kit.sha256_file(run_c / "adapter_model.safetensors")
+    # The fused kernels (the default) against the libraries' modules: the same training to float rounding.
+    assert "fused ops (fastpath.py): 210 LoRA layers, 61 RMSNorms, the chunked head" in out
+    assert_same_training(run_a, run_d)
 
 
 @needs_model
@@ -384,12 +390,18 @@ def test_conversational_run_loads_with_peft_generates_and_is_reproducible(tmp_pa
 def test_chunked_log_probs_learn_what_the_full_logits_path_learns(tmp_path, trained):
     """The default (completion tokens only, output head in chunks) against TRL's full-logits path:
     the same losses and rewards at every step, to float rounding, and the same adapter update."""
-    from safetensors.torch import load_file
-
     run_a, out = trained
     assert "log-probs: chunked, completion tokens only" in out
     run_f, out_f = small_run(tmp_path, "trl_conversational", "full", "--no_chunked_logps")
-    assert "log-probs: full logits" in out_f
+    assert "log-probs: full logits" in out_f and "the chunked head" not in out_f
+    assert_same_training(run_a, run_f)
+
+
+def assert_same_training(run_a: Path, run_f: Path):
+    """Two runs of the same steps on the same data learned the same: losses and rewards at every step to
+    float rounding, and the same adapter update."""
+    import torch
+    from safetensors.torch import load_file
 
     def rows(run):
         return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
@@ -397,13 +409,11 @@ def test_chunked_log_probs_learn_what_the_full_logits_path_learns(tmp_path, trai
     a, f = rows(run_a), rows(run_f)
     assert len(a) == len(f) == 2
     for ra, rf in zip(a, f):
-        for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins"):
+        for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "entropy"):
             assert ra[key] == pytest.approx(rf[key], rel=1e-4, abs=1e-5), key
     assert a[1]["loss"] != a[0]["loss"]  # the second step saw a moved adapter: the comparison is not vacuous
     # lora_B starts at zero, so it is all learned: the two updates agree to well under 1% (Adam divides by
     # the gradient's size, so near-zero gradients amplify rounding: an element-wise bound would be noise)
-    import torch
-
     wa, wf = load_file(run_a / "adapter_model.safetensors"), load_file(run_f / "adapter_model.safetensors")
     b = [k for k in wa if "lora_B" in k]
     learned = torch.cat([wa[k].flatten() for k in b])

@@ -1,0 +1,118 @@
+"""fastpath.py: each fused kernel against the eager computation it replaces (values and gradients, in
+float64 where gradcheck needs it), the recognisers on real modules, and a tiny real Llama with LoRA
+giving the same outputs and gradients with the fused forwards swapped on as without."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import fastpath  # noqa: E402
+
+
+def test_lora_delta_matches_base_plus_scaled_low_rank_product_and_its_gradients():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    w, b = torch.randn(7, 5, dtype=torch.float64, generator=g), torch.randn(7, dtype=torch.float64, generator=g)
+    a = torch.randn(3, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    lb = torch.randn(7, 3, dtype=torch.float64, generator=g, requires_grad=True)
+
+    def fused(x, a, lb):
+        return fastpath.fn().LoraDelta.apply(torch.nn.functional.linear(x, w, b), x, a, lb, 2.5)
+
+    expected = x @ w.t() + b + 2.5 * (x @ a.t()) @ lb.t()
+    assert torch.allclose(fused(x, a, lb), expected, rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(fused, (x, a, lb))
+
+
+def test_rms_norm_matches_the_llama_module_and_its_gradients():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(1)
+    norm = LlamaRMSNorm(8, eps=1e-5)
+    norm.weight.data = torch.randn(8, generator=g)
+    x = torch.randn(3, 4, 8, generator=g)
+    assert torch.allclose(fastpath.fn().RMSNorm.apply(x, norm.weight, 1e-5), norm(x), rtol=1e-6, atol=1e-6)
+    x64 = x.double().requires_grad_()
+    w64 = norm.weight.detach().double().requires_grad_()
+    assert torch.autograd.gradcheck(lambda x, w: fastpath.fn().RMSNorm.apply(x, w, 1e-5), (x64, w64))
+
+
+@pytest.mark.parametrize("vocab_chunk", [7, 8192])  # several tiles with a ragged last one, and a single tile
+def test_chunked_logps_and_entropy_match_log_softmax(monkeypatch, vocab_chunk):
+    monkeypatch.setattr(fastpath, "LOGP_VOCAB_CHUNK", vocab_chunk)
+    monkeypatch.setattr(fastpath, "LOGP_TOKEN_CHUNK", 4)  # and several token tiles
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(10, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = 3 * torch.randn(30, 6, dtype=torch.float64, generator=g)
+    targets = torch.randint(0, 30, (10,), generator=g)
+    logps, entropy = fastpath.chunked_logps(hidden, weight, targets, with_entropy=True)
+    full = torch.log_softmax(hidden @ weight.t(), -1)
+    assert torch.allclose(logps, full.gather(1, targets[:, None])[:, 0], atol=1e-12)
+    assert torch.allclose(entropy, -(full.exp() * full).sum(-1), atol=1e-12)
+    assert not entropy.requires_grad
+    assert fastpath.chunked_logps(hidden, weight, targets)[1].numel() == 0  # not asked: not computed
+    assert torch.autograd.gradcheck(lambda h: fastpath.chunked_logps(h, weight, targets)[0], (hidden,))
+
+
+def test_recognisers_on_real_modules():
+    from peft import LoraConfig, get_peft_model
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    assert fastpath.is_rms_norm(LlamaRMSNorm(8))
+    assert not fastpath.is_rms_norm(torch.nn.LayerNorm(8))
+
+    class GemmaRMSNorm(LlamaRMSNorm):  # Gemma scales by (1 + weight): not the same function
+        pass
+
+    assert not fastpath.is_rms_norm(GemmaRMSNorm(8))
+
+    def lora_layer(**kw):
+        net = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        return get_peft_model(net, LoraConfig(r=2, target_modules=["0"], **kw)).base_model.model[0]
+
+    assert fastpath.lora_fusable(lora_layer()) == "default"
+    assert fastpath.lora_fusable(lora_layer(lora_dropout=0.1)) is None  # dropout: peft's own forward
+    assert fastpath.lora_fusable(lora_layer(use_dora=True)) is None
+    layer = lora_layer()
+    layer.enable_adapters(False)
+    assert fastpath.lora_fusable(layer) is None  # the reference pass: the base layer alone
+
+
+def tiny_llama_with_lora():
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # B starts at zero; move it so the LoRA product is part of what is compared
+            torch.nn.init.normal_(p, std=0.1)
+    return model.train()
+
+
+def test_enable_gives_the_same_outputs_and_gradients_on_a_tiny_llama_and_disable_undoes_it():
+    model = tiny_llama_with_lora()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+
+    def run():
+        model.zero_grad()
+        logits = model(input_ids=ids).logits
+        (logits.log_softmax(-1)[..., 0].sum()).backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    eager_logits, eager_grads = run()
+    counts = fastpath.enable(model)
+    assert counts == {"lora_linear": 14, "rms_norm": 5}  # 7 per layer; 2 per layer plus the final norm
+    fused_logits, fused_grads = run()
+    assert torch.allclose(fused_logits, eager_logits, rtol=1e-5, atol=1e-5)
+    assert fused_grads.keys() == eager_grads.keys() and len(fused_grads) == 28
+    for name, grad in eager_grads.items():
+        assert torch.allclose(fused_grads[name], grad, rtol=1e-4, atol=1e-6), name
+    with model.disable_adapter():  # the reference: LoRA off, the fused norms still on
+        ref = model(input_ids=ids).logits
+    assert not torch.allclose(ref, fused_logits, atol=1e-3)
+    fastpath.disable(model)
+    assert not any("forward" in vars(m) for m in model.modules())
