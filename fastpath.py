@@ -253,11 +253,96 @@ def _is_reference_pass(trainer, model) -> bool:
     return layer is not None and (layer.disable_adapters or "ref" in layer.active_adapters)
 
 
+def shared_prompt_layout(input_ids, attention_mask, completion_mask):
+    """TRL's DPO batch holds each pair twice, [prompt + chosen] in row i and [prompt + rejected] in row
+    B + i, right-padded. Returns (prompt lengths of the B pairs, completion lengths of the 2B rows) as
+    lists when every pair's two rows start with the same prompt and their completions follow it to the
+    end of the row; None otherwise (then the prompt cannot be computed once for both)."""
+    import torch
+
+    rows, width = input_ids.shape
+    if rows % 2 or rows == 0:
+        return None
+    b = rows // 2
+    lengths = attention_mask.sum(1)
+    comp = completion_mask.sum(1)
+    prompt = lengths - comp
+    pos = torch.arange(width, device=input_ids.device)
+    if (prompt[:b] != prompt[b:]).any() or (prompt[:b] < 1).any() or (comp < 1).any():
+        return None
+    if not torch.equal(attention_mask.bool(), pos < lengths[:, None]):  # right padding only
+        return None
+    if not torch.equal(completion_mask.bool(), (pos >= prompt[:, None]) & (pos < lengths[:, None])):
+        return None
+    in_prompt = pos < prompt[:b, None]
+    if not torch.equal(input_ids[:b][in_prompt], input_ids[b:][in_prompt]):
+        return None
+    return prompt[:b].tolist(), comp.tolist()
+
+
+def attention_work(prompts: list[int], completions: list[int], width: int, lin: float, att: float) -> tuple[float, float]:
+    """Matmul work of one forward (per layer, in units the caller picks): TRL's layout (2B rows of
+    `width` tokens) against the shared-prompt one (B prompt rows, then 2B completion rows attending to
+    the prompt cache). lin = work per token through the linear layers; att = work per query-key pair.
+    Causal attention over rows without padding skips about half the scores (SDPA's is_causal); with
+    padding, or with queries offset against a cache, the kernels compute the whole rectangle."""
+    b = len(prompts)
+    p_max, c_max = max(prompts), max(completions)
+    full_rows = all(p + c == width for p, c in zip(prompts * 2, completions))
+    trl = 2 * b * width * lin + 2 * b * width * width * att * (0.5 if full_rows else 1.0)
+    same_prompts = len(set(prompts)) == 1
+    shared = (b * p_max * lin + b * p_max * p_max * att * (0.5 if same_prompts else 1.0)
+              + 2 * b * c_max * lin + 2 * b * c_max * (p_max + c_max) * att)
+    return trl, shared
+
+
+def _prefix_sharing_applies(trainer, inner, model_kwargs) -> bool:
+    text = inner.config.get_text_config()
+    layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
+    return (set(model_kwargs) <= {"input_ids", "attention_mask", "use_cache"} and not trainer.aux_loss_enabled
+            and not trainer.args.gradient_checkpointing and layer_types == {"full_attention"}
+            and not getattr(text, "sliding_window", None)
+            and getattr(text, "_attn_implementation", inner.config._attn_implementation) in ("sdpa", "eager")
+            and trainer.ld_alpha is None)
+
+
+def _shared_prompt_forward(backbone, input_ids, prompts: list[int], completions: list[int]):
+    """The backbone over each prompt once and each completion against that prompt's keys and values.
+    Returns the hidden states that predict every completion token, [tokens, hidden], in TRL's order
+    (chosen rows, then rejected rows; each completion in order), and the completion pass's outputs."""
+    import torch
+    from transformers import DynamicCache
+
+    device = input_ids.device
+    b = len(prompts)
+    p = torch.tensor(prompts, device=device)
+    c = torch.tensor(completions, device=device)
+    p_max, c_max = max(prompts), max(completions)
+    # Prompt rows: row i's first p_i tokens; what follows p_i is masked out (and never read).
+    prompt_mask = (torch.arange(p_max, device=device) < p[:, None]).long()
+    cache = DynamicCache(config=backbone.config)
+    prompt_out = backbone(input_ids=input_ids[:b, :p_max], attention_mask=prompt_mask, past_key_values=cache,
+                          use_cache=True)
+    for layer in cache.layers:  # both completions of pair i read pair i's prompt: the cache twice over
+        layer.keys, layer.values = torch.cat([layer.keys, layer.keys]), torch.cat([layer.values, layer.values])
+    pp = torch.cat([p, p])
+    steps = torch.arange(c_max, device=device)
+    comp_ids = input_ids.gather(1, (pp[:, None] + steps).clamp(max=input_ids.shape[1] - 1))
+    comp_mask = steps < c[:, None]
+    kv_mask = torch.cat([torch.cat([prompt_mask, prompt_mask]), comp_mask.long()], 1)  # [2B, p_max + c_max]
+    out = backbone(input_ids=comp_ids, attention_mask=kv_mask, position_ids=pp[:, None] + steps,
+                   past_key_values=cache, use_cache=True)
+    last_prompt = prompt_out.last_hidden_state[torch.arange(b, device=device), p - 1]  # predicts token 0
+    predictors = torch.cat([torch.cat([last_prompt, last_prompt])[:, None], out.last_hidden_state[:, :-1]], 1)
+    return predictors[comp_mask], comp_ids[comp_mask], out
+
+
 def dpo_logps(trainer, model, model_kwargs: dict, input_ids, completion_mask):
     """What DPOTrainer._get_per_token_logps_and_entropies returns (per-token log-probs and entropies of
-    the completion tokens, zeros elsewhere, and the backbone's outputs), through ChunkedLogps; None
-    where this path does not apply (mixed precision, a biased, scaled, soft-capped, sharded or
-    trainable head, a vision model), and TRL's own path runs instead."""
+    the completion tokens, zeros elsewhere, and the backbone's outputs), through ChunkedLogps and, when
+    each pair's rows share their prompt and that saves work (attention_work), with the prompt run
+    once for both completions; None where this path does not apply (mixed precision, a biased,
+    scaled, soft-capped, sharded or trainable head, a vision model), and TRL's own path runs instead."""
     import torch
 
     unwrapped = trainer.accelerator.unwrap_model(model)
@@ -270,13 +355,37 @@ def dpo_logps(trainer, model, model_kwargs: dict, input_ids, completion_mask):
             or getattr(text, "logit_scale", None) not in (None, 1.0)
             or getattr(text, "output_multiplier", None) not in (None, 1.0)):
         return None
-    outputs = inner.base_model(**model_kwargs)
-    hidden = outputs.last_hidden_state[:, :-1]
     mask = completion_mask[:, 1:].bool()
-    logps, entropy = chunked_logps(hidden[mask], head.weight, input_ids[:, 1:][mask],
+    layout = None
+    if getattr(trainer, "kit_share_prompts", False) and _prefix_sharing_applies(trainer, inner, model_kwargs):
+        layout = shared_prompt_layout(input_ids, model_kwargs["attention_mask"], completion_mask)
+    if layout is not None:
+        width = input_ids.shape[1]
+        trl, shared = attention_work(*layout, width, lin=1.0, att=attention_per_token_pair(text))
+        if shared > 0.97 * trl:  # not worth a second pass
+            layout = None
+    if layout is not None:
+        predictors, labels, outputs = _shared_prompt_forward(inner.base_model, input_ids, *layout)
+        trainer.kit_shared_batches = getattr(trainer, "kit_shared_batches", 0) + 1
+    else:
+        outputs = inner.base_model(**model_kwargs)
+        predictors, labels = outputs.last_hidden_state[:, :-1][mask], input_ids[:, 1:][mask]
+    logps, entropy = chunked_logps(predictors, head.weight, labels,
                                    with_entropy=not _is_reference_pass(trainer, model))
     per_token_logps = logps.new_zeros(mask.shape).masked_scatter(mask, logps)
     per_token_entropy = logps.new_zeros(mask.shape)
     if entropy.numel():
         per_token_entropy = per_token_entropy.masked_scatter(mask, entropy)
     return per_token_logps, per_token_entropy, outputs
+
+
+def attention_per_token_pair(config) -> float:
+    """Attention matmul work per query-key pair relative to the linear layers' work per token, one
+    layer: QK^T and AV are 2 x heads x head_dim multiply-adds each; the linear layers hold q, k, v, o
+    and the MLP's weights (gate, up, down when it has a gate)."""
+    d, inter = config.hidden_size, config.intermediate_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or d // heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    linear = d * heads * head_dim * 2 + d * kv * head_dim * 2 + 3 * d * inter
+    return 2 * heads * head_dim / linear

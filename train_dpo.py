@@ -72,6 +72,9 @@ class TrainConfig:
     fused_ops: bool = field(True, "float32 training (the CPU default): LoRA layers, RMSNorm and the chunked head "
                             "through fastpath.py's fused kernels (the same values to float rounding, fewer "
                             "memory passes and saved tensors); false = the libraries' own modules")
+    share_prompts: bool = field(True, "with --fused_ops: run each pair's prompt once for both completions (its "
+                                "keys and values kept, with gradients, for the chosen and the rejected pass) "
+                                "where that saves work; the same log-probs to float rounding")
     # DPO and optimisation (TRL / transformers names)
     beta: float = field(0.1, "DPO temperature: higher keeps the policy closer to the reference")
     loss_type: str = field("sigmoid", "TRL DPO loss (sft: only the chosen side's NLL, the rounds' SFT stage)",
@@ -1113,6 +1116,7 @@ def train(cfg, run, model_path, ref_path, pairs, held, probes, data, resume_from
     if cfg.fused_ops:
         fused = fastpath.enable(trainer.model)
         trainer.kit_fused_logps = data.get("logps", "").startswith("chunked")
+        trainer.kit_share_prompts = cfg.share_prompts
         data["fused_ops"] = fused | {"chunked_head": trainer.kit_fused_logps}
         print(f"[model] fused ops (fastpath.py): {fused['lora_linear']} LoRA layers, {fused['rms_norm']} RMSNorms"
               f"{', the chunked head' if trainer.kit_fused_logps else ''} (float32, no autocast; --no_fused_ops: off)")
@@ -1142,6 +1146,8 @@ def train(cfg, run, model_path, ref_path, pairs, held, probes, data, resume_from
     interrupt.training = True
     trainer.train(resume_from_checkpoint=resume_from or None)
     interrupt.training = False
+    if getattr(trainer, "kit_shared_batches", 0):
+        print(f"[model] {trainer.kit_shared_batches} forward passes ran each prompt once for both completions")
     if interrupt.signum is not None:
         run.set_status("cancelled", error=f"signal {interrupt.signum}", step=trainer.state.global_step)
         return None

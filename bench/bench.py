@@ -29,21 +29,29 @@ Modes (issue 7's (a)-(d), plus what each of the kit's choices buys on its own):
   cpu_matmul_bf16   (a) with --cpu_matmul_precision bf16: float32 everywhere but the matmuls' inputs (not run
                     by default yet)
 
-FLOP count (model FLOPs per optimizer step; matmuls only, multiply-add = 2 FLOPs; no padding: every
-sequence is exactly T tokens). With N_base = the parameters of every linear layer in the blocks plus
-the output head (the head is a 576 x 49,152 matmul even though its weights are tied to the embeddings;
-embeddings, norms and biases are not matmuls and are left out), N_lora = the adapter's parameters,
-L layers of width d:
-  forward, per token       f_pol = 2 (N_base + N_lora) + 4 L d T    (attention QK^T and AV over the full T x T)
-  backward, per token      b_pol = 2 N_base + 4 N_lora + 8 L d T    (activation grads only through the frozen
-                                                                      base; input and weight grads for LoRA;
-                                                                      attention backward = 2x its forward)
-  reference, per token     f_ref = 2 N_base + 4 L d T               (0 when precomputed: counted in start-up)
-  per step                 FLOPs = batch x 2 sequences (chosen, rejected) x T x (f_pol + b_pol + f_ref)
-except that the output head counts only for the completion tokens (3/4 of T here): the prompt's logits
-are not needed by DPO, so computing them (TRL's full-logits path does) is waste, not model FLOPs.
+FLOP count (model FLOPs per optimizer step: the work DPO needs, the same for every mode, so MFU
+compares useful work; matmuls only, multiply-add = 2 FLOPs; no padding: every sequence is exactly T =
+P + C tokens, prompt P = T/4, completions C). With N_blocks = the parameters of every linear layer in
+the blocks, N_head = the output head (a 576 x 49,152 matmul even though its weights are tied to the
+embeddings; embeddings, norms and biases are not matmuls), N_lora = the adapter's parameters, L layers
+of width d:
+  tokens                   P + 2C per pair: the two sequences share their prompt, and a causal model's
+                           prompt states do not depend on what follows, so the prompt's work is needed
+                           once (the kit's default does it once; TRL's layout does it twice: waste)
+  attention, per token     4 L d x its context (QK^T and AV over all of it, as PaLM's MFU counts):
+                           P for a prompt token, T for a completion token
+  forward                  tokens x 2 (N_blocks + N_lora) + attention
+  backward                 tokens x (2 N_blocks + 4 N_lora) + 2 x attention (activation grads only
+                           through the frozen base; input and weight grads for LoRA)
+  reference forward        tokens x 2 N_blocks + attention (0 when precomputed: counted in start-up)
+  output head              2 N_head per completion token in each of the three passes (the prompt's
+                           logits are not needed by DPO: computing them, as TRL's full-logits path
+                           does, is waste, not model FLOPs)
+  per step                 batch x the sum
 MFU = FLOPs per step / seconds per step / the torch.matmul peak, measured in the same run, in the dtype
-that mode's matmuls run in (float32 for the kit's default on a CPU).
+that mode's matmuls run in (float32 for the kit's default on a CPU). Before the kit ran prompts once,
+this count had 2T tokens per pair (T/4 of them repeated prompt): the earlier results.json MFUs are
+1.13x (L=256) and 1.16x (L=1024) the MFU this count gives the same step times.
 """
 
 from __future__ import annotations
@@ -151,13 +159,16 @@ def lora_params(config: dict, r: int) -> int:
 
 def step_flops(shape: dict, n_lora: int, seq_len: int, batch: int, reference: bool) -> dict:
     """Model FLOPs of one DPO step (the formula in the module docstring), split by where they go."""
-    n, layers, d, t = shape["n_base"], shape["layers"], shape["d_model"], seq_len
-    attention = 4 * layers * d * t
-    tokens = batch * 2 * t  # chosen and rejected, no padding
-    head_skipped = batch * 2 * (t // 4) * 2 * shape["n_head"]  # the prompt's logits: not needed, not counted
-    parts = {"policy_forward": tokens * (2 * (n + n_lora) + attention) - head_skipped,
-             "policy_backward": tokens * (2 * n + 4 * n_lora + 2 * attention) - head_skipped,
-             "reference_forward": tokens * (2 * n + attention) - head_skipped if reference else 0}
+    layers, d, t = shape["layers"], shape["d_model"], seq_len
+    blocks, head = shape["n_base"] - shape["n_head"], shape["n_head"]
+    p = t // 4
+    c = t - p
+    tokens = batch * (p + 2 * c)  # each prompt once, both completions
+    attention = batch * (p * p + 2 * c * t) * 4 * layers * d
+    logits = batch * 2 * c * 2 * head  # completion tokens only
+    parts = {"policy_forward": tokens * 2 * (blocks + n_lora) + attention + logits,
+             "policy_backward": tokens * (2 * blocks + 4 * n_lora) + 2 * attention + logits,
+             "reference_forward": tokens * 2 * blocks + attention + logits if reference else 0}
     return parts | {"total": sum(parts.values())}
 
 

@@ -29,13 +29,14 @@ def test_model_shape_of_smollm2_135m():
 def test_step_flops_worked_example():
     shape = {"n_base": 100, "n_head": 30, "layers": 2, "d_model": 4}
     f = bench.step_flops(shape, n_lora=10, seq_len=8, batch=1, reference=True)
-    # 16 tokens (chosen + rejected); attention 4 * 2 layers * 4 * 8 = 256 per token; the head (30 of the 100)
-    # is not counted for the 2 prompt tokens of each sequence: 2 sequences * 2 tokens * 2 * 30 = 240 per pass
-    assert f["policy_forward"] == 16 * (2 * 110 + 256) - 240 == 7376
-    assert f["policy_backward"] == 16 * (2 * 100 + 4 * 10 + 2 * 256) - 240 == 11792
-    assert f["reference_forward"] == 16 * (2 * 100 + 256) - 240 == 7056
-    assert f["total"] == 26224
-    assert bench.step_flops(shape, 10, 8, 1, reference=False)["total"] == 26224 - 7056
+    # prompt 2 tokens, completions 6 each: 2 + 12 = 14 tokens through the 70 block parameters (+ 10 LoRA);
+    # attention 4 * 2 layers * 4 = 32 per query-key pair, over 2 * 2 (prompt) + 12 * 8 (completions) = 100
+    # pairs = 3,200; the head (30) for the 12 completion tokens: 12 * 2 * 30 = 720 per pass
+    assert f["policy_forward"] == 14 * 2 * 80 + 3200 + 720 == 6160
+    assert f["policy_backward"] == 14 * (2 * 70 + 4 * 10) + 2 * 3200 + 720 == 9640
+    assert f["reference_forward"] == 14 * 2 * 70 + 3200 + 720 == 5880
+    assert f["total"] == 21680
+    assert bench.step_flops(shape, 10, 8, 1, reference=False)["total"] == 21680 - 5880
 
 
 def test_mode_dtype_follows_the_flag_else_the_auto_choice():

@@ -116,3 +116,75 @@ def test_enable_gives_the_same_outputs_and_gradients_on_a_tiny_llama_and_disable
     assert not torch.allclose(ref, fused_logits, atol=1e-3)
     fastpath.disable(model)
     assert not any("forward" in vars(m) for m in model.modules())
+
+
+def trl_batch(prompts, completions):
+    """A DPO batch laid out as TRL's collator does: [prompt + chosen] rows, then [prompt + rejected] rows,
+    right-padded with 0; completions[i] and completions[B + i] are pair i's two completions."""
+    b = len(prompts)
+    width = max(len(prompts[i % b]) + len(c) for i, c in enumerate(completions))
+    ids = torch.zeros(2 * b, width, dtype=torch.long)
+    attention, completion = torch.zeros_like(ids), torch.zeros_like(ids)
+    for row, comp in enumerate(completions):
+        p = prompts[row % b]
+        ids[row, :len(p) + len(comp)] = torch.tensor(p + comp)
+        attention[row, :len(p) + len(comp)] = 1
+        completion[row, len(p):len(p) + len(comp)] = 1
+    return ids, attention, completion
+
+
+def test_shared_prompt_layout_reads_prompt_and_completion_lengths():
+    ids, att, comp = trl_batch([[5, 6, 7], [8]], [[1, 2], [3, 4, 9, 9], [1], [2, 2, 2]])
+    assert fastpath.shared_prompt_layout(ids, att, comp) == ([3, 1], [2, 4, 1, 3])
+
+
+def test_shared_prompt_layout_refuses_what_it_cannot_share():
+    ids, att, comp = trl_batch([[5, 6, 7], [8]], [[1, 2], [3, 4], [1], [2]])
+    other = ids.clone()
+    other[2, 1] = 99  # pair 0's rejected row has another prompt
+    assert fastpath.shared_prompt_layout(other, att, comp) is None
+    left = torch.roll(ids, 1, dims=1), torch.roll(att, 1, dims=1), torch.roll(comp, 1, dims=1)  # left padding
+    assert fastpath.shared_prompt_layout(*left) is None
+    no_prompt = comp.clone()
+    no_prompt[:, 0] = att[:, 0]  # completions that start at the first token: nothing to share
+    assert fastpath.shared_prompt_layout(ids, att, no_prompt) is None
+    assert fastpath.shared_prompt_layout(ids[:3], att[:3], comp[:3]) is None  # not chosen/rejected halves
+
+
+def test_attention_work_by_hand():
+    # One pair, prompt 2, completions 2 and 2, rows of 4 tokens without padding: TRL computes 2 rows x 4 tokens
+    # and half of 2 x 4 x 4 scores; shared: 2 prompt tokens (half of 2 x 2 scores), 4 completion tokens x 4 keys.
+    assert fastpath.attention_work([2], [2, 2], 4, lin=1.0, att=1.0) == (8 + 16, 2 + 2 + 4 + 16)
+    # Long prompts make sharing pay; long completions against a short prompt do not (the rectangle).
+    trl, shared = fastpath.attention_work([900], [100, 100], 1000, lin=1.0, att=0.01)
+    assert shared < 0.6 * trl
+    trl, shared = fastpath.attention_work([10], [990, 990], 1000, lin=1.0, att=0.01)
+    assert shared > trl
+
+
+def test_shared_prompt_forward_gives_trls_log_probs_and_gradients():
+    """A tiny real Llama with LoRA: each prompt once with its keys and values cached (with gradients)
+    for both completions, against TRL's layout, on pairs of different prompt and completion lengths."""
+    model = tiny_llama_with_lora()
+    fastpath.enable(model)
+    g = torch.Generator().manual_seed(4)
+
+    def toks(n):
+        return torch.randint(1, 64, (n,), generator=g).tolist()
+
+    prompts = [toks(5), toks(9), toks(3)]
+    ids, att, comp = trl_batch(prompts, [toks(n) for n in (4, 7, 6, 2, 5, 8)])
+    layout = fastpath.shared_prompt_layout(ids, att, comp)
+    inner = model.base_model.model
+    head = inner.lm_head.weight
+    params = [p for p in model.parameters() if p.requires_grad]
+    mask = comp[:, 1:].bool()
+    hidden = inner.model(input_ids=ids, attention_mask=att).last_hidden_state[:, :-1][mask]
+    expected = fastpath.chunked_logps(hidden, head, ids[:, 1:][mask])[0]
+    expected_grads = torch.autograd.grad(expected.sum(), params)
+    predictors, labels, _ = fastpath._shared_prompt_forward(inner.model, ids, *layout)
+    assert torch.equal(labels, ids[:, 1:][mask])
+    got = fastpath.chunked_logps(predictors, head, labels)[0]
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+    for a, b in zip(torch.autograd.grad(got.sum(), params), expected_grads):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
