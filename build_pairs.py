@@ -9,7 +9,8 @@ An attempt *succeeded* when it ran and scored > 0 (`--score_key`, default space_
   first_try_code              strategy -> best code             vs  garbled code that never compiles
   cross_run                   shared prompt -> best run's strategy vs each never-succeeded run's strategy
 `-` as input reads standard input; `-o -` writes standard output. `-o` is short for --output, and
---dashed-names work as well as --underscored_names. The summary goes to standard error.
+--dashed-names work as well as --underscored_names. The summary goes to standard error. `--workers N` parses and
+garbles in N worker processes (0: one per CPU core), in blocks put back in order: the same output.
 
 Pairs the model makes for itself (Self-Rewarding LMs and SPIN; the model loads in 4-bit like training):
 
@@ -25,8 +26,10 @@ M (and J) is a model directory or hub id, or a finished run (directory or .tar.g
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import io
 import json
 import math
 import os
@@ -36,6 +39,7 @@ import sys
 import tempfile
 import warnings
 from array import array
+import collections
 from collections import Counter
 from dataclasses import dataclass
 
@@ -48,6 +52,11 @@ OUTCOMES = ("first_try", "mixed", "never_succeeded", "never_ran")
 GARBLE_TRIES = 20  # rule-garbling rounds before the always-failing fallback
 MODEL_TEMPERATURE = 1.5  # "high-temperature garbled output", as the retraining document puts it
 MODEL_TRIES = 3  # samples per answer before the rules garbler stands in
+# --workers: each worker parses, garbles and encodes blocks of runs (~90 us of CPU a run on the bench mix, a third
+# of it compile()) while this process dedups, writes, keeps the cross-run index and moves the blocks (~20 us).
+# Off by default: measured on the 2 cores with another job busy on them, 2 workers ran at 0.8x of one process.
+MAX_WORKERS = 4
+AUTO_WORKERS_BYTES = 4 << 20  # below this (~2,700 bench runs, ~0.2 s) starting workers costs more than it saves
 MAX_WARNINGS = 10  # skipped-line messages shown with --skip_invalid; the rest are only counted
 # json.dumps(obj, **options) builds a new JSONEncoder at every call; these are the same encoders built
 # once (the same bytes, ~10% less time per run: three encodings per run on the demo mix).
@@ -79,6 +88,9 @@ class PairsConfig:
     model: str | None = kit.field(None, "causal LM directory for --garble model")
     seed: int = kit.field(0, "garbling seed; the same input and seed give byte-identical output")
     skip_invalid: bool = kit.field(False, "skip and count bad lines instead of stopping at the first one")
+    workers: int = kit.field(1, "processes that parse and garble while this one writes (1: this process alone; 0: "
+                             f"one per CPU core, up to {MAX_WORKERS}, for inputs over {AUTO_WORKERS_BYTES >> 20} MB); "
+                             "the output is the same")
 
     def problems(self) -> list[str]:
         out = []
@@ -89,6 +101,8 @@ class PairsConfig:
                 out.append(f"{name} must be at least 1, got {getattr(self, name)}")
         if not self.score_key:
             out.append("score_key must not be empty")
+        if self.workers < 0:
+            out.append(f"workers must be 0 (one per CPU core) or more, got {self.workers}")
         if self.garble == "model" and not self.model:
             out.append("--garble model needs --model PATH (a causal LM directory)")
         if self.model and self.garble != "model":
@@ -289,10 +303,20 @@ def _canon_prompt(messages: list) -> str:
     return _canon([[m["role"], m["content"]] for m in messages])
 
 
-def _group_key(messages: list) -> tuple:
-    """The prompt's (role, content) pairs: equal exactly when prompt_key is, at a quarter of the cost (no JSON,
-    no sha256: ~1 us against ~5 for 4 messages). The strings are the group's own, kept anyway in its messages."""
-    return tuple([(m["role"], m["content"]) for m in messages])
+def _group_key(messages: list) -> bytes:
+    """sha256 of each role and content behind its length: like prompt_key, one digest per distinct prompt (equal
+    exactly when the roles and contents are), at a third of the cost (no JSON quoting: 1.7 us against 5.3 for the
+    bench's 4 messages), and 32 bytes to send between processes."""
+    text = "".join([f"{len(m['role'])}\0{m['role']}{len(m['content'])}\0{m['content']}" for m in messages])
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+
+def index_record(run: Run, best: Attempt | None, kind: str) -> tuple:
+    """What CrossRunIndex needs of a run besides its prompt: (group key, run_id, strategy, best score or None,
+    highest score of a failed run or None, outcome); best and kind are best_attempt(run) and outcome(run)."""
+    scores = [a.score for a in run.attempts if a.score is not None] if best is None else None
+    return (_group_key(run.messages), run.run_id, run.strategy, None if best is None else best.score,
+            max(scores) if scores else None, kind)
 
 
 @dataclass
@@ -313,28 +337,31 @@ class CrossRunIndex:
 
     def __init__(self, max_pairs_per_prompt: int = 4):
         self.cap = max_pairs_per_prompt
-        self.groups: dict[tuple, _PromptGroup] = {}
+        self.groups: dict[bytes, _PromptGroup] = {}
         self.recovered = Counter()  # failed runs that made it into a pair, by outcome
         self.capped = 0  # failed strategies left out by the per-prompt cap (counted by pairs())
 
     def add(self, run: Run, best: Attempt | None = None, kind: str | None = None) -> None:
         """Add one run; `best` and `kind` are best_attempt(run) and outcome(run), when the caller has them."""
-        key = _group_key(run.messages)
+        if kind is None:
+            best, kind = best_attempt(run), outcome(run)
+        self.add_record(index_record(run, best, kind), run.messages, run.tags)
+
+    def add_record(self, record: tuple, messages: list | None, tags: list | None) -> None:
+        """Add one run's index_record; messages and tags (its prompt) may be None once a run with the same
+        prompt was added: the group keeps those of its first run."""
+        key, run_id, strategy, best_score, failed_score, kind = record
         group = self.groups.get(key)
         if group is None:
-            group = self.groups[key] = _PromptGroup(run.messages, run.tags)
-        if kind is None:
-            best = best_attempt(run)
-        if best is not None:
-            if group.best is None or best.score > group.best[2]:  # strict: the earliest run wins ties
-                group.best = (run.run_id, run.strategy, best.score)
-        elif run.strategy.strip() not in group.failed:
+            group = self.groups[key] = _PromptGroup(messages, tags)
+        if best_score is not None:
+            if group.best is None or best_score > group.best[2]:  # strict: the earliest run wins ties
+                group.best = (run_id, strategy, best_score)
+        elif strategy.strip() not in group.failed:
             if len(group.failed) > self.cap:  # one spare slot: the final best may be among the failed
                 group.overflow += 1
                 return
-            scores = [a.score for a in run.attempts if a.score is not None]
-            group.failed[run.strategy.strip()] = (run.run_id, run.strategy, max(scores) if scores else None,
-                                                  kind or outcome(run))
+            group.failed[strategy.strip()] = (run_id, strategy, failed_score, kind)
 
     def pairs(self):
         for group in self.groups.values():
@@ -633,7 +660,7 @@ class PairWriter:
         folder = tempfile.gettempdir() if dest == "-" else os.path.dirname(os.path.abspath(dest))
         os.makedirs(folder, exist_ok=True)
         fd, self.tmp = tempfile.mkstemp(prefix=f".{os.path.basename(dest)}.", suffix=".tmp", dir=folder)
-        self.file = os.fdopen(fd, "w", encoding="utf-8", newline="\n")
+        self.file = os.fdopen(fd, "wb")  # lines are encoded as they come (process_block's in its worker)
 
     def write(self, pairs) -> None:
         for pair in pairs:
@@ -641,8 +668,24 @@ class PairWriter:
             if not self.seen.add(digest):
                 self.duplicates += 1
                 continue
-            self.file.write(line)
+            self.file.write(line.encode("utf-8"))
             self.by_rule[pair.meta["rule"]] += 1
+
+    def write_block(self, block: Block) -> None:
+        """write() for the pairs of a process_block: one write when none is a duplicate (~350 KB on the bench)."""
+        kept = [self.seen.add(digest) for digest in block.digests]
+        if all(kept):
+            self.file.write(block.text)
+            self.by_rule.update(block.rules)
+            return
+        text, start = memoryview(block.text), 0
+        for keep, end, rule in zip(kept, block.ends, block.rules):
+            if keep:
+                self.file.write(text[start:end])
+                self.by_rule[rule] += 1
+            else:
+                self.duplicates += 1
+            start = end
 
     def commit(self) -> None:
         self.file.flush()
@@ -673,29 +716,136 @@ class PairWriter:
 # CLI: read, apply the rules, write, summarise.
 # ---------------------------------------------------------------------------------------------
 
-def read_runs(path: str, score_key: str, skip_invalid: bool, stats: Counter):
-    """Yield Run records from a JSONL file (`-`: standard input), one line in memory at a time."""
-    name = "<stdin>" if path == "-" else path
+def open_runs(path: str):
+    """The run logs as a binary stream (`-`: standard input, left open at the end)."""
+    if path == "-":
+        return contextlib.nullcontext(sys.stdin.buffer)
     try:
-        f = sys.stdin.buffer if path == "-" else open(path, "rb")
+        return open(path, "rb")
     except OSError as e:
         raise kit.UserError(f"cannot read the run logs: {e.strerror}", path) from None
-    try:
-        for line_no, raw in enumerate(f, start=1):
+
+
+BLOCK_BYTES = 1 << 19  # run logs read (and handed to a worker) at a time: ~350 runs of the bench's 1.5 KB
+
+
+def read_blocks(f):
+    """Yield (bytes, number of its first line) from a binary stream: whole lines, about BLOCK_BYTES at a time."""
+    line_no, tail = 1, []
+    while data := f.read(BLOCK_BYTES):
+        end = data.rfind(b"\n") + 1
+        if not end:  # a line longer than a block
+            tail.append(data)
+            continue
+        block = b"".join([*tail, data[:end]])
+        tail = [data[end:]]
+        yield block, line_no
+        line_no += block.count(b"\n")
+    if b"".join(tail):
+        yield b"".join(tail), line_no
+
+
+@dataclass
+class Block:
+    """What process_block makes of one block of lines: plain lists, cheap to send between processes."""
+
+    digests: array  # pair_digest of each pair, in order
+    text: bytes  # their output lines, UTF-8, one after another
+    ends: array  # where each line ends in text
+    rules: list  # each pair's meta["rule"]
+    records: list  # index_record of each run, when cross_run is on
+    prompts: list  # beside each record: (messages, tags) the first time this process saw its prompt, else None
+    outcomes: Counter
+    stats: Counter
+    skipped: list  # the message for each invalid line skipped (--skip_invalid)
+    stop: tuple | None = None  # (raw line, line number) where processing stopped at an exception
+
+
+def worker_count(cfg: PairsConfig) -> int:
+    """How many worker processes to start: none (1) for model garbling (the model is loaded here), standard input
+    or a small file in auto mode."""
+    if cfg.garble == "model" or cfg.workers == 1:
+        return 1
+    if cfg.workers:
+        return cfg.workers
+    small = cfg.runs == "-" or not os.path.isfile(cfg.runs) or os.path.getsize(cfg.runs) < AUTO_WORKERS_BYTES
+    return 1 if small else min(len(os.sched_getaffinity(0)), MAX_WORKERS)
+
+
+def processed_blocks(f, cfg: PairsConfig, garbler, workers: int):
+    """process_block of each block of f, in order: here, or by `workers` processes with at most two blocks each
+    in flight (so memory stays flat; a pool's imap would read the whole input ahead)."""
+    if workers == 1:
+        shipped = set()
+        for block, first_line in read_blocks(f):
+            yield process_block(block, first_line, cfg, garbler, shipped)
+        return
+    import multiprocessing
+
+    # fork: the workers start with this module and cfg as they are (nothing pickled); nothing is written yet
+    with multiprocessing.get_context("fork").Pool(workers, _start_worker, (cfg,)) as pool:
+        pending = collections.deque()
+        for block in read_blocks(f):
+            pending.append(pool.apply_async(_worker_block, block))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+_worker = None  # in a worker process: (cfg, its RuleGarbler, the group keys whose prompt it has sent)
+
+
+def _start_worker(cfg: PairsConfig) -> None:
+    global _worker
+    _worker = (cfg, RuleGarbler(cfg.seed), set())
+
+
+def _worker_block(block: bytes, first_line: int) -> Block:
+    cfg, garbler, shipped = _worker
+    return process_block(block, first_line, cfg, garbler, shipped)
+
+
+def process_block(block: bytes, first_line: int, cfg: PairsConfig, garbler, shipped: set, catch: bool = True) -> Block:
+    """Rules 1-3 for each run in a block of lines, its pairs already encoded. Stops at the first exception (any
+    but a bad line with --skip_invalid): `stop` says where, and the caller runs that line again (catch=False) to
+    raise it. `shipped` holds the group keys whose prompt this process has already sent along."""
+    name = "<stdin>" if cfg.runs == "-" else cfg.runs
+    out, lines = Block(array("Q"), b"", array("Q"), [], [], [], Counter(), Counter(), []), []
+    for line_no, raw in enumerate(io.BytesIO(block), start=first_line):  # BytesIO splits at b"\n" only, as a file does
+        try:
             try:
-                run = _parse_line(raw, name, line_no, score_key)
+                run = _parse_line(raw, name, line_no, cfg.score_key)
             except kit.UserError as e:
-                if not skip_invalid:
+                if not cfg.skip_invalid:
                     raise
-                stats["invalid_lines_skipped"] += 1
-                if stats["invalid_lines_skipped"] <= MAX_WARNINGS:
-                    print(f"{e} (skipped)", file=sys.stderr)
+                out.skipped.append(f"{e} (skipped)")
                 continue
-            if run is not None:
-                yield run
-    finally:
-        if f is not sys.stdin.buffer:
-            f.close()
+            if run is None:
+                continue
+            kind, best = outcome(run), best_attempt(run)  # once, not in each rule
+            pairs = pairs_for_run(run, cfg, garbler, out.stats, kind, best)
+            encoded = [digest_and_line(pair, cfg.format) for pair in pairs]
+            encoded = [(digest, line.encode("utf-8")) for digest, line in encoded]
+        except Exception:
+            if not catch:
+                raise
+            out.stop = (raw, line_no)
+            break
+        out.outcomes[kind] += 1
+        out.stats["attempts_missing_score"] += sum(a.ran and a.score is None for a in run.attempts)
+        out.stats["mixed_without_pairs"] += kind == "mixed" and not pairs
+        for pair, (digest, line) in zip(pairs, encoded):
+            out.digests.append(digest)
+            lines.append(line)
+            out.ends.append((out.ends[-1] if out.ends else 0) + len(line))
+            out.rules.append(pair.meta["rule"])
+        if cfg.cross_run:
+            out.records.append(record := index_record(run, best, kind))
+            out.prompts.append(None if record[0] in shipped else (run.messages, run.tags))
+            shipped.add(record[0])
+    out.text = b"".join(lines)
+    return out
 
 
 def _parse_line(raw: bytes, name: str, line_no: int, score_key: str) -> Run | None:
@@ -711,7 +861,7 @@ def _parse_line(raw: bytes, name: str, line_no: int, score_key: str) -> Run | No
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise kit.UserError(f"malformed JSON: {e.msg} at column {e.colno}", name, line_no) from None
-    # The bytes are valid UTF-8, so an unpaired surrogate can only come from a \\uDxxx escape: without one in
+    # The bytes are valid UTF-8, so an unpaired surrogate can only come from a \uDxxx escape: without one in
     # the line, parse_run need not encode every string to look for it (~1.5 KB a run, 7 calls: ~2 us).
     return parse_run(obj, name, line_no, score_key, surrogates=b"\\ud" in raw or b"\\uD" in raw)
 
@@ -760,16 +910,21 @@ def main(argv: list[str] | None = None) -> int:
     garbler = ModelGarbler(cfg.model, cfg.seed) if cfg.garble == "model" else RuleGarbler(cfg.seed)
     index = CrossRunIndex(cfg.max_pairs_per_prompt) if cfg.cross_run else None
     stats, outcomes = Counter(), Counter()
-    with PairWriter(cfg.output, cfg.format) as writer:
-        for run in read_runs(cfg.runs, cfg.score_key, cfg.skip_invalid, stats):
-            kind, best = outcome(run), best_attempt(run)  # once, not in each rule
-            outcomes[kind] += 1
-            stats["attempts_missing_score"] += sum(a.ran and a.score is None for a in run.attempts)
-            pairs = pairs_for_run(run, cfg, garbler, stats, kind, best)
-            stats["mixed_without_pairs"] += kind == "mixed" and not pairs
-            writer.write(pairs)
+    with PairWriter(cfg.output, cfg.format) as writer, open_runs(cfg.runs) as f:
+        for out in processed_blocks(f, cfg, garbler, worker_count(cfg)):
+            for message in out.skipped:
+                stats["invalid_lines_skipped"] += 1
+                if stats["invalid_lines_skipped"] <= MAX_WARNINGS:
+                    print(message, file=sys.stderr)
+            if out.stop:
+                process_block(*out.stop, cfg, garbler, set(), catch=False)
+                raise RuntimeError(f"line {out.stop[1]} failed once, then not again")
+            outcomes.update(out.outcomes)
+            stats.update(out.stats)
+            writer.write_block(out)
             if index:
-                index.add(run, best, kind)
+                for record, prompt in zip(out.records, out.prompts):
+                    index.add_record(record, *(prompt or (None, None)))
         if index:
             writer.write(index.pairs())
             stats["cross_run_capped"] = index.capped
