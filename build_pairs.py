@@ -9,7 +9,8 @@ An attempt *succeeded* when it ran and scored > 0 (`--score_key`, default space_
   first_try_code              strategy -> best code             vs  garbled code that never compiles
   cross_run                   shared prompt -> best run's strategy vs each never-succeeded run's strategy
 `-` as input reads standard input; `-o -` writes standard output. `-o` is short for --output, and
---dashed-names work as well as --underscored_names. The summary goes to standard error.
+--dashed-names work as well as --underscored_names. The summary goes to standard error. `--workers N` parses and
+garbles in N worker processes (0: one per CPU core), in blocks put back in order: the same output.
 
 Pairs the model makes for itself (Self-Rewarding LMs and SPIN; the model loads in 4-bit like training):
 
@@ -25,8 +26,10 @@ M (and J) is a model directory or hub id, or a finished run (directory or .tar.g
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import io
 import json
 import math
 import os
@@ -36,6 +39,7 @@ import sys
 import tempfile
 import warnings
 from array import array
+import collections
 from collections import Counter
 from dataclasses import dataclass
 
@@ -48,12 +52,21 @@ OUTCOMES = ("first_try", "mixed", "never_succeeded", "never_ran")
 GARBLE_TRIES = 20  # rule-garbling rounds before the always-failing fallback
 MODEL_TEMPERATURE = 1.5  # "high-temperature garbled output", as the retraining document puts it
 MODEL_TRIES = 3  # samples per answer before the rules garbler stands in
+# --workers: each worker parses, garbles and encodes blocks of runs (~90 us of CPU a run on the bench mix, a third
+# of it compile()) while this process dedups, writes, keeps the cross-run index and moves the blocks (~20 us).
+# Off by default: measured on the 2 cores with another job busy on them, 2 workers ran at 0.8x of one process.
+MAX_WORKERS = 4
+AUTO_WORKERS_BYTES = 4 << 20  # below this (~2,700 bench runs, ~0.2 s) starting workers costs more than it saves
 MAX_WARNINGS = 10  # skipped-line messages shown with --skip_invalid; the rest are only counted
 # json.dumps(obj, **options) builds a new JSONEncoder at every call; these are the same encoders built
 # once (the same bytes, ~10% less time per run: three encodings per run on the demo mix).
 _canon = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 _quote = json.encoder.encode_basestring  # one string as either encoder writes it, quotes included
 _line = json.JSONEncoder(ensure_ascii=False, separators=(", ", ": ")).encode
+# Even so, JSONEncoder.encode builds a C encoder at every call: 2.5 us for a pair's meta, against 0.9 for this
+# one built once (the same bytes; no circular-reference check, so a cyclic meta raises RecursionError instead).
+_c_line = json.encoder.c_make_encoder and json.encoder.c_make_encoder(
+    None, json.JSONEncoder().default, _quote, None, ": ", ", ", False, False, True)
 
 
 @dataclass
@@ -75,6 +88,9 @@ class PairsConfig:
     model: str | None = kit.field(None, "causal LM directory for --garble model")
     seed: int = kit.field(0, "garbling seed; the same input and seed give byte-identical output")
     skip_invalid: bool = kit.field(False, "skip and count bad lines instead of stopping at the first one")
+    workers: int = kit.field(1, "processes that parse and garble while this one writes (1: this process alone; 0: "
+                             f"one per CPU core, up to {MAX_WORKERS}, for inputs over {AUTO_WORKERS_BYTES >> 20} MB); "
+                             "the output is the same")
 
     def problems(self) -> list[str]:
         out = []
@@ -85,6 +101,8 @@ class PairsConfig:
                 out.append(f"{name} must be at least 1, got {getattr(self, name)}")
         if not self.score_key:
             out.append("score_key must not be empty")
+        if self.workers < 0:
+            out.append(f"workers must be 0 (one per CPU core) or more, got {self.workers}")
         if self.garble == "model" and not self.model:
             out.append("--garble model needs --model PATH (a causal LM directory)")
         if self.model and self.garble != "model":
@@ -141,7 +159,12 @@ def _checked(text: str, what: str, bad) -> str:
     return text
 
 
-def _parse_prompt(prompt, bad) -> tuple[list, list | None]:
+def _blank(text: str) -> bool:
+    """not text.strip(), without copying the text: isspace stops at the first non-space (code is ~1 KB)."""
+    return not text or text.isspace()
+
+
+def _parse_prompt(prompt, bad, surrogates: bool = True) -> tuple[list, list | None]:
     if not isinstance(prompt, list) or not prompt:
         raise bad("prompt must be a non-empty list of messages")
     messages, tags = [], []
@@ -160,29 +183,34 @@ def _parse_prompt(prompt, bad) -> tuple[list, list | None]:
             raise bad(f"prompt[{i}]: content must be a string, got {_kind(content)}")
         if tag is not None and not isinstance(tag, str):
             raise bad(f"prompt[{i}]: tag must be a string, got {_kind(tag)}")
-        messages.append({"role": role, "content": _checked(content, f"prompt[{i}]", bad)})
+        if surrogates:
+            _checked(content, f"prompt[{i}]", bad)
+        messages.append({"role": role, "content": content})
         tags.append(tag)
-    return messages, (tags if any(t is not None for t in tags) else None)
+    return messages, (None if tags.count(None) == len(tags) else tags)
 
 
-def _parse_attempt(a, i: int, score_key: str, bad) -> Attempt:
+def _parse_attempt(a, i: int, score_key: str, bad, surrogates: bool = True) -> Attempt:
     if not isinstance(a, dict):
         raise bad(f"attempts[{i}]: expected an object, got {_kind(a)}")
     code = a.get("code")
-    if not isinstance(code, str) or not code.strip():
+    if not isinstance(code, str) or _blank(code):
         raise bad(f"attempts[{i}]: code is missing or empty")
     ran = a.get("ran")
-    if not isinstance(ran, bool):
+    if ran is not True and ran is not False:
         raise bad(f"attempts[{i}]: ran must be true or false, got {'nothing' if ran is None else repr(ran)}")
     score = a.get(score_key) if ran else None
-    number = isinstance(score, (int, float)) and not isinstance(score, bool) and math.isfinite(score)
-    if score is not None and not number:
+    if score is not None and (type(score) is bool or not isinstance(score, (int, float)) or not math.isfinite(score)):
         raise bad(f"attempts[{i}]: {score_key} must be a finite number, got {score!r}")
-    return Attempt(_checked(code, f"attempts[{i}].code", bad), ran, score)
+    if surrogates:
+        _checked(code, f"attempts[{i}].code", bad)
+    return Attempt(code, ran, score)
 
 
-def parse_run(obj, path, line: int, score_key: str = "space_freed") -> Run:
-    """One decoded JSON line -> Run; raises kit.UserError(`FILE:LINE: what is wrong`)."""
+def parse_run(obj, path, line: int, score_key: str = "space_freed", surrogates: bool = True) -> Run:
+    """One decoded JSON line -> Run; raises kit.UserError(`FILE:LINE: what is wrong`).
+
+    surrogates=False skips the search for unpaired surrogates, for a caller that knows there can be none."""
     def bad(message):
         return kit.UserError(message, path, line)
 
@@ -191,15 +219,19 @@ def parse_run(obj, path, line: int, score_key: str = "space_freed") -> Run:
     run_id = obj.get("run_id", f"line-{line}")
     if isinstance(run_id, bool) or not isinstance(run_id, (str, int)) or run_id == "":
         raise bad(f"run_id must be a non-empty string or an integer, got {run_id!r}")
-    messages, tags = _parse_prompt(obj.get("prompt"), bad)
+    messages, tags = _parse_prompt(obj.get("prompt"), bad, surrogates)
     strategy = obj.get("strategy")
-    if not isinstance(strategy, str) or not strategy.strip():
+    if not isinstance(strategy, str) or _blank(strategy):
         raise bad("strategy is missing or empty")
     attempts = obj.get("attempts")
     if not isinstance(attempts, list):
         raise bad(f"attempts must be a list, got {'nothing' if attempts is None else _kind(attempts)}")
-    return Run(_checked(str(run_id), "run_id", bad), messages, tags, _checked(strategy, "strategy", bad),
-               tuple(_parse_attempt(a, i, score_key, bad) for i, a in enumerate(attempts)))
+    run_id = str(run_id)
+    if surrogates:
+        _checked(run_id, "run_id", bad)
+        _checked(strategy, "strategy", bad)
+    return Run(run_id, messages, tags, strategy,
+               tuple([_parse_attempt(a, i, score_key, bad, surrogates) for i, a in enumerate(attempts)]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,11 +264,14 @@ def _meta(run_id: str, rule: str, chosen_score, rejected_score, tags=None, **ext
     return meta
 
 
-def pairs_for_run(run: Run, cfg: PairsConfig, garbler=None, stats: Counter | None = None) -> list[Pair]:
-    """Rules 1-3 for one run. `stats` (if given) counts skipped same-code and capped attempts."""
+def pairs_for_run(run: Run, cfg: PairsConfig, garbler=None, stats: Counter | None = None, kind: str | None = None,
+                  best: Attempt | None = None) -> list[Pair]:
+    """Rules 1-3 for one run. `stats` (if given) counts skipped same-code and capped attempts. `kind` and `best`
+    are outcome(run) and best_attempt(run), when the caller has them already."""
     garbler = garbler or RuleGarbler(cfg.seed)
     stats = Counter() if stats is None else stats
-    kind, best = outcome(run), best_attempt(run)
+    if kind is None:
+        kind, best = outcome(run), best_attempt(run)
     ask = [{"role": "user", "content": run.strategy}]  # rules 2 and 3b: the strategy asks for the code
     if kind == "first_try":
         return [Pair(run.messages, run.strategy, garbler.garble(run.strategy, "text", run.run_id, run.messages),
@@ -268,6 +303,22 @@ def _canon_prompt(messages: list) -> str:
     return _canon([[m["role"], m["content"]] for m in messages])
 
 
+def _group_key(messages: list) -> bytes:
+    """sha256 of each role and content behind its length: like prompt_key, one digest per distinct prompt (equal
+    exactly when the roles and contents are), at a third of the cost (no JSON quoting: 1.7 us against 5.3 for the
+    bench's 4 messages), and 32 bytes to send between processes."""
+    text = "".join([f"{len(m['role'])}\0{m['role']}{len(m['content'])}\0{m['content']}" for m in messages])
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+
+def index_record(run: Run, best: Attempt | None, kind: str) -> tuple:
+    """What CrossRunIndex needs of a run besides its prompt: (group key, run_id, strategy, best score or None,
+    highest score of a failed run or None, outcome); best and kind are best_attempt(run) and outcome(run)."""
+    scores = [a.score for a in run.attempts if a.score is not None] if best is None else None
+    return (_group_key(run.messages), run.run_id, run.strategy, None if best is None else best.score,
+            max(scores) if scores else None, kind)
+
+
 @dataclass
 class _PromptGroup:
     messages: list
@@ -290,19 +341,27 @@ class CrossRunIndex:
         self.recovered = Counter()  # failed runs that made it into a pair, by outcome
         self.capped = 0  # failed strategies left out by the per-prompt cap (counted by pairs())
 
-    def add(self, run: Run) -> None:
-        group = self.groups.setdefault(prompt_key(run.messages), _PromptGroup(run.messages, run.tags))
-        best = best_attempt(run)
-        if best is not None:
-            if group.best is None or best.score > group.best[2]:  # strict: the earliest run wins ties
-                group.best = (run.run_id, run.strategy, best.score)
-        elif run.strategy.strip() not in group.failed:
+    def add(self, run: Run, best: Attempt | None = None, kind: str | None = None) -> None:
+        """Add one run; `best` and `kind` are best_attempt(run) and outcome(run), when the caller has them."""
+        if kind is None:
+            best, kind = best_attempt(run), outcome(run)
+        self.add_record(index_record(run, best, kind), run.messages, run.tags)
+
+    def add_record(self, record: tuple, messages: list | None, tags: list | None) -> None:
+        """Add one run's index_record; messages and tags (its prompt) may be None once a run with the same
+        prompt was added: the group keeps those of its first run."""
+        key, run_id, strategy, best_score, failed_score, kind = record
+        group = self.groups.get(key)
+        if group is None:
+            group = self.groups[key] = _PromptGroup(messages, tags)
+        if best_score is not None:
+            if group.best is None or best_score > group.best[2]:  # strict: the earliest run wins ties
+                group.best = (run_id, strategy, best_score)
+        elif strategy.strip() not in group.failed:
             if len(group.failed) > self.cap:  # one spare slot: the final best may be among the failed
                 group.overflow += 1
                 return
-            scores = [a.score for a in run.attempts if a.score is not None]
-            group.failed[run.strategy.strip()] = (run.run_id, run.strategy, max(scores) if scores else None,
-                                                  outcome(run))
+            group.failed[strategy.strip()] = (run_id, strategy, failed_score, kind)
 
     def pairs(self):
         for group in self.groups.values():
@@ -553,6 +612,41 @@ def to_line(record: dict) -> str:
     return _line(record) + "\n"
 
 
+def _meta_json(meta: dict) -> str:
+    return "".join(_c_line(meta, 0)) if _c_line else _line(meta)
+
+
+def _prompt_json(messages: list) -> tuple[str, str] | None:
+    """The prompt as the digest's canonical JSON and as a line writes it, each string quoted once; None when a
+    role or content is not a plain str (the encoders then handle it, as before)."""
+    pieces = [(m["role"], m["content"]) for m in messages]
+    if any(type(role) is not str or type(content) is not str for role, content in pieces):
+        return None
+    quoted = [(_quote(role), _quote(content)) for role, content in pieces]
+    canon = ",".join(["[%s,%s]" % rc for rc in quoted])
+    line = ", ".join(['{"role": %s, "content": %s}' % rc for rc in quoted])
+    return f"[{canon}]", f"[{line}]"
+
+
+def digest_and_line(pair: Pair, fmt: str = "trl") -> tuple[int, str]:
+    """pair_digest(pair) and to_line(to_record(pair, fmt)) at once, joined by hand from strings each quoted once,
+    where those quote every string twice through encoders built per call (11 us a pair -> 5 on the bench mix).
+    Pairs holding something other than plain strings go the plain way; a test checks both give the same bytes."""
+    prompt = _prompt_json(pair.prompt)
+    if prompt is None or type(pair.chosen) is not str or type(pair.rejected) is not str:
+        return pair_digest(pair), to_line(to_record(pair, fmt))
+    canon_prompt, line_prompt = prompt
+    chosen, rejected = _quote(pair.chosen), _quote(pair.rejected)
+    digest = hashlib.sha256(f"[{canon_prompt},{chosen},{rejected}]".encode("utf-8")).digest()  # = pair_digest's
+    chosen = f'[{{"role": "assistant", "content": {chosen}}}]'
+    rejected = f'[{{"role": "assistant", "content": {rejected}}}]'
+    if fmt == "openai":
+        line = f'{{"input": {{"messages": {line_prompt}}}, "preferred_output": {chosen}, "non_preferred_output": {rejected}}}'
+    else:
+        line = f'{{"prompt": {line_prompt}, "chosen": {chosen}, "rejected": {rejected}, "meta": {_meta_json(pair.meta)}}}'
+    return int.from_bytes(digest[:8], "big"), line + "\n"
+
+
 class PairWriter:
     """Streams lines to a temporary file beside the destination; `commit` renames it into place.
 
@@ -566,15 +660,32 @@ class PairWriter:
         folder = tempfile.gettempdir() if dest == "-" else os.path.dirname(os.path.abspath(dest))
         os.makedirs(folder, exist_ok=True)
         fd, self.tmp = tempfile.mkstemp(prefix=f".{os.path.basename(dest)}.", suffix=".tmp", dir=folder)
-        self.file = os.fdopen(fd, "w", encoding="utf-8", newline="\n")
+        self.file = os.fdopen(fd, "wb")  # lines are encoded as they come (process_block's in its worker)
 
     def write(self, pairs) -> None:
         for pair in pairs:
-            if not self.seen.add(pair_digest(pair)):
+            digest, line = digest_and_line(pair, self.fmt)
+            if not self.seen.add(digest):
                 self.duplicates += 1
                 continue
-            self.file.write(to_line(to_record(pair, self.fmt)))
+            self.file.write(line.encode("utf-8"))
             self.by_rule[pair.meta["rule"]] += 1
+
+    def write_block(self, block: Block) -> None:
+        """write() for the pairs of a process_block: one write when none is a duplicate (~350 KB on the bench)."""
+        kept = [self.seen.add(digest) for digest in block.digests]
+        if all(kept):
+            self.file.write(block.text)
+            self.by_rule.update(block.rules)
+            return
+        text, start = memoryview(block.text), 0
+        for keep, end, rule in zip(kept, block.ends, block.rules):
+            if keep:
+                self.file.write(text[start:end])
+                self.by_rule[rule] += 1
+            else:
+                self.duplicates += 1
+            start = end
 
     def commit(self) -> None:
         self.file.flush()
@@ -605,29 +716,136 @@ class PairWriter:
 # CLI: read, apply the rules, write, summarise.
 # ---------------------------------------------------------------------------------------------
 
-def read_runs(path: str, score_key: str, skip_invalid: bool, stats: Counter):
-    """Yield Run records from a JSONL file (`-`: standard input), one line in memory at a time."""
-    name = "<stdin>" if path == "-" else path
+def open_runs(path: str):
+    """The run logs as a binary stream (`-`: standard input, left open at the end)."""
+    if path == "-":
+        return contextlib.nullcontext(sys.stdin.buffer)
     try:
-        f = sys.stdin.buffer if path == "-" else open(path, "rb")
+        return open(path, "rb")
     except OSError as e:
         raise kit.UserError(f"cannot read the run logs: {e.strerror}", path) from None
-    try:
-        for line_no, raw in enumerate(f, start=1):
+
+
+BLOCK_BYTES = 1 << 19  # run logs read (and handed to a worker) at a time: ~350 runs of the bench's 1.5 KB
+
+
+def read_blocks(f):
+    """Yield (bytes, number of its first line) from a binary stream: whole lines, about BLOCK_BYTES at a time."""
+    line_no, tail = 1, []
+    while data := f.read(BLOCK_BYTES):
+        end = data.rfind(b"\n") + 1
+        if not end:  # a line longer than a block
+            tail.append(data)
+            continue
+        block = b"".join([*tail, data[:end]])
+        tail = [data[end:]]
+        yield block, line_no
+        line_no += block.count(b"\n")
+    if b"".join(tail):
+        yield b"".join(tail), line_no
+
+
+@dataclass
+class Block:
+    """What process_block makes of one block of lines: plain lists, cheap to send between processes."""
+
+    digests: array  # pair_digest of each pair, in order
+    text: bytes  # their output lines, UTF-8, one after another
+    ends: array  # where each line ends in text
+    rules: list  # each pair's meta["rule"]
+    records: list  # index_record of each run, when cross_run is on
+    prompts: list  # beside each record: (messages, tags) the first time this process saw its prompt, else None
+    outcomes: Counter
+    stats: Counter
+    skipped: list  # the message for each invalid line skipped (--skip_invalid)
+    stop: tuple | None = None  # (raw line, line number) where processing stopped at an exception
+
+
+def worker_count(cfg: PairsConfig) -> int:
+    """How many worker processes to start: none (1) for model garbling (the model is loaded here), standard input
+    or a small file in auto mode."""
+    if cfg.garble == "model" or cfg.workers == 1:
+        return 1
+    if cfg.workers:
+        return cfg.workers
+    small = cfg.runs == "-" or not os.path.isfile(cfg.runs) or os.path.getsize(cfg.runs) < AUTO_WORKERS_BYTES
+    return 1 if small else min(len(os.sched_getaffinity(0)), MAX_WORKERS)
+
+
+def processed_blocks(f, cfg: PairsConfig, garbler, workers: int):
+    """process_block of each block of f, in order: here, or by `workers` processes with at most two blocks each
+    in flight (so memory stays flat; a pool's imap would read the whole input ahead)."""
+    if workers == 1:
+        shipped = set()
+        for block, first_line in read_blocks(f):
+            yield process_block(block, first_line, cfg, garbler, shipped)
+        return
+    import multiprocessing
+
+    # fork: the workers start with this module and cfg as they are (nothing pickled); nothing is written yet
+    with multiprocessing.get_context("fork").Pool(workers, _start_worker, (cfg,)) as pool:
+        pending = collections.deque()
+        for block in read_blocks(f):
+            pending.append(pool.apply_async(_worker_block, block))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+_worker = None  # in a worker process: (cfg, its RuleGarbler, the group keys whose prompt it has sent)
+
+
+def _start_worker(cfg: PairsConfig) -> None:
+    global _worker
+    _worker = (cfg, RuleGarbler(cfg.seed), set())
+
+
+def _worker_block(block: bytes, first_line: int) -> Block:
+    cfg, garbler, shipped = _worker
+    return process_block(block, first_line, cfg, garbler, shipped)
+
+
+def process_block(block: bytes, first_line: int, cfg: PairsConfig, garbler, shipped: set, catch: bool = True) -> Block:
+    """Rules 1-3 for each run in a block of lines, its pairs already encoded. Stops at the first exception (any
+    but a bad line with --skip_invalid): `stop` says where, and the caller runs that line again (catch=False) to
+    raise it. `shipped` holds the group keys whose prompt this process has already sent along."""
+    name = "<stdin>" if cfg.runs == "-" else cfg.runs
+    out, lines = Block(array("Q"), b"", array("Q"), [], [], [], Counter(), Counter(), []), []
+    for line_no, raw in enumerate(io.BytesIO(block), start=first_line):  # BytesIO splits at b"\n" only, as a file does
+        try:
             try:
-                run = _parse_line(raw, name, line_no, score_key)
+                run = _parse_line(raw, name, line_no, cfg.score_key)
             except kit.UserError as e:
-                if not skip_invalid:
+                if not cfg.skip_invalid:
                     raise
-                stats["invalid_lines_skipped"] += 1
-                if stats["invalid_lines_skipped"] <= MAX_WARNINGS:
-                    print(f"{e} (skipped)", file=sys.stderr)
+                out.skipped.append(f"{e} (skipped)")
                 continue
-            if run is not None:
-                yield run
-    finally:
-        if f is not sys.stdin.buffer:
-            f.close()
+            if run is None:
+                continue
+            kind, best = outcome(run), best_attempt(run)  # once, not in each rule
+            pairs = pairs_for_run(run, cfg, garbler, out.stats, kind, best)
+            encoded = [digest_and_line(pair, cfg.format) for pair in pairs]
+            encoded = [(digest, line.encode("utf-8")) for digest, line in encoded]
+        except Exception:
+            if not catch:
+                raise
+            out.stop = (raw, line_no)
+            break
+        out.outcomes[kind] += 1
+        out.stats["attempts_missing_score"] += sum(a.ran and a.score is None for a in run.attempts)
+        out.stats["mixed_without_pairs"] += kind == "mixed" and not pairs
+        for pair, (digest, line) in zip(pairs, encoded):
+            out.digests.append(digest)
+            lines.append(line)
+            out.ends.append((out.ends[-1] if out.ends else 0) + len(line))
+            out.rules.append(pair.meta["rule"])
+        if cfg.cross_run:
+            out.records.append(record := index_record(run, best, kind))
+            out.prompts.append(None if record[0] in shipped else (run.messages, run.tags))
+            shipped.add(record[0])
+    out.text = b"".join(lines)
+    return out
 
 
 def _parse_line(raw: bytes, name: str, line_no: int, score_key: str) -> Run | None:
@@ -637,13 +855,15 @@ def _parse_line(raw: bytes, name: str, line_no: int, score_key: str) -> Run | No
         where = f"byte {raw[e.start]:#04x} at column {e.start + 1}"
         raise kit.UserError(f"not valid UTF-8 ({where})", name, line_no) from None
     text = text.lstrip("\ufeff") if line_no == 1 else text
-    if not text.strip():
+    if _blank(text):
         return None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise kit.UserError(f"malformed JSON: {e.msg} at column {e.colno}", name, line_no) from None
-    return parse_run(obj, name, line_no, score_key)
+    # The bytes are valid UTF-8, so an unpaired surrogate can only come from a \uDxxx escape: without one in
+    # the line, parse_run need not encode every string to look for it (~1.5 KB a run, 7 calls: ~2 us).
+    return parse_run(obj, name, line_no, score_key, surrogates=b"\\ud" in raw or b"\\uD" in raw)
 
 
 def summarize(cfg: PairsConfig, stats: Counter, outcomes: Counter, recovered: Counter, writer: PairWriter,
@@ -690,16 +910,21 @@ def main(argv: list[str] | None = None) -> int:
     garbler = ModelGarbler(cfg.model, cfg.seed) if cfg.garble == "model" else RuleGarbler(cfg.seed)
     index = CrossRunIndex(cfg.max_pairs_per_prompt) if cfg.cross_run else None
     stats, outcomes = Counter(), Counter()
-    with PairWriter(cfg.output, cfg.format) as writer:
-        for run in read_runs(cfg.runs, cfg.score_key, cfg.skip_invalid, stats):
-            kind = outcome(run)
-            outcomes[kind] += 1
-            stats["attempts_missing_score"] += sum(a.ran and a.score is None for a in run.attempts)
-            pairs = pairs_for_run(run, cfg, garbler, stats)
-            stats["mixed_without_pairs"] += kind == "mixed" and not pairs
-            writer.write(pairs)
+    with PairWriter(cfg.output, cfg.format) as writer, open_runs(cfg.runs) as f:
+        for out in processed_blocks(f, cfg, garbler, worker_count(cfg)):
+            for message in out.skipped:
+                stats["invalid_lines_skipped"] += 1
+                if stats["invalid_lines_skipped"] <= MAX_WARNINGS:
+                    print(message, file=sys.stderr)
+            if out.stop:
+                process_block(*out.stop, cfg, garbler, set(), catch=False)
+                raise RuntimeError(f"line {out.stop[1]} failed once, then not again")
+            outcomes.update(out.outcomes)
+            stats.update(out.stats)
+            writer.write_block(out)
             if index:
-                index.add(run)
+                for record, prompt in zip(out.records, out.prompts):
+                    index.add_record(record, *(prompt or (None, None)))
         if index:
             writer.write(index.pairs())
             stats["cross_run_capped"] = index.capped

@@ -445,3 +445,139 @@ def test_digest_set_finds_every_duplicate_across_growth():
     assert not any(s.add(v) for v in values[::7])  # every one of them is still found after the rehashes
     assert s.add(values[0] ^ 1) and len(s) == 5001  # a neighbour is a different digest
     assert sorted(v for b in s.buckets for v in b) == sorted(values + [values[0] ^ 1])
+
+
+# ---------------------------------------------------------------------------------------------
+# The fast paths give what the plain ones do
+# ---------------------------------------------------------------------------------------------
+
+TRICKY = ["é 数字 😀", 'say "hi"\\\t\x01\u2028\u2029', "", " ", "\x00nul", "</script>", "\\ud800 as text", "a" * 3000]
+
+
+@pytest.mark.parametrize("fmt", ["trl", "openai"])
+def test_digest_and_line_match_the_plain_encoders(fmt):
+    metas = [{"run_id": "r", "rule": "mixed", "chosen_score": 3, "rejected_score": None},
+             {"run_id": "é", "rule": "cross_run", "chosen_score": 2.5, "rejected_score": -0.0, "chosen_run_id": "x",
+              "tags": ["t", None]},
+             {"rule": "spin", "line": 10**30, "ok": True, "nested": {"a": [1e-300, "\x7f"]}}]
+    sub = type("Sub", (str,), {})  # not a plain str: the plain way
+    prompts = [[{"role": "user", "content": t}] for t in TRICKY] + [
+        [{"role": "system", "content": "s", "tag": "x"}, {"role": "user", "content": "u"}], [],
+        [{"role": "user", "content": 5}], [{"role": "user", "content": sub("sub")}]]
+    for i, prompt in enumerate(prompts):
+        for chosen, rejected in [(TRICKY[i % len(TRICKY)], TRICKY[-1 - i % len(TRICKY)]), ("a", sub("b"))]:
+            pair = bp.Pair(prompt, chosen, rejected, metas[i % len(metas)])
+            assert bp.digest_and_line(pair, fmt) == (bp.pair_digest(pair), bp.to_line(bp.to_record(pair, fmt)))
+
+
+def test_group_key_is_equal_exactly_when_prompt_key_is():
+    def m(*pairs):
+        return [{"role": r, "content": c} for r, c in pairs]
+    prompts = [m(("user", "ab")), m(("user", "a"), ("user", "b")), m(("user", "a\x00b")), m(("user", "1\x00a")),
+               m(("user", "")), m(("user", ""), ("user", "")), m(("system", "ab")), m(("user", "é")),
+               m(("user", "ab")) + [{"role": "user", "content": "c", "tag": "t"}],
+               [{"role": "user", "content": "ab", "tag": "ignored"}], m(("user", "😀"))]
+    for a in prompts:
+        for b in prompts:
+            assert (bp._group_key(a) == bp._group_key(b)) == (bp.prompt_key(a) == bp.prompt_key(b)), (a, b)
+
+
+def plain_main(path, cfg):
+    """build_pairs as it was: one run at a time through the public functions, no blocks, no workers."""
+    stats, outcomes, garbler, index = Counter(), Counter(), bp.RuleGarbler(cfg.seed), bp.CrossRunIndex(cfg.max_pairs_per_prompt)
+    out = []
+    seen = set()
+    for line_no, raw in enumerate(io.BytesIO(path.read_bytes()), start=1):
+        try:
+            text = raw.decode("utf-8").lstrip("\ufeff") if line_no == 1 else raw.decode("utf-8")
+            if not text.strip():
+                continue
+            r = bp.parse_run(json.loads(text), str(path), line_no, cfg.score_key)
+        except (ValueError, kit.UserError):
+            stats["invalid"] += 1
+            continue
+        outcomes[bp.outcome(r)] += 1
+        for pair in bp.pairs_for_run(r, cfg, garbler, stats):
+            if bp.pair_digest(pair) not in seen:
+                seen.add(bp.pair_digest(pair))
+                out.append(bp.to_line(bp.to_record(pair, cfg.format)))
+        index.add(r)
+    for pair in index.pairs():
+        if bp.pair_digest(pair) not in seen:
+            seen.add(bp.pair_digest(pair))
+            out.append(bp.to_line(bp.to_record(pair, cfg.format)))
+    return "".join(out).encode("utf-8"), stats["invalid"], len(seen)
+
+
+def tricky_logs(tmp_path):
+    """The demo logs made awkward: unicode, escaped surrogate pairs (valid) and lone ones (invalid), float and int
+    ids and scores, [message, tag] prompts, duplicate runs, blank and bad lines, a BOM and no final newline."""
+    rows = [json.loads(line) for line in DEMO.read_text(encoding="utf-8").splitlines()]
+    lines = []
+    for i, r in enumerate(rows * 3):
+        r = json.loads(json.dumps(r))
+        r["run_id"] = i if i % 5 == 0 else f"r{i % 70}é"  # ids repeat: duplicate pairs
+        r["strategy"] += ["", " — 数字 😀", ' "q" \\ \u2028'][i % 3]
+        for a in r["attempts"]:
+            if "space_freed" in a and i % 4 == 1:
+                a["space_freed"] = [0.5, -0.0, 10**20, 7][i % 4]
+        line = json.dumps(r, ensure_ascii=i % 2 == 0)
+        if i % 11 == 3:
+            line = line.replace('"strategy": "', '"strategy": "\\ud83d\\ude00\\\\ud800 ', 1)  # valid: a pair, then text
+        lines.append(line.encode("utf-8"))
+    for i, bad in enumerate([b"not json", b"[1]", b"\xff", b'{"run_id": "\\udfff", "prompt": []}',
+                             lines[5].replace(b'"strategy": "', b'"strategy": "\\ud800', 1), b"", b"  \t"]):
+        lines.insert(7 + 19 * i, bad)
+    path = tmp_path / "tricky.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b"\n".join(lines))
+    return path
+
+
+@pytest.mark.parametrize("workers, block_bytes", [(1, bp.BLOCK_BYTES), (1, 1000), (2, 1000), (3, 64)])
+def test_blocks_and_workers_give_what_one_run_at_a_time_gives(tmp_path, monkeypatch, workers, block_bytes):
+    src = tricky_logs(tmp_path)
+    expected, invalid, _ = plain_main(src, bp.PairsConfig(runs=str(src), seed=3))
+    monkeypatch.setattr(bp, "BLOCK_BYTES", block_bytes)  # many blocks: the workers' results interleave
+    out = tmp_path / "pairs.jsonl"
+    code = kit.run_cli(bp.main, [str(src), "-o", str(out), "--skip_invalid", "--seed", "3", "--workers", str(workers),
+                                 "--report", str(tmp_path / "r.json")])
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert code == 0 and report["invalid_lines_skipped"] == invalid == 5 and report["duplicates_removed"] > 0
+    assert out.read_bytes() == expected
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_first_bad_line_stops_the_run_with_workers_too(tmp_path, monkeypatch, capsys, workers):
+    src = tricky_logs(tmp_path)
+    monkeypatch.setattr(bp, "BLOCK_BYTES", 2000)
+    assert kit.run_cli(bp.main, [str(src), "-o", str(tmp_path / "p.jsonl"), "--workers", str(workers)]) == 2
+    assert capsys.readouterr().err == f"{src}:8: malformed JSON: Expecting value at column 1\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tricky.jsonl"]
+
+
+def test_read_blocks_cuts_where_a_file_iterates(tmp_path, monkeypatch):
+    data = b"a\r\nb\rc\n\n" + b"x" * 50 + b"\n\x85\x0c\nlast"
+    monkeypatch.setattr(bp, "BLOCK_BYTES", 7)  # lines longer than a block, too
+    blocks = list(bp.read_blocks(io.BytesIO(data)))
+    assert b"".join(b for b, _ in blocks) == data
+    lines = [(n, raw) for b, first in blocks for n, raw in enumerate(io.BytesIO(b), start=first)]
+    assert lines == list(enumerate(io.BytesIO(data), start=1))
+
+
+def test_surrogate_escapes_are_found_without_encoding_every_string():
+    def parse(text):
+        return bp._parse_line(text, "f", 1, "space_freed")
+    line = json.dumps(run(attempts=[ok()]))
+    assert parse(line.replace('"Clear', '"\\ud83d\\ude00 \\\\ud800 Clear').encode()).strategy.startswith("😀 \\ud800")
+    for escape in ("\\ud800", "\\uDC00", "\\udBfF"):
+        with pytest.raises(kit.UserError, match="strategy holds an unpaired surrogate"):
+            parse(line.replace('"Clear', f'"{escape}Clear').encode())
+
+
+def test_workers_option():
+    assert bp.worker_count(bp.PairsConfig(runs=str(DEMO))) == 1  # the default: this process alone
+    assert bp.worker_count(bp.PairsConfig(runs="-", workers=0)) == 1  # standard input: no workers
+    assert bp.worker_count(bp.PairsConfig(runs=str(DEMO), workers=0)) == 1  # small: not worth starting them
+    assert bp.worker_count(bp.PairsConfig(runs=str(DEMO), workers=3)) == 3
+    assert bp.worker_count(bp.PairsConfig(runs=str(DEMO), workers=3, garble="model", model="m")) == 1
+    assert "workers must be 0" in bp.PairsConfig(runs="x", workers=-1).problems()[0]
