@@ -9,8 +9,9 @@ An attempt *succeeded* when it ran and scored > 0 (`--score_key`, default space_
   first_try_code              strategy -> best code             vs  garbled code that never compiles
   cross_run                   shared prompt -> best run's strategy vs each never-succeeded run's strategy
 `-` as input reads standard input; `-o -` writes standard output. `-o` is short for --output, and
---dashed-names work as well as --underscored_names. The summary goes to standard error. `--workers N` parses and
-garbles in N worker processes (0: one per CPU core), in blocks put back in order: the same output.
+--dashed-names work as well as --underscored_names. The summary goes to standard error. Logs over 4 MB are
+parsed and garbled by one worker process per CPU core (up to 4), in blocks put back in order: the same output
+(`--workers 1`: this process alone).
 
 Pairs the model makes for itself (Self-Rewarding LMs and SPIN; the model loads in 4-bit like training):
 
@@ -54,7 +55,8 @@ MODEL_TEMPERATURE = 1.5  # "high-temperature garbled output", as the retraining 
 MODEL_TRIES = 3  # samples per answer before the rules garbler stands in
 # --workers: each worker parses, garbles and encodes blocks of runs (~90 us of CPU a run on the bench mix, a third
 # of it compile()) while this process dedups, writes, keeps the cross-run index and moves the blocks (~20 us).
-# Off by default: measured on the 2 cores with another job busy on them, 2 workers ran at 0.8x of one process.
+# On by default for files over AUTO_WORKERS_BYTES: on 2 idle cores, 100k bench runs took 8.0 s in one process and
+# 4.8 s with 2 workers (1M: 47.7 s, 21,000 runs/s); with another job busy on both cores, 2 workers ran at 0.8x.
 MAX_WORKERS = 4
 AUTO_WORKERS_BYTES = 4 << 20  # below this (~2,700 bench runs, ~0.2 s) starting workers costs more than it saves
 MAX_WARNINGS = 10  # skipped-line messages shown with --skip_invalid; the rest are only counted
@@ -88,7 +90,7 @@ class PairsConfig:
     model: str | None = kit.field(None, "causal LM directory for --garble model")
     seed: int = kit.field(0, "garbling seed; the same input and seed give byte-identical output")
     skip_invalid: bool = kit.field(False, "skip and count bad lines instead of stopping at the first one")
-    workers: int = kit.field(1, "processes that parse and garble while this one writes (1: this process alone; 0: "
+    workers: int = kit.field(0, "processes that parse and garble while this one writes (1: this process alone; 0: "
                              f"one per CPU core, up to {MAX_WORKERS}, for inputs over {AUTO_WORKERS_BYTES >> 20} MB); "
                              "the output is the same")
 

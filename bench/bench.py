@@ -274,8 +274,11 @@ def markdown(results: dict) -> str:
             lines.append(f"| {mode} | {n} | {r.get('dtype', 'float32')} | {r['pairs_per_s']:.3f} | {r['tokens_per_s']:.0f} | {r['step_s']:.2f} "
                          f"| {r['gflops']:.1f} | {r['mfu']:.1%} | {r['peak_train_mb']:,.0f} | {r['startup_s']:.1f} "
                          f"| {r['precompute_s']:.1f} | {r.get('last_loss', float('nan')):.4f} |")
-    lines += ["", "| build_pairs runs | runs/s | peak RSS (MB) | wall (s) | pairs written |", "| --- | --- | --- | --- | --- |"]
-    lines += [f"| {p['runs']:,} | {p['runs_per_s']:,.0f} | {p['peak_mb']:,.0f} | {p['wall_s']:.2f} | {p['pairs']:,} |"
+    lines += ["", "| build_pairs runs | workers | runs/s | runs/s (wall, with interpreter start) | peak RSS, all "
+              "processes (MB) | main process (MB) | wall (s) | pairs written |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {p['runs']:,} | {p.get('workers', 0)} | {p['runs_per_s']:,.0f} | {p.get('runs_per_s_wall', p['runs_per_s']):,.0f} "
+              f"| {p['peak_mb']:,.0f} | {p.get('main_peak_mb', p['peak_mb']):,.0f} | {p['wall_s']:.2f} | {p['pairs']:,} |"
               for p in results["build_pairs"]]
     lines += ["", "| ratio | value |", "| --- | --- |"]
     lines += [f"| {k} | {'n/a' if v is None else f'{v:.3g}'} |" for k, v in results["ratios"].items()]
@@ -385,11 +388,15 @@ def child_build_pairs(argv: list[str], peak_path: str) -> None:
     VmHWM starts again at exec.)"""
     import runpy
 
+    import resource
+
     sys.argv = [str(ROOT / "build_pairs.py"), *argv]
+    start = time.time()
     try:
         runpy.run_path(sys.argv[0], run_name="__main__")
-    finally:
-        Path(peak_path).write_text(json.dumps({"peak_mb": vm_hwm_mb()}))
+    finally:  # the largest worker process's peak (Linux: ru_maxrss in KB), for a whole-command upper bound
+        Path(peak_path).write_text(json.dumps({"peak_mb": vm_hwm_mb(), "run_s": time.time() - start,
+                                               "worker_peak_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))
 
 
 def child_command(function: str, *args) -> list[str]:
@@ -447,8 +454,16 @@ def bench_build_pairs(n_runs: int, work: Path, seed: int) -> dict:
                              timeout=600)
     if status != 0:
         raise RuntimeError(f"build_pairs failed on {n_runs} runs: {(work / f'build_pairs-{n_runs}.log').read_text()}")
-    report = json.loads((work / f"report-{n_runs}.json").read_text())
-    out = {"runs": n_runs, "wall_s": wall, "runs_per_s": n_runs / wall, "peak_mb": json.loads(peak.read_text())["peak_mb"],
+    import build_pairs
+
+    report, child = json.loads((work / f"report-{n_runs}.json").read_text()), json.loads(peak.read_text())
+    workers = build_pairs.worker_count(build_pairs.PairsConfig(runs=str(logs)))
+    workers = 0 if workers == 1 else workers  # 1 = this process alone, no worker processes
+    # runs/s over build_pairs' own run (its imports included, not the interpreter's start: ~0.1 s that would
+    # count for a third of the 10k-run wall time); peak = the main process plus each worker at the largest's peak
+    out = {"runs": n_runs, "wall_s": wall, "run_s": child["run_s"], "runs_per_s": n_runs / child["run_s"],
+           "runs_per_s_wall": n_runs / wall, "workers": workers, "main_peak_mb": child["peak_mb"],
+           "peak_mb": child["peak_mb"] + workers * child["worker_peak_mb"],
            "pairs": report["pairs_written"], "input_mb": logs.stat().st_size / 1e6}
     logs.unlink()
     pairs.unlink()

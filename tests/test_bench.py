@@ -87,11 +87,12 @@ def test_markdown_table():
                "machine": {"cpu": "cpu", "cores": 2, "torch_threads": 2, "python": "3.11", "versions": {"trl": "1"}},
                "matmul": {"size": 64, "gflops": 100.0},
                "train": {"default": {"128": result(0.5, 2000)}, "no_4bit": {"128": {"error": "exit 1: boom"}}},
-               "build_pairs": [{"runs": 10_000, "runs_per_s": 5000.0, "peak_mb": 29.0, "wall_s": 2.0, "pairs": 13}]}
+               "build_pairs": [{"runs": 10_000, "runs_per_s": 5000.0, "runs_per_s_wall": 4000.0, "workers": 2,
+                                "peak_mb": 69.0, "main_peak_mb": 29.0, "wall_s": 2.5, "pairs": 13}]}
     results["ratios"] = bench.ratios(results["train"], [128])
     text = bench.markdown(results)
     assert "| default | 128 | float32 | 0.500 |" in text and "failed: exit 1: boom" in text
-    assert "| 10,000 | 5,000 | 29 | 2.00 | 13 |" in text and "100.0 GFLOP/s" in text
+    assert "| 10,000 | 2 | 5,000 | 4,000 | 69 | 29 | 2.50 | 13 |" in text and "100.0 GFLOP/s" in text
 
 
 def test_config_defaults_and_problems():
