@@ -12,6 +12,7 @@ for the backward (they recompute what is cheap):
                 one GEMM (addmm_): no scaled copy and no add pass, and fewer tensors kept
   RMSNorm       y = w * x * rsqrt(mean(x^2) + eps) with the backward written out: keeps x and one
                 number per token instead of four full tensors
+  SiLU gate     silu(gate) * up keeping gate and up, not silu(gate) too (recomputed in the backward)
   log-probs     the completion tokens' log-probs through the output head in chunks (as TRL's
                 chunked path), without TRL's no-op scale passes and extra copies, and with the
                 entropy (a logged metric) computed only where it is logged
@@ -86,6 +87,22 @@ def _functions():
                 gw = (gy * x * rstd).reshape(-1, d).sum(0)
             return gx, gw, None
 
+    class SiluMul(torch.autograd.Function):
+        """silu(gate) * up, the gated MLP's middle; keeps gate and up only (eager autograd also keeps
+        silu(gate), a third [tokens x intermediate] tensor) and recomputes silu in the backward."""
+
+        @staticmethod
+        def forward(ctx, gate, up):
+            ctx.save_for_backward(gate, up)
+            return torch.nn.functional.silu(gate).mul_(up)
+
+        @staticmethod
+        def backward(ctx, g):
+            gate, up = ctx.saved_tensors
+            g_gate = torch.ops.aten.silu_backward(g * up, gate) if ctx.needs_input_grad[0] else None
+            g_up = torch.nn.functional.silu(gate).mul_(g) if ctx.needs_input_grad[1] else None
+            return g_gate, g_up
+
     class ChunkedLogps(torch.autograd.Function):
         """log softmax(h W^T)[target] per row of h (and, when asked, the entropy of that softmax, without
         gradient), the [N x vocab] logits only ever in [1,024 x 8,192] tiles."""
@@ -133,7 +150,7 @@ def _functions():
                     out.addmm_(p, w, alpha=-1.0)
             return grad_hidden.to(hidden.dtype), None, None, None
 
-    return types.SimpleNamespace(LoraDelta=LoraDelta, RMSNorm=RMSNorm, ChunkedLogps=ChunkedLogps)
+    return types.SimpleNamespace(LoraDelta=LoraDelta, RMSNorm=RMSNorm, SiluMul=SiluMul, ChunkedLogps=ChunkedLogps)
 
 
 _FN = None
@@ -159,6 +176,17 @@ def is_rms_norm(module) -> bool:
     return (name.endswith("RMSNorm") and "Gemma" not in name and weight is not None and weight.dim() == 1
             and isinstance(getattr(module, "variance_epsilon", getattr(module, "eps", None)), float)
             and getattr(module, "bias", None) is None)
+
+
+def is_gated_silu_mlp(module) -> bool:
+    """A Llama-style MLP: down(silu(gate(x)) * up(x)), with SiLU as its activation module (a class named
+    *MLP with gate_proj, up_proj and down_proj)."""
+    import torch
+
+    act = getattr(module, "act_fn", None)
+    silu = isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"  # transformers' own: F.silu
+    return (all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj")) and silu
+            and type(module).__name__.endswith("MLP"))
 
 
 def lora_fusable(layer, adapter_names=None) -> str | None:
@@ -208,17 +236,28 @@ def _rms_norm_forward(self, hidden_states):
     return fn().RMSNorm.apply(hidden_states, self.weight, float(eps))
 
 
+def _mlp_forward(self, x):
+    import torch
+
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    if gate.dtype != torch.float32 or torch.is_autocast_enabled(x.device.type):
+        return self.down_proj(self.act_fn(gate) * up)
+    return self.down_proj(fn().SiluMul.apply(gate, up))
+
+
 def enable(model) -> dict:
     """Swap the fused forwards onto the model's RMSNorm and peft LoRA linear instances (the
     instance's forward; the class is untouched). Returns how many of each; idempotent."""
     from peft.tuners.lora.layer import Linear as LoraLinearLayer
 
-    counts = {"lora_linear": 0, "rms_norm": 0}
+    counts = {"lora_linear": 0, "rms_norm": 0, "mlp": 0}
     for module in model.modules():
         if isinstance(module, LoraLinearLayer):
             module.forward, kind = types.MethodType(_lora_forward, module), "lora_linear"
         elif is_rms_norm(module):
             module.forward, kind = types.MethodType(_rms_norm_forward, module), "rms_norm"
+        elif is_gated_silu_mlp(module):
+            module.forward, kind = types.MethodType(_mlp_forward, module), "mlp"
         else:
             continue
         counts[kind] += 1
@@ -229,7 +268,7 @@ def disable(model) -> None:
     """Undo enable(): the instances get their class's forward back."""
     for module in model.modules():
         if "forward" in vars(module) and getattr(module.forward, "__func__", None) in (_lora_forward,
-                                                                                       _rms_norm_forward):
+                                                                                       _rms_norm_forward, _mlp_forward):
             del module.forward
 
 

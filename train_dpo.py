@@ -1118,7 +1118,8 @@ def train(cfg, run, model_path, ref_path, pairs, held, probes, data, resume_from
         trainer.kit_fused_logps = data.get("logps", "").startswith("chunked")
         trainer.kit_share_prompts = cfg.share_prompts
         data["fused_ops"] = fused | {"chunked_head": trainer.kit_fused_logps}
-        print(f"[model] fused ops (fastpath.py): {fused['lora_linear']} LoRA layers, {fused['rms_norm']} RMSNorms"
+        print(f"[model] fused ops (fastpath.py): {fused['lora_linear']} LoRA layers, {fused['rms_norm']} RMSNorms, "
+              f"{fused['mlp']} SiLU gates"
               f"{', the chunked head' if trainer.kit_fused_logps else ''} (float32, no autocast; --no_fused_ops: off)")
     if not on_gpu:  # TRL casts LoRA weights to bf16 for 4-bit bases; on a CPU that is slow and rounds updates away
         for p in trainer.model.parameters():

@@ -54,6 +54,13 @@ def test_chunked_logps_and_entropy_match_log_softmax(monkeypatch, vocab_chunk):
     assert torch.autograd.gradcheck(lambda h: fastpath.chunked_logps(h, weight, targets)[0], (hidden,))
 
 
+def test_silu_mul_matches_and_its_gradients():
+    g = torch.Generator().manual_seed(5)
+    gate, up = (torch.randn(4, 6, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(2))
+    assert torch.allclose(fastpath.fn().SiluMul.apply(gate, up), torch.nn.functional.silu(gate) * up, atol=1e-12)
+    assert torch.autograd.gradcheck(fastpath.fn().SiluMul.apply, (gate, up))
+
+
 def test_recognisers_on_real_modules():
     from peft import LoraConfig, get_peft_model
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -65,6 +72,11 @@ def test_recognisers_on_real_modules():
         pass
 
     assert not fastpath.is_rms_norm(GemmaRMSNorm(8))
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    assert fastpath.is_gated_silu_mlp(LlamaMLP(LlamaConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2)))
+    assert not fastpath.is_gated_silu_mlp(LlamaMLP(LlamaConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, hidden_act="gelu")))
 
     def lora_layer(**kw):
         net = torch.nn.Sequential(torch.nn.Linear(4, 4))
@@ -105,7 +117,7 @@ def test_enable_gives_the_same_outputs_and_gradients_on_a_tiny_llama_and_disable
 
     eager_logits, eager_grads = run()
     counts = fastpath.enable(model)
-    assert counts == {"lora_linear": 14, "rms_norm": 5}  # 7 per layer; 2 per layer plus the final norm
+    assert counts == {"lora_linear": 14, "rms_norm": 5, "mlp": 2}  # 7 per layer; 2 per layer + the final norm
     fused_logits, fused_grads = run()
     assert torch.allclose(fused_logits, eager_logits, rtol=1e-5, atol=1e-5)
     assert fused_grads.keys() == eager_grads.keys() and len(fused_grads) == 28

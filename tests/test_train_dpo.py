@@ -381,7 +381,7 @@ def test_conversational_run_loads_with_peft_generates_and_is_reproducible(tmp_pa
     run_d, out_d = small_run(tmp_path, "trl_conversational", "d", "--no_fused_ops")
     assert kit.sha256_file(run_d / "adapter_model.safetensors") == kit.sha256_file(run_c / "adapter_model.safetensors")
     # The fused kernels (the default) against the libraries' modules: the same training to float rounding.
-    assert "fused ops (fastpath.py): 210 LoRA layers, 61 RMSNorms, the chunked head" in out
+    assert "fused ops (fastpath.py): 210 LoRA layers, 61 RMSNorms, 30 SiLU gates, the chunked head" in out
     assert "forward passes ran each prompt once for both completions" in out  # pairs share their prompt
     assert "each prompt once" not in out_d
     assert_same_training(run_a, run_d)
