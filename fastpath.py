@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import types
 
-LOGP_TOKEN_CHUNK = 1024  # tokens per head tile: 1,024 x 8,192 x 4 bytes = 32 MB of logits at a time
-LOGP_VOCAB_CHUNK = 8192  # vocabulary rows per head tile
+LOGP_TOKEN_CHUNK = 1024  # tokens per head tile: 1,024 x 2,048 x 4 bytes = 8 MB of logits at a time
+LOGP_VOCAB_CHUNK = 2048  # vocabulary rows per head tile
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,29 +105,33 @@ def _functions():
 
     class ChunkedLogps(torch.autograd.Function):
         """log softmax(h W^T)[target] per row of h (and, when asked, the entropy of that softmax, without
-        gradient), the [N x vocab] logits only ever in [1,024 x 8,192] tiles."""
+        gradient), the [N x vocab] logits only ever in [1,024 x 2,048] tiles (8 MB: the elementwise passes
+        over a tile find it in cache) written into two buffers made once per call (a fresh 8-32 MB tensor
+        per tile page-faults all its memory in again: the head's matmuls ran at 130 GFLOP/s instead of 170)."""
 
         @staticmethod
         def forward(ctx, hidden, weight, targets, with_entropy):
             n, acc = hidden.shape[0], torch.promote_types(hidden.dtype, torch.float32)
             lse = hidden.new_empty(n, dtype=acc)
             entropy = hidden.new_empty(n, dtype=acc) if with_entropy else hidden.new_zeros(0)
+            tiles = _tiles(hidden, weight, 2)
             for t0 in range(0, n, LOGP_TOKEN_CHUNK):
                 h = hidden[t0:t0 + LOGP_TOKEN_CHUNK]
                 big_m = big_s = big_x = None  # running max, sum of exp(logit - max), sum of exp(...) * logit
                 for v0 in range(0, weight.shape[0], LOGP_VOCAB_CHUNK):
-                    logits = h @ weight[v0:v0 + LOGP_VOCAB_CHUNK].t()
+                    w = weight[v0:v0 + LOGP_VOCAB_CHUNK]
+                    logits = torch.mm(h, w.t(), out=_tile(tiles[0], len(h), len(w)))
                     m = logits.amax(-1)
-                    e = (logits - m.unsqueeze(-1)).exp_()
+                    e = torch.sub(logits, m.unsqueeze(-1), out=_tile(tiles[1], len(h), len(w))).exp_()
                     s = e.sum(-1)
                     x = torch.linalg.vecdot(e, logits) if with_entropy else None
                     if big_m is None:
                         big_m, big_s, big_x = m, s, x
                         continue
                     new_m = torch.maximum(big_m, m)
-                    old_w, w = (big_m - new_m).exp_(), (m - new_m).exp_()
-                    big_s = big_s * old_w + s * w
-                    big_x = big_x * old_w + x * w if with_entropy else None
+                    old_w, w_new = (big_m - new_m).exp_(), (m - new_m).exp_()
+                    big_s = big_s * old_w + s * w_new
+                    big_x = big_x * old_w + x * w_new if with_entropy else None
                     big_m = new_m
                 lse[t0:t0 + len(h)] = big_m + big_s.log()
                 if with_entropy:
@@ -141,14 +145,23 @@ def _functions():
         def backward(ctx, g, _g_entropy):
             hidden, weight, targets, lse = ctx.saved_tensors
             grad_hidden = weight[targets] * g.unsqueeze(-1)  # d(label logit)/dh, times g
+            (tile,) = _tiles(hidden, weight, 1)
             for t0 in range(0, hidden.shape[0], LOGP_TOKEN_CHUNK):
                 h, gc, lc = hidden[t0:t0 + LOGP_TOKEN_CHUNK], g[t0:t0 + LOGP_TOKEN_CHUNK], lse[t0:t0 + LOGP_TOKEN_CHUNK]
                 out = grad_hidden[t0:t0 + len(h)]
                 for v0 in range(0, weight.shape[0], LOGP_VOCAB_CHUNK):
                     w = weight[v0:v0 + LOGP_VOCAB_CHUNK]
-                    p = (h @ w.t()).sub_(lc.unsqueeze(-1)).exp_().mul_(gc.unsqueeze(-1))  # g * softmax
+                    p = torch.mm(h, w.t(), out=_tile(tile, len(h), len(w)))
+                    p.sub_(lc.unsqueeze(-1)).exp_().mul_(gc.unsqueeze(-1))  # g * softmax
                     out.addmm_(p, w, alpha=-1.0)
             return grad_hidden.to(hidden.dtype), None, None, None
+
+    def _tiles(hidden, weight, count):
+        size = min(hidden.shape[0], LOGP_TOKEN_CHUNK) * min(weight.shape[0], LOGP_VOCAB_CHUNK)
+        return [hidden.new_empty(size) for _ in range(count)]
+
+    def _tile(buffer, rows, cols):
+        return buffer[:rows * cols].view(rows, cols)  # contiguous for any tile size, the ragged last ones too
 
     return types.SimpleNamespace(LoraDelta=LoraDelta, RMSNorm=RMSNorm, SiluMul=SiluMul, ChunkedLogps=ChunkedLogps)
 
@@ -270,6 +283,22 @@ def disable(model) -> None:
         if "forward" in vars(module) and getattr(module.forward, "__func__", None) in (_lora_forward,
                                                                                        _rms_norm_forward, _mlp_forward):
             del module.forward
+
+
+def keep_freed_memory() -> bool:
+    """glibc: serve allocations up to 32 MB from the heap and keep freed memory for reuse instead of
+    unmapping it. PyTorch on a CPU allocates a fresh tensor for nearly every op; past glibc's default
+    thresholds each one is a new mapping whose every page faults in (and is zeroed) on first touch:
+    a 3-step 256-token run of the bundled model took 2.65 M minor faults, 1.33 M with this, and its
+    steps about 12% less time. Process-wide; the values are unchanged. False where there is no glibc."""
+    import ctypes
+
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
 
 
 def chunked_logps(hidden, weight, targets, with_entropy: bool = False):

@@ -69,9 +69,10 @@ class TrainConfig:
     precompute_ref_log_probs: bool = field(False, "compute reference log-probs once before training")
     chunked_logps: bool = field(True, "log-probs of the completion tokens only, through the output head in chunks: "
                                 "never the [tokens x vocabulary] logits (false = TRL's full-logits path)")
-    fused_ops: bool = field(True, "float32 training (the CPU default): LoRA layers, RMSNorm and the chunked head "
-                            "through fastpath.py's fused kernels (the same values to float rounding, fewer "
-                            "memory passes and saved tensors); false = the libraries' own modules")
+    fused_ops: bool = field(True, "float32 training (the CPU default): LoRA layers, RMSNorm, the SiLU gate and the "
+                            "chunked head through fastpath.py's fused kernels (the same values to float rounding, "
+                            "fewer memory passes and saved tensors), and on a CPU malloc keeping freed memory for "
+                            "reuse; false = the libraries' own modules and allocator settings")
     share_prompts: bool = field(True, "with --fused_ops: run each pair's prompt once for both completions (its "
                                 "keys and values kept, with gradients, for the chosen and the rejected pass) "
                                 "where that saves work; the same log-probs to float rounding")
@@ -1083,6 +1084,8 @@ def train(cfg, run, model_path, ref_path, pairs, held, probes, data, resume_from
         else:
             print(f"[model] cpu: keeping 4-bit kernels (a {compute} copy would take {dense_mb:,.0f} MB)")
 
+    if not on_gpu and cfg.fused_ops and fastpath.keep_freed_memory():
+        print("[model] cpu: malloc keeps freed memory for reuse (fewer page faults; see fastpath.keep_freed_memory)")
     if not on_gpu and cfg.cpu_matmul_precision == "bf16":
         data["compute"] += ", bfloat16 inputs accumulated in float32 (--cpu_matmul_precision bf16)"
         print("[model] cpu: float32 matmuls round their inputs to bfloat16 and accumulate in float32 "

@@ -16,9 +16,12 @@ bench/results.json, bench/results.md (the table and the ratios issue 7 asks for)
 Modes (issue 7's (a)-(d), plus what each of the kit's choices buys on its own):
   default           (a) the kit's default: reference = base with the adapter disabled, log-probs of the
                     completion tokens only through the head in chunks, float32 matmuls on a CPU (bfloat16 on a GPU;
-                    LoRA weights and optimizer in float32), NF4 dequantised once (CPU)
+                    LoRA weights and optimizer in float32), NF4 dequantised once (CPU), fastpath.py's fused
+                    LoRA / RMSNorm / SiLU-gate / head kernels, each prompt run once for both completions, and
+                    malloc keeping freed memory for reuse
   trl_separate_ref  (b) the original pipeline: TRL 1.14.2 as it comes, "the main model and a reference model":
-                    a second 4-bit copy as reference, full logits, float32 matmuls, bitsandbytes 4-bit kernels
+                    a second 4-bit copy as reference, full logits, float32 matmuls, bitsandbytes 4-bit kernels,
+                    peft's and transformers' own modules, glibc's default malloc settings
   separate_ref      the kit's fast path with a separate 4-bit reference (what (a) gains from the reference alone;
                     not run by default)
   precompute_ref    (c) --precompute_ref_log_probs: one reference pass over the data before training
@@ -26,6 +29,9 @@ Modes (issue 7's (a)-(d), plus what each of the kit's choices buys on its own):
   default_bf16      (a) with bfloat16 autocast on the CPU: what it would buy (not the default: see README)
   full_logits       (a) with TRL's full-logits log-probs: what the chunked head buys (not run by default)
   bnb_kernels       (a) with bitsandbytes' 4-bit kernels instead of the dequantised copy (not run by default)
+  no_fused          (a) with --no_fused_ops: the libraries' own modules and malloc settings (what fastpath.py buys;
+                    not run by default)
+  no_share          (a) with --no_share_prompts: TRL's layout, each prompt twice (not run by default)
   cpu_matmul_bf16   (a) with --cpu_matmul_precision bf16: float32 everywhere but the matmuls' inputs (not run
                     by default yet)
 
@@ -78,7 +84,7 @@ from kit import field  # noqa: E402
 MODES = {  # mode -> extra train_dpo flags (see the docstring)
     "default": [],
     "trl_separate_ref": ["--ref_model_name_or_path", "{model}", "--no_chunked_logps", "--compute_dtype", "float32",
-                         "--no_dequantize_on_cpu"],
+                         "--no_dequantize_on_cpu", "--no_fused_ops"],
     "separate_ref": ["--ref_model_name_or_path", "{model}"],
     "precompute_ref": ["--precompute_ref_log_probs"],
     "no_4bit": ["--no_load_in_4bit"],
@@ -86,8 +92,10 @@ MODES = {  # mode -> extra train_dpo flags (see the docstring)
     "full_logits": ["--no_chunked_logps"],
     "bnb_kernels": ["--no_dequantize_on_cpu"],
     "cpu_matmul_bf16": ["--cpu_matmul_precision", "bf16"],
+    "no_fused": ["--no_fused_ops"],
+    "no_share": ["--no_share_prompts"],
 }
-OPTIONAL_MODES = ("separate_ref", "full_logits", "bnb_kernels", "cpu_matmul_bf16")  # --modes: each a minute more (15-minute budget)
+OPTIONAL_MODES = ("separate_ref", "full_logits", "bnb_kernels", "cpu_matmul_bf16", "no_fused", "no_share")  # --modes: each a minute more (15-minute budget)
 DEFAULT_MODES = [m for m in MODES if m not in OPTIONAL_MODES]
 BASELINE = "trl_separate_ref"  # issue 7's (b): the ratios are against it
 
@@ -100,7 +108,7 @@ class BenchConfig:
     out_dir: str = field("bench", "where results.json, results.md and results.png go (quick: results-quick.*)")
     lengths: str = field("", "sequence lengths in tokens (prompt + completion); '' = 256,1024 (quick: 128,256)")
     steps: int = field(0, "optimizer steps per mode at lengths up to 512: the first is warm-up, the rest are "
-                       "timed; 0 = 2 (quick: 1, timed with its warm-up)")
+                       "timed (the median of their times); 0 = 3 (quick: 1, timed with its warm-up)")
     long_steps: int = field(1, "optimizer steps at lengths over 512 (one step of ~100 s at 1024 tokens on 2 cores: "
                             "its warm-up is a few percent of it)")
     batch_size: int = field(4, "pairs per step (per_device_train_batch_size)")
@@ -132,7 +140,7 @@ class BenchConfig:
                 .split(",")]
 
     def step_count(self, seq_len: int) -> int:
-        return self.long_steps if seq_len > 512 else self.steps or (1 if self.quick else 2)
+        return self.long_steps if seq_len > 512 else self.steps or (1 if self.quick else 3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,7 +219,8 @@ def ratios(train: dict, lengths: list[int]) -> dict:
                                                      get(BASELINE, n, "pairs_per_s")) for n in lengths}
     out[f"memory_default_vs_{BASELINE}_L{long}"] = div(get("default", long, "peak_train_mb"),
                                                          get(BASELINE, long, "peak_train_mb"))
-    for other in ("separate_ref", "default_bf16", "cpu_matmul_bf16", "full_logits", "bnb_kernels", "precompute_ref"):
+    for other in ("separate_ref", "default_bf16", "cpu_matmul_bf16", "full_logits", "bnb_kernels", "precompute_ref",
+                  "no_fused", "no_share"):
         out |= {f"speed_default_vs_{other}_L{n}": div(get("default", n, "pairs_per_s"), get(other, n, "pairs_per_s"))
                 for n in lengths if get(other, n, "pairs_per_s")}
     if get("full_logits", long, "peak_train_mb"):

@@ -101,7 +101,7 @@ def test_config_defaults_and_problems():
     full = kit.parse_config(bench.BenchConfig, [], "")
     assert quick.mode_list() == ["default", "trl_separate_ref"] and quick.step_count(256) == 1
     assert full.length_list() == [256, 1024] and full.run_sizes()[-1] == 1_000_000
-    assert full.step_count(256) == 2 and full.step_count(1024) == 1
+    assert full.step_count(256) == 3 and full.step_count(1024) == 1
     assert {"default", "trl_separate_ref", "precompute_ref", "no_4bit"} <= set(full.mode_list())  # (a)-(d)
     assert not set(bench.OPTIONAL_MODES) & set(full.mode_list())
     with pytest.raises(kit.UserError, match="unknown fast"):
