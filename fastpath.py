@@ -29,6 +29,7 @@ import types
 
 LOGP_TOKEN_CHUNK = 1024  # tokens per head tile: 1,024 x 2,048 x 4 bytes = 8 MB of logits at a time
 LOGP_VOCAB_CHUNK = 2048  # vocabulary rows per head tile
+LOGP_KEEP_BYTES = 1536 << 20  # logits kept for the backward up to this size (6,144 tokens x 49,152 x 4 bytes = 1.2 GB)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,24 +106,29 @@ def _functions():
 
     class ChunkedLogps(torch.autograd.Function):
         """log softmax(h W^T)[target] per row of h (and, when asked, the entropy of that softmax, without
-        gradient), the [N x vocab] logits only ever in [1,024 x 2,048] tiles (8 MB: the elementwise passes
-        over a tile find it in cache) written into two buffers made once per call (a fresh 8-32 MB tensor
-        per tile page-faults all its memory in again: the head's matmuls ran at 130 GFLOP/s instead of 170)."""
+        gradient), the logits computed in [1,024 x 2,048] tiles (8 MB: the elementwise passes over a tile
+        find it in cache). When h needs a gradient and all its logits fit in LOGP_KEEP_BYTES, they are
+        written tile by tile into one buffer kept for the backward (which then needs one head matmul, not
+        two); otherwise two tile buffers are reused and the backward recomputes each tile. (A fresh 8-32 MB
+        tensor per tile page-faults all its memory in: the head ran at 130 GFLOP/s instead of 170.)"""
 
         @staticmethod
         def forward(ctx, hidden, weight, targets, with_entropy):
             n, acc = hidden.shape[0], torch.promote_types(hidden.dtype, torch.float32)
             lse = hidden.new_empty(n, dtype=acc)
             entropy = hidden.new_empty(n, dtype=acc) if with_entropy else hidden.new_zeros(0)
-            tiles = _tiles(hidden, weight, 2)
-            for t0 in range(0, n, LOGP_TOKEN_CHUNK):
-                h = hidden[t0:t0 + LOGP_TOKEN_CHUNK]
+            keep = hidden.requires_grad and n * weight.shape[0] * hidden.element_size() <= LOGP_KEEP_BYTES
+            kept = hidden.new_empty(n * weight.shape[0]) if keep else None
+            tiles = _tiles(hidden, weight, 1 if keep else 2)
+            for t0, t1 in _token_chunks(n):
+                h = hidden[t0:t1]
                 big_m = big_s = big_x = None  # running max, sum of exp(logit - max), sum of exp(...) * logit
                 for v0 in range(0, weight.shape[0], LOGP_VOCAB_CHUNK):
                     w = weight[v0:v0 + LOGP_VOCAB_CHUNK]
-                    logits = torch.mm(h, w.t(), out=_tile(tiles[0], len(h), len(w)))
+                    out = _kept_tile(kept, n, t0, t1, v0, len(w)) if keep else _tile(tiles[1], len(h), len(w))
+                    logits = torch.mm(h, w.t(), out=out)
                     m = logits.amax(-1)
-                    e = torch.sub(logits, m.unsqueeze(-1), out=_tile(tiles[1], len(h), len(w))).exp_()
+                    e = torch.sub(logits, m.unsqueeze(-1), out=_tile(tiles[0], len(h), len(w))).exp_()
                     s = e.sum(-1)
                     x = torch.linalg.vecdot(e, logits) if with_entropy else None
                     if big_m is None:
@@ -133,32 +139,51 @@ def _functions():
                     big_s = big_s * old_w + s * w_new
                     big_x = big_x * old_w + x * w_new if with_entropy else None
                     big_m = new_m
-                lse[t0:t0 + len(h)] = big_m + big_s.log()
+                lse[t0:t1] = big_m + big_s.log()
                 if with_entropy:
-                    entropy[t0:t0 + len(h)] = lse[t0:t0 + len(h)] - big_x / big_s  # H = lse - E_p[logit]
+                    entropy[t0:t1] = lse[t0:t1] - big_x / big_s  # H = lse - E_p[logit]
             target_logit = torch.linalg.vecdot(hidden, weight[targets]).to(lse.dtype)  # one dot per row
             ctx.save_for_backward(hidden, weight, targets, lse)
+            ctx.kept = kept
             ctx.mark_non_differentiable(entropy)
             return target_logit - lse, entropy
 
         @staticmethod
         def backward(ctx, g, _g_entropy):
             hidden, weight, targets, lse = ctx.saved_tensors
+            kept, ctx.kept = ctx.kept, None
+            n = hidden.shape[0]
             grad_hidden = weight[targets] * g.unsqueeze(-1)  # d(label logit)/dh, times g
-            (tile,) = _tiles(hidden, weight, 1)
-            for t0 in range(0, hidden.shape[0], LOGP_TOKEN_CHUNK):
-                h, gc, lc = hidden[t0:t0 + LOGP_TOKEN_CHUNK], g[t0:t0 + LOGP_TOKEN_CHUNK], lse[t0:t0 + LOGP_TOKEN_CHUNK]
-                out = grad_hidden[t0:t0 + len(h)]
+            tiles = _tiles(hidden, weight, 1) if kept is None else None
+            for t0, t1 in _token_chunks(n):
+                h, gc, lc = hidden[t0:t1], g[t0:t1].unsqueeze(-1), lse[t0:t1].unsqueeze(-1)
+                out = grad_hidden[t0:t1]
                 for v0 in range(0, weight.shape[0], LOGP_VOCAB_CHUNK):
                     w = weight[v0:v0 + LOGP_VOCAB_CHUNK]
-                    p = torch.mm(h, w.t(), out=_tile(tile, len(h), len(w)))
-                    p.sub_(lc.unsqueeze(-1)).exp_().mul_(gc.unsqueeze(-1))  # g * softmax
+                    if kept is None:
+                        p = torch.mm(h, w.t(), out=_tile(tiles[0], len(h), len(w)))
+                    else:
+                        p = _kept_tile(kept, n, t0, t1, v0, len(w))
+                    p.sub_(lc).exp_().mul_(gc)  # g * softmax
                     out.addmm_(p, w, alpha=-1.0)
             return grad_hidden.to(hidden.dtype), None, None, None
 
+    def _token_chunks(n):
+        """Token ranges of at most LOGP_TOKEN_CHUNK, equal in size (1,536 -> 768 + 768, not 1,024 + 512:
+        a half-height tile's matmul ran at 1.2x the time per token)."""
+        count = max(1, -(-n // LOGP_TOKEN_CHUNK))
+        bounds = [round(i * n / count) for i in range(count + 1)]
+        return list(zip(bounds, bounds[1:]))
+
+    def _kept_tile(kept, n, t0, t1, v0, cols):
+        """Tile (tokens t0:t1, vocabulary v0:v0+cols) of the kept logits: vocabulary tiles one after another,
+        each [n x cols], so every token range of a tile is one contiguous block."""
+        base = v0 * n + t0 * cols
+        return kept[base:base + (t1 - t0) * cols].view(t1 - t0, cols)
+
     def _tiles(hidden, weight, count):
-        size = min(hidden.shape[0], LOGP_TOKEN_CHUNK) * min(weight.shape[0], LOGP_VOCAB_CHUNK)
-        return [hidden.new_empty(size) for _ in range(count)]
+        rows = max((t1 - t0 for t0, t1 in _token_chunks(hidden.shape[0])), default=0)
+        return [hidden.new_empty(rows * min(weight.shape[0], LOGP_VOCAB_CHUNK)) for _ in range(count)]
 
     def _tile(buffer, rows, cols):
         return buffer[:rows * cols].view(rows, cols)  # contiguous for any tile size, the ragged last ones too

@@ -37,10 +37,12 @@ def test_rms_norm_matches_the_llama_module_and_its_gradients():
     assert torch.autograd.gradcheck(lambda x, w: fastpath.fn().RMSNorm.apply(x, w, 1e-5), (x64, w64))
 
 
+@pytest.mark.parametrize("keep_bytes", [0, 1 << 30])  # the backward recomputes the logits / reads the kept ones
 @pytest.mark.parametrize("vocab_chunk", [7, 8192])  # several tiles with a ragged last one, and a single tile
-def test_chunked_logps_and_entropy_match_log_softmax(monkeypatch, vocab_chunk):
+def test_chunked_logps_and_entropy_match_log_softmax(monkeypatch, vocab_chunk, keep_bytes):
     monkeypatch.setattr(fastpath, "LOGP_VOCAB_CHUNK", vocab_chunk)
-    monkeypatch.setattr(fastpath, "LOGP_TOKEN_CHUNK", 4)  # and several token tiles
+    monkeypatch.setattr(fastpath, "LOGP_TOKEN_CHUNK", 4)  # and several token tiles, of 3 and 4 rows
+    monkeypatch.setattr(fastpath, "LOGP_KEEP_BYTES", keep_bytes)
     g = torch.Generator().manual_seed(2)
     hidden = torch.randn(10, 6, dtype=torch.float64, generator=g, requires_grad=True)
     weight = 3 * torch.randn(30, 6, dtype=torch.float64, generator=g)
