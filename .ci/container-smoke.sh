@@ -46,8 +46,10 @@ podman info >/dev/null 2>&1 || skip "podman is installed but does not work here:
 
 step "base image $BASE (debootstrap, only when missing)"
 if ! podman image exists $BASE; then
-  mirror=$(grep -rhoE '^(URIs:|deb) +https?://[^ ]+' /etc/apt/sources.list /etc/apt/sources.list.d/ 2>/dev/null \
-           | grep -v security | head -1 | awk '{print $2}')
+  # The host's Debian mirror: sources.list or deb822 .sources files (disabled and third-party ones ignored; a
+  # missing sources.list is normal on Debian 12 and must not stop the script under pipefail)
+  mirror=$(cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources 2>/dev/null \
+           | grep -oE '^(URIs:|deb) +https?://[^ ]+' | awk '{print $2}' | grep -E '/debian/?$' | head -1 || true)
   rootfs=$(mktemp -d)
   debootstrap --variant=minbase bookworm "$rootfs" "${mirror:-http://deb.debian.org/debian}" >/dev/null \
     || skip "debootstrap could not make a base image"
