@@ -470,7 +470,7 @@ def test_digest_and_line_match_the_plain_encoders(fmt):
             assert bp.digest_and_line(pair, fmt) == (bp.pair_digest(pair), bp.to_line(bp.to_record(pair, fmt)))
 
 
-def test_group_key_is_equal_exactly_when_prompt_key_is():
+def test_prompt_key_is_equal_exactly_when_the_canonical_prompt_json_is():
     def m(*pairs):
         return [{"role": r, "content": c} for r, c in pairs]
     prompts = [m(("user", "ab")), m(("user", "a"), ("user", "b")), m(("user", "a\x00b")), m(("user", "1\x00a")),
@@ -479,7 +479,7 @@ def test_group_key_is_equal_exactly_when_prompt_key_is():
                [{"role": "user", "content": "ab", "tag": "ignored"}], m(("user", "😀"))]
     for a in prompts:
         for b in prompts:
-            assert (bp._group_key(a) == bp._group_key(b)) == (bp.prompt_key(a) == bp.prompt_key(b)), (a, b)
+            assert (bp.prompt_key(a) == bp.prompt_key(b)) == (bp._canon_prompt(a) == bp._canon_prompt(b)), (a, b)
 
 
 def plain_main(path, cfg):
