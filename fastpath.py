@@ -1,4 +1,4 @@
-"""Leaner training kernels for the dense CPU path: fused LoRA linear layers, RMSNorm and the log-prob head.
+"""Leaner DPO training in float32: fused LoRA, RMSNorm, SiLU-gate and log-prob-head kernels, and each prompt run once.
 
     import fastpath; counts = fastpath.enable(model)   # train_dpo.py does this; --no_fused_ops turns it off
 
@@ -16,6 +16,9 @@ for the backward (they recompute what is cheap):
   log-probs     the completion tokens' log-probs through the output head in chunks (as TRL's
                 chunked path), without TRL's no-op scale passes and extra copies, and with the
                 entropy (a logged metric) computed only where it is logged
+
+dpo_logps, TRL 1.14's per-token log-prob hook, runs each pair's prompt once for both completions
+(shared_prompt_layout, _shared_prompt_forward) where attention_work says that saves work.
 
 They are exact up to float rounding (tests/test_fastpath.py compares values and gradients with the
 eager modules). Modules they do not recognise, 4-bit kernels, LoRA variants (DoRA), dropout on the
@@ -450,7 +453,7 @@ def dpo_logps(trainer, model, model_kwargs: dict, input_ids, completion_mask):
         return None
     mask = completion_mask[:, 1:].bool()
     layout = None
-    if getattr(trainer, "kit_share_prompts", False) and _prefix_sharing_applies(trainer, inner, model_kwargs):
+    if trainer.kit_share_prompts and _prefix_sharing_applies(trainer, inner, model_kwargs):
         layout = shared_prompt_layout(input_ids, model_kwargs["attention_mask"], completion_mask)
     if layout is not None:
         width = input_ids.shape[1]
@@ -459,7 +462,7 @@ def dpo_logps(trainer, model, model_kwargs: dict, input_ids, completion_mask):
             layout = None
     if layout is not None:
         predictors, labels, outputs = _shared_prompt_forward(inner.base_model, input_ids, *layout)
-        trainer.kit_shared_batches = getattr(trainer, "kit_shared_batches", 0) + 1
+        trainer.kit_shared_batches += 1
     else:
         outputs = inner.base_model(**model_kwargs)
         predictors, labels = outputs.last_hidden_state[:, :-1][mask], input_ids[:, 1:][mask]

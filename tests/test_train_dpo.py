@@ -150,6 +150,8 @@ def test_resume_conflicts_ignore_step_budget_but_not_hyperparameters():
     old = {"beta": 0.1, "max_steps": 10, "lora_r": 16}
     assert train_dpo.config_conflicts(old, {**old, "max_steps": 40}) == []
     assert train_dpo.config_conflicts(old, {**old, "beta": 0.2, "lora_r": 8}) == ["beta", "lora_r"]
+    # a run stopped before the fast path existed resumes with it: the same values, computed faster
+    assert train_dpo.config_conflicts(old, {**old, "fused_ops": True, "share_prompts": True}) == []
 
 
 def test_truncation_counts_prompt_plus_longer_completion():
