@@ -165,11 +165,16 @@ def lora_params(config: dict, r: int) -> int:
     return layers * r * (2 * (d + d) + 2 * (d + kv) + 3 * (d + inter))
 
 
+def prompt_tokens(seq_len: int) -> int:
+    """The generated pairs' prompt length: a quarter of the sequence (make_pairs and step_flops agree on it)."""
+    return seq_len // 4
+
+
 def step_flops(shape: dict, n_lora: int, seq_len: int, batch: int, reference: bool) -> dict:
     """Model FLOPs of one DPO step (the formula in the module docstring), split by where they go."""
     layers, d, t = shape["layers"], shape["d_model"], seq_len
     blocks, head = shape["n_base"] - shape["n_head"], shape["n_head"]
-    p = t // 4
+    p = prompt_tokens(t)
     c = t - p
     tokens = batch * (p + 2 * c)  # each prompt once, both completions
     attention = batch * (p * p + 2 * c * t) * 4 * layers * d
@@ -286,8 +291,8 @@ def markdown(results: dict) -> str:
     lines += ["", "| build_pairs runs | workers | runs/s | runs/s (wall, with interpreter start) | peak RSS, all "
               "processes (MB) | main process (MB) | wall (s) | pairs written |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {p['runs']:,} | {p.get('workers', 0)} | {p['runs_per_s']:,.0f} | {p.get('runs_per_s_wall', p['runs_per_s']):,.0f} "
-              f"| {p['peak_mb']:,.0f} | {p.get('main_peak_mb', p['peak_mb']):,.0f} | {p['wall_s']:.2f} | {p['pairs']:,} |"
+    lines += [f"| {p['runs']:,} | {p['workers']} | {p['runs_per_s']:,.0f} | {p['runs_per_s_wall']:,.0f} "
+              f"| {p['peak_mb']:,.0f} | {p['main_peak_mb']:,.0f} | {p['wall_s']:.2f} | {p['pairs']:,} |"
               for p in results["build_pairs"]]
     lines += ["", "| ratio | value |", "| --- | --- |"]
     lines += [f"| {k} | {'n/a' if v is None else f'{v:.3g}'} |" for k, v in results["ratios"].items()]
@@ -316,7 +321,7 @@ def make_pairs(tokenizer, n_pairs: int, seq_len: int, seed: int) -> list[dict]:
     def text(n):
         return tokenizer.decode([rng.choice(vocab) for _ in range(n)])
 
-    p = seq_len // 4
+    p = prompt_tokens(seq_len)
     return [{"prompt": text(p), "chosen": text(seq_len - p + 16), "rejected": text(seq_len - p + 16)}
             for _ in range(n_pairs)]
 
@@ -468,8 +473,8 @@ def bench_build_pairs(n_runs: int, work: Path, seed: int) -> dict:
     report, child = json.loads((work / f"report-{n_runs}.json").read_text()), json.loads(peak.read_text())
     workers = build_pairs.worker_count(build_pairs.PairsConfig(runs=str(logs)))
     workers = 0 if workers == 1 else workers  # 1 = this process alone, no worker processes
-    # runs/s over build_pairs' own run (its imports included, not the interpreter's start: ~0.1 s that would
-    # count for a third of the 10k-run wall time); peak = the main process plus each worker at the largest's peak
+    # runs/s over build_pairs' own run (its imports included, not the interpreter's start and bench's import:
+    # ~0.17 s, a quarter of the 10k-run wall time); peak = the main process plus each worker at the largest's peak
     out = {"runs": n_runs, "wall_s": wall, "run_s": child["run_s"], "runs_per_s": n_runs / child["run_s"],
            "runs_per_s_wall": n_runs / wall, "workers": workers, "main_peak_mb": child["peak_mb"],
            "peak_mb": child["peak_mb"] + workers * child["worker_peak_mb"],
