@@ -160,7 +160,7 @@ prune: $(LAUNCHER_STAMP) ## remove only the kit's leftovers: stopped kit contain
 .PHONY: package
 package: ## re-create artifacts/RUN.tar.gz and its .sha256 from the run directory artifacts/RUN
 	@test -n "$(RUN)" && test -d "$(OUT)/$(RUN)" || { echo "make package RUN=name: no run directory $(OUT)/$(RUN)" >&2; exit 2; }
-	$(PYTHON) -c 'import kit, sys; print(kit.make_tarball(sys.argv[1], sys.argv[1] + ".tar.gz"))' $(OUT)/$(RUN)
+	$(PYTHON) -c 'import runs, sys; print(runs.make_tarball(sys.argv[1], sys.argv[1] + ".tar.gz"))' $(OUT)/$(RUN)
 
 TARBALL ?=
 RUN_OR_TARBALL = $(or $(TARBALL),$(if $(RUN),$(OUT)/$(RUN)))

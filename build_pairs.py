@@ -35,16 +35,14 @@ import json
 import math
 import os
 import random
-import shutil
 import sys
-import tempfile
 import warnings
 from array import array
 from collections import Counter, deque
 from dataclasses import dataclass
 
 import kit
-from formats import ROLES
+from formats import ROLES, Pair, PairWriter, digest_and_line
 
 RULES = ("mixed", "first_try_strategy", "first_try_code", "cross_run")
 SUBCOMMANDS = ("spin", "self-reward")  # anything else is the run-log file (the default, unchanged)
@@ -59,15 +57,6 @@ MODEL_TRIES = 3  # samples per answer before the rules garbler stands in
 MAX_WORKERS = 4
 AUTO_WORKERS_BYTES = 4 << 20  # below this (~2,700 bench runs, ~0.2 s) starting workers costs more than it saves
 MAX_WARNINGS = 10  # skipped-line messages shown with --skip_invalid; the rest are only counted
-# json.dumps(obj, **options) builds a new JSONEncoder at every call; these are the same encoders built
-# once (the same bytes, ~10% less time per run: three encodings per run on the demo mix).
-_canon = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
-_quote = json.encoder.encode_basestring  # one string as either encoder writes it, quotes included
-_line = json.JSONEncoder(ensure_ascii=False, separators=(", ", ": ")).encode
-# Even so, JSONEncoder.encode builds a C encoder at every call: 2.5 us for a pair's meta, against 0.9 for this
-# one built once (the same bytes; no circular-reference check, so a cyclic meta raises RecursionError instead).
-_c_line = json.encoder.c_make_encoder and json.encoder.c_make_encoder(
-    None, json.JSONEncoder().default, _quote, None, ": ", ", ", False, False, True)
 
 
 @dataclass
@@ -137,14 +126,6 @@ class Run:
     tags: list | None  # one tag (or None) per message; None when no message had one
     strategy: str
     attempts: tuple
-
-
-@dataclass(frozen=True)
-class Pair:
-    prompt: list
-    chosen: str
-    rejected: str
-    meta: dict
 
 
 def _kind(value) -> str:
@@ -293,10 +274,6 @@ def pairs_for_run(run: Run, cfg: PairsConfig, garbler=None, stats: Counter | Non
             seen.add(a.code.strip())
             pairs.append(Pair(ask, best.code, a.code, _meta(run.run_id, "mixed", best.score, a.score)))
     return pairs
-
-
-def _canon_prompt(messages: list) -> str:
-    return _canon([[m["role"], m["content"]] for m in messages])
 
 
 def prompt_key(messages: list) -> bytes:
@@ -523,20 +500,11 @@ class ModelGarbler:
         return self._tokenizer, self._model
 
     def _sample(self, prompt: list, max_new_tokens: int, seed: int) -> str:
-        import torch
+        import models
 
         tok, model = self._load()
-        if tok.chat_template:
-            text = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-            ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids
-        else:
-            ids = tok("\n\n".join(m["content"] for m in prompt) + "\n\n", return_tensors="pt").input_ids
-        torch.manual_seed(seed)
-        with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                 temperature=MODEL_TEMPERATURE, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
-                                 pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-        return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+        return models.generate(model, tok, [prompt], max_new_tokens, seed=seed,
+                               sampling={"temperature": MODEL_TEMPERATURE, "top_k": 0, "top_p": 1.0})[0]
 
     def garble(self, text: str, kind: str, run_id: str, prompt: list) -> str:
         tok, _ = self._load()
@@ -554,159 +522,6 @@ class ModelGarbler:
 # ---------------------------------------------------------------------------------------------
 # Output: canonical lines, duplicates dropped, streamed to a file renamed into place at the end.
 # ---------------------------------------------------------------------------------------------
-
-def pair_digest(pair: Pair) -> int:
-    """64 bits of the sha256 of the canonical (prompt, chosen, rejected): what makes two pairs the same
-    pair. Two different pairs among n collide with odds of about n^2 / 2^65 (1e-8 for a million)."""
-    canon = f"[{_canon_prompt(pair.prompt)},{_quote(pair.chosen)},{_quote(pair.rejected)}]"  # = _canon([...])
-    return int.from_bytes(hashlib.sha256(canon.encode("utf-8")).digest()[:8], "big")
-
-
-class DigestSet:
-    """The digests of the pairs written so far, in flat arrays: a million take ~11 MB, where a Python
-    set of digest objects takes ~86. Buckets by the top bits, each an array('Q') scanned in C; four
-    times as many buckets whenever they average 128 entries (measured: 4.7 us an add at a million,
-    against 0.4 for a set: 2% of build_pairs' time per pair; smaller buckets cost memory in array headers)."""
-
-    def __init__(self, bits: int = 8):
-        self.bits, self.size = bits, 0
-        self.buckets = [array("Q") for _ in range(1 << bits)]
-
-    def add(self, digest: int) -> bool:
-        """Add digest; False when it was already there."""
-        bucket = self.buckets[digest >> (64 - self.bits)]
-        if digest in bucket:
-            return False
-        bucket.append(digest)
-        self.size += 1
-        if self.size > 128 << self.bits:
-            self._grow()
-        return True
-
-    def __len__(self) -> int:
-        return self.size
-
-    def _grow(self) -> None:
-        old, self.bits = self.buckets, self.bits + 2
-        self.buckets = [array("Q") for _ in range(1 << self.bits)]
-        shift = 64 - self.bits
-        for bucket in old:
-            for digest in bucket:
-                self.buckets[digest >> shift].append(digest)
-
-
-def to_record(pair: Pair, fmt: str = "trl") -> dict:
-    prompt = [{"role": m["role"], "content": m["content"]} for m in pair.prompt]
-    chosen = [{"role": "assistant", "content": pair.chosen}]
-    rejected = [{"role": "assistant", "content": pair.rejected}]
-    if fmt == "openai":  # OpenAI rejects unknown keys, so no meta
-        return {"input": {"messages": prompt}, "preferred_output": chosen, "non_preferred_output": rejected}
-    return {"prompt": prompt, "chosen": chosen, "rejected": rejected, "meta": pair.meta}
-
-
-def to_line(record: dict) -> str:
-    return _line(record) + "\n"
-
-
-def _meta_json(meta: dict) -> str:
-    return "".join(_c_line(meta, 0)) if _c_line else _line(meta)
-
-
-def _prompt_json(messages: list) -> tuple[str, str] | None:
-    """The prompt as the digest's canonical JSON and as a line writes it, each string quoted once; None when a
-    role or content is not a plain str (the encoders then handle it, as before)."""
-    pieces = [(m["role"], m["content"]) for m in messages]
-    if any(type(role) is not str or type(content) is not str for role, content in pieces):
-        return None
-    quoted = [(_quote(role), _quote(content)) for role, content in pieces]
-    canon = ",".join(["[%s,%s]" % rc for rc in quoted])
-    line = ", ".join(['{"role": %s, "content": %s}' % rc for rc in quoted])
-    return f"[{canon}]", f"[{line}]"
-
-
-def digest_and_line(pair: Pair, fmt: str = "trl") -> tuple[int, str]:
-    """pair_digest(pair) and to_line(to_record(pair, fmt)) at once, joined by hand from strings each quoted once,
-    where those quote every string twice through encoders built per call (11 us a pair -> 5 on the bench mix).
-    Pairs holding something other than plain strings go the plain way; a test checks both give the same bytes."""
-    prompt = _prompt_json(pair.prompt)
-    if prompt is None or type(pair.chosen) is not str or type(pair.rejected) is not str:
-        return pair_digest(pair), to_line(to_record(pair, fmt))
-    canon_prompt, line_prompt = prompt
-    chosen, rejected = _quote(pair.chosen), _quote(pair.rejected)
-    digest = hashlib.sha256(f"[{canon_prompt},{chosen},{rejected}]".encode("utf-8")).digest()  # = pair_digest's
-    chosen = f'[{{"role": "assistant", "content": {chosen}}}]'
-    rejected = f'[{{"role": "assistant", "content": {rejected}}}]'
-    if fmt == "openai":
-        line = f'{{"input": {{"messages": {line_prompt}}}, "preferred_output": {chosen}, "non_preferred_output": {rejected}}}'
-    else:
-        line = f'{{"prompt": {line_prompt}, "chosen": {chosen}, "rejected": {rejected}, "meta": {_meta_json(pair.meta)}}}'
-    return int.from_bytes(digest[:8], "big"), line + "\n"
-
-
-class PairWriter:
-    """Streams lines to a temporary file beside the destination; `commit` renames it into place.
-
-    Anything that stops the run first (bad input, no pairs) leaves the destination untouched.
-    kit.atomic_write_* need the whole text at once, hence this streaming variant.
-    """
-
-    def __init__(self, dest: str, fmt: str):
-        self.dest, self.fmt = dest, fmt
-        self.seen, self.by_rule, self.duplicates = DigestSet(), Counter(), 0
-        folder = tempfile.gettempdir() if dest == "-" else os.path.dirname(os.path.abspath(dest))
-        os.makedirs(folder, exist_ok=True)
-        fd, self.tmp = tempfile.mkstemp(prefix=f".{os.path.basename(dest)}.", suffix=".tmp", dir=folder)
-        self.file = os.fdopen(fd, "wb")  # lines are encoded as they come (process_block's in its worker)
-
-    def write(self, pairs) -> None:
-        for pair in pairs:
-            digest, line = digest_and_line(pair, self.fmt)
-            if not self.seen.add(digest):
-                self.duplicates += 1
-                continue
-            self.file.write(line.encode("utf-8"))
-            self.by_rule[pair.meta["rule"]] += 1
-
-    def write_block(self, block: Block) -> None:
-        """write() for the pairs of a process_block: one write when none is a duplicate (~350 KB on the bench)."""
-        kept = [self.seen.add(digest) for digest in block.digests]
-        if all(kept):
-            self.file.write(block.text)
-            self.by_rule.update(block.rules)
-            return
-        text, start = memoryview(block.text), 0
-        for keep, end, rule in zip(kept, block.ends, block.rules):
-            if keep:
-                self.file.write(text[start:end])
-                self.by_rule[rule] += 1
-            else:
-                self.duplicates += 1
-            start = end
-
-    def commit(self) -> None:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        if self.dest == "-":
-            sys.stdout.flush()
-            with open(self.tmp, "rb") as f:
-                if hasattr(sys.stdout, "buffer"):
-                    shutil.copyfileobj(f, sys.stdout.buffer)
-                else:  # a text-only stream (some embedding or capture)
-                    sys.stdout.write(f.read().decode("utf-8"))
-            sys.stdout.flush()
-            os.unlink(self.tmp)
-        else:
-            os.replace(self.tmp, self.dest)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.file.close()
-        if os.path.exists(self.tmp):
-            os.unlink(self.tmp)
-
 
 # ---------------------------------------------------------------------------------------------
 # CLI: read, apply the rules, write, summarise.

@@ -46,47 +46,49 @@ def check(argv) -> int:
 
 
 def model(argv) -> int:
-    import train_dpo
+    import models
 
-    train_dpo.export_bundled_model(*(argv[:1] or [train_dpo.BUNDLED_MODEL_DIR]))
+    models.export_bundled_model(*(argv[:1] or [models.BUNDLED_MODEL_DIR]))
     return 0
 
 
 def verify(argv) -> int:
     if len(argv) != 1:
         raise kit.UserError("usage: entrypoint.py verify RUN.tar.gz")
-    manifest = kit.verify_tarball(argv[0])
-    print(f"{argv[0]}: OK\n" + kit.describe_run(manifest))
+    import runs
+
+    manifest = runs.verify_tarball(argv[0])
+    print(f"{argv[0]}: OK\n" + runs.describe_run(manifest))
     for warning in manifest["serving_warnings"]:
         print(f"warning: {warning}")
     return 0
 
 
 def chat(argv) -> int:
-    import train_dpo
+    import evaluate
 
     compare = "--compare" in argv
     rest = [a for a in argv if a != "--compare"]
     if not rest:
         raise kit.UserError("usage: entrypoint.py chat RUN_DIR|RUN.tar.gz [--compare] [PROMPT ...]")
-    return train_dpo.chat(rest[0], rest[1:], compare=compare)
+    return evaluate.chat(rest[0], rest[1:], compare=compare)
 
 
 def merge(argv) -> int:
-    import train_dpo
+    import evaluate
 
     if len(argv) not in (1, 2):
         raise kit.UserError("usage: entrypoint.py merge RUN_DIR|RUN.tar.gz [OUT_DIR]")
-    train_dpo.merge(*argv)
+    evaluate.merge(*argv)
     return 0
 
 
-def evaluate(argv) -> int:
-    import train_dpo
+def eval_run(argv) -> int:
+    import evaluate
 
     if len(argv) not in (1, 2):
         raise kit.UserError("usage: entrypoint.py eval RUN_DIR|RUN.tar.gz [PAIRS.jsonl]")
-    train_dpo.evaluate_run(*argv)
+    evaluate.evaluate_run(*argv)
     return 0
 
 
@@ -96,8 +98,10 @@ def launch(argv) -> int:
     return scaleout.main(argv)
 
 
-def runs(argv) -> int:
-    print(kit.runs_table(argv[0] if argv else "artifacts"))
+def list_runs(argv) -> int:
+    import runs
+
+    print(runs.runs_table(argv[0] if argv else "artifacts"))
     return 0
 
 
@@ -119,8 +123,8 @@ def main(argv=None) -> int:
         import iterate
 
         return iterate.main(rest)
-    commands = {"model": model, "check": check, "verify": verify, "chat": chat, "merge": merge, "eval": evaluate,
-                "runs": runs, "launch": launch}
+    commands = {"model": model, "check": check, "verify": verify, "chat": chat, "merge": merge, "eval": eval_run,
+                "runs": list_runs, "launch": launch}
     if command in commands:
         return commands[command](rest)
     raise kit.UserError(f"unknown command {command!r}; expected one of: train, pairs, iterate, {', '.join(commands)}")

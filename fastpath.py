@@ -20,6 +20,10 @@ for the backward (they recompute what is cheap):
 dpo_logps, TRL 1.14's per-token log-prob hook, runs each pair's prompt once for both completions
 (shared_prompt_layout, _shared_prompt_forward) where attention_work says that saves work.
 
+Every touch of TRL's or transformers' internals is in this file (the trainer subclass's hooks below, the
+chunked-log-prob switch, the attributes dpo_logps reads), behind one check of the versions it was written
+for (`version_problem`): another TRL gets one sentence, and --no_fused_ops trains through TRL's public API.
+
 They are exact up to float rounding (tests/test_fastpath.py compares values and gradients with the
 eager modules). Modules they do not recognise, 4-bit kernels, LoRA variants (DoRA), dropout on the
 LoRA input and autocast keep the library's own forward, so anything unusual stays correct and merely
@@ -28,16 +32,51 @@ runs at the old speed.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
 import types
+from pathlib import Path
 
 LOGP_TOKEN_CHUNK = 1024  # tokens per head tile: 1,024 x 2,048 x 4 bytes = 8 MB of logits at a time
 LOGP_VOCAB_CHUNK = 2048  # vocabulary rows per head tile
 LOGP_KEEP_BYTES = 1536 << 20  # logits kept for the backward up to this size (6,144 tokens x 49,152 x 4 bytes = 1.2 GB)
+# The versions whose internals this file reaches into (major.minor of trl; major of transformers), as pinned
+# in requirements.txt. Another version may have renamed or changed any of them.
+WRITTEN_FOR = {"trl": "1.14", "transformers": "5"}
+
+
+@dataclasses.dataclass
+class Compute:
+    """How a run computes (data.json and the model card): filled in as the model and the trainer are built."""
+    matmuls: str = ""  # e.g. "NF4 weights dequantised once to float32 (cpu), float32 matmuls"
+    logps: str = "full logits (--no_chunked_logps)"
+    chunked: bool = False  # completion tokens only, through the head in chunks
+    fused: dict | None = None  # {"lora_linear": n, "rms_norm": n, "mlp": n, "chunked_head": bool}; None = off
+
+
+def version_problem(versions: dict[str, str] | None = None) -> str | None:
+    """What is wrong when the installed trl or transformers is not a version this file was written for; None
+    when they are. versions: {"trl": "1.14.2", "transformers": "5.20.2"} (default: the installed ones)."""
+    if versions is None:
+        import transformers
+        import trl
+
+        versions = {"trl": trl.__version__, "transformers": transformers.__version__}
+    for name, want in WRITTEN_FOR.items():
+        have = versions[name]
+        if have.split(".")[:want.count(".") + 1] != want.split("."):
+            return f"the kit's fast path (fastpath.py) reaches into {name} {want}.x internals and this is {name} {have}"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
 # Autograd functions (torch imported lazily: this module is imported by train_dpo for --help).
 # ---------------------------------------------------------------------------------------------
+
 
 def _functions():
     import torch
@@ -209,6 +248,7 @@ def fn():
 # Pure recognisers: which modules the fused forwards apply to (tested on toy modules).
 # ---------------------------------------------------------------------------------------------
 
+
 def is_rms_norm(module) -> bool:
     """A Llama-style RMSNorm: a class named *RMSNorm with a 1-D weight and an eps, no bias, no offset.
     (Gemma's norm multiplies by 1 + weight and is left alone: its class says so with 'Gemma'.)"""
@@ -251,6 +291,7 @@ def lora_fusable(layer, adapter_names=None) -> str | None:
 # ---------------------------------------------------------------------------------------------
 # Forwards swapped onto module instances.
 # ---------------------------------------------------------------------------------------------
+
 
 def _lora_forward(self, x, *args, **kwargs):
     import torch
@@ -338,6 +379,7 @@ def chunked_logps(hidden, weight, targets, with_entropy: bool = False):
 # ---------------------------------------------------------------------------------------------
 # TRL 1.14's DPOTrainer: its per-token log-prob hook on the lean head.
 # ---------------------------------------------------------------------------------------------
+
 
 def _is_reference_pass(trainer, model) -> bool:
     """TRL computes the reference with a separate model, or with the policy's adapters disabled, or
@@ -485,3 +527,104 @@ def attention_per_token_pair(config) -> float:
     kv = getattr(config, "num_key_value_heads", None) or heads
     linear = d * heads * head_dim * 2 + d * kv * head_dim * 2 + 3 * d * inter
     return 2 * heads * head_dim / linear
+
+
+# ---------------------------------------------------------------------------------------------
+# TRL 1.14's DPOTrainer: the kit's subclass (tokenised-data cache, the log-prob hook) and its switches.
+# ---------------------------------------------------------------------------------------------
+
+
+def tokenized_cache_key(rows: list[dict], tokenizer_digest: str, settings: dict) -> str:
+    """What TRL's tokenisation of one split depends on: the rows (content and order), the tokenizer
+    (vocabulary, special tokens, chat template) and the settings (max_length, truncation, versions)."""
+    h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode() + b"\0" + tokenizer_digest.encode() + b"\0")
+    for row in rows:
+        h.update(json.dumps(row, sort_keys=True, ensure_ascii=False).encode("utf-8", "surrogatepass") + b"\n")
+    return h.hexdigest()[:32]
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """sha256 of everything in a tokenizer that changes token ids: its full serialisation (fast
+    tokenizers), else its vocabulary, plus the chat template and special tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    extra = json.dumps({"class": type(tokenizer).__name__, "chat_template": getattr(tokenizer, "chat_template", None),
+                        "special": getattr(tokenizer, "special_tokens_map", {})}, sort_keys=True, default=str)
+    return hashlib.sha256((body + "\0" + extra).encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def tokenized_cache_dir(setting: str) -> Path | None:
+    if setting.lower() == "none":
+        return None
+    return Path(setting or os.environ.get("DPO_KIT_CACHE") or Path.home() / ".cache" / "dpo-kit") / "tokenized"
+
+
+def dpo_trainer_class(cache_dir: Path | None, keys: dict, record: dict):
+    """DPOTrainer with two hooks into TRL 1.14's internals. Dataset preparation (prompt extraction, chat
+    template, tokenisation, dropping prompts that fill max_length) is read from cache_dir/<key> when an earlier
+    run of the same split, tokenizer and settings left it there, else done and saved (rank 0, renamed into
+    place); what happened goes into record[split]. Per-token log-probs go through dpo_logps once
+    kit_fused_logps is set (TRL's chunked path wherever that one does not apply)."""
+    from datasets import Dataset
+    from trl import DPOTrainer
+
+    import ranks
+
+    class KitDPOTrainer(DPOTrainer):
+        kit_fused_logps = False  # the chunked head through dpo_logps
+        kit_share_prompts = False  # and each prompt once, where attention_work says it pays
+        kit_shared_batches = 0  # forward passes that shared their prompts (counted by dpo_logps)
+
+        def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+            key = keys.get(dataset_name)
+            if cache_dir is None or key is None:
+                return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+            path = cache_dir / key
+            if (path / "state.json").exists():
+                try:
+                    out = Dataset.load_from_disk(str(path))
+                    record[dataset_name] = f"from cache ({len(out)} pairs)"
+                    return out
+                except Exception as e:  # a damaged entry: tokenise again and replace it
+                    print(f"[data] ignoring damaged cache entry {path}: {e}")
+            t0 = time.time()
+            out = super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+            record[dataset_name] = f"tokenised in {time.time() - t0:.1f}s"
+            if ranks.is_main_process():
+                tmp = cache_dir / f".{key}.{os.getpid()}.tmp"
+                try:
+                    cache_dir.mkdir(parents=True, exist_ok=True)
+                    out.save_to_disk(str(tmp))
+                    shutil.rmtree(path, ignore_errors=True)
+                    os.replace(tmp, path)
+                    record[dataset_name] += ", cached"
+                except OSError as e:  # a read-only or full disk costs the next run time, not this one
+                    print(f"[data] tokenised data not cached ({e})")
+                    shutil.rmtree(tmp, ignore_errors=True)
+            return out
+
+        def _get_per_token_logps_and_entropies(self, model, model_kwargs, input_ids, completion_mask):
+            out = dpo_logps(self, model, model_kwargs, input_ids, completion_mask) if self.kit_fused_logps else None
+            return out if out is not None else super()._get_per_token_logps_and_entropies(
+                model, model_kwargs, input_ids, completion_mask)
+
+    KitDPOTrainer.__name__ = KitDPOTrainer.__qualname__ = "DPOTrainer"
+    return KitDPOTrainer
+
+
+def enable_chunked_logps(trainer, targets: list[str]) -> tuple[str, bool]:
+    """Switch TRL 1.14's DPOTrainer to its chunked log-prob path: the body's hidden states of the completion
+    tokens only go through the output head 8,192 vocabulary rows at a time with an online logsumexp, and the
+    backward recomputes each tile, so the [2 x batch x tokens x 49,152] float32 logits (1.6 GB at batch 4 and
+    1,024 tokens, several times over with log_softmax and its gradient) never exist, for the policy and the
+    reference alike. TRL only offers it behind use_liger_kernel=True, which it gates on the liger-kernel
+    package although the path is plain PyTorch (trl/trainer/utils.py, _ChunkedLogProbFunction); the same
+    losses to float rounding (tests/test_train_dpo.py checks it). Not with LoRA on the head: TRL reads the
+    head's weight directly. Returns (what the log-probs go through, whether chunked)."""
+    from trl.models.utils import _ForwardRedirection
+
+    if any(t in ("lm_head", "embed_out", "output") for t in targets):
+        return "full logits (LoRA on the output head)", False
+    trainer.use_liger_kernel = True
+    trainer._forward_redirection = _ForwardRedirection()  # runs the loss inside DDP's / ZeRO's forward: syncs grads
+    return "chunked, completion tokens only", True

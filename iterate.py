@@ -135,14 +135,6 @@ def chain(plan: dict, stage_lines: list[int], data_sha256: dict[str, str]) -> li
     return stages
 
 
-def as_flags(options: dict) -> list[str]:
-    """{'max_steps': 2, 'load_in_4bit': False} -> ['--max_steps', '2', '--load_in_4bit', 'false']"""
-    out = []
-    for k, v in options.items():
-        out += [f"--{k}", str(v).lower() if isinstance(v, bool) else "" if v is None else str(v)]
-    return out
-
-
 def lineage_entry(stage: Stage, data_sha: str, pairs: str, pairs_sha: str, report: dict | None) -> dict:
     keep = ("examples", "prompts", "candidates", "judge_mode", "judgements", "judgements_parsed",
             "judgements_unparsable", "judgements_out_of_range", "pairs_written", "dropped_same_as_reference")
@@ -197,10 +189,8 @@ def load_plan(path: str) -> tuple[dict, list[int]]:
     return plan, lines
 
 
-def build_stage_pairs(stage: Stage, policy: str, folder: Path) -> tuple[str, dict | None]:
+def build_stage_pairs(stage: Stage, policy: str, folder: Path, plan_path: str) -> tuple[str, dict | None]:
     """The stage's pairs file (built once; an existing one is reused so a resumed run sees the same data)."""
-    import build_pairs
-
     if stage.kind == "dpo":
         return stage.data, None
     out = folder / f"{stage.run_name}.pairs.jsonl"
@@ -216,19 +206,22 @@ def build_stage_pairs(stage: Stage, policy: str, folder: Path) -> tuple[str, dic
         kit.atomic_write_text(report, json.dumps({"examples": len(examples), "pairs_written": len(records)}) + "\n")
         kit.atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         return str(out), json.loads(report.read_text())
-    command = "spin" if stage.kind == "spin" else "self-reward"
-    status = build_pairs.main([command, stage.data, "--model", policy, "-o", str(out), "--report", str(report),
-                               *as_flags(stage.pairs)])
-    if status != 0:
+    import self_pairs
+
+    cls, source = (self_pairs.SpinConfig, "sft") if stage.kind == "spin" else (self_pairs.SelfRewardConfig, "prompts")
+    cfg = kit.config_from(cls, {**stage.pairs, source: stage.data, "model": policy, "output": str(out),
+                                "report": str(report)}, f"{plan_path}:{stage.line}")
+    if not self_pairs.make(cfg)["pairs_written"]:
         raise kit.UserError(f"stage {stage.index} ({stage.kind}) made no pairs; see {report}")
     return str(out), json.loads(report.read_text())
 
 
 def run_plan(cfg: IterateConfig) -> Path:
+    import models
     import train_dpo
 
     plan, lines = load_plan(cfg.plan)
-    base = plan.get("model", train_dpo.BUNDLED_MODEL_DIR)
+    base = plan.get("model", models.BUNDLED_MODEL_DIR)
     shas = {st["data"]: kit.sha256_file(st["data"]) for st in plan["stages"]}
     stages = chain(plan, lines, shas)
     out = Path(cfg.output_dir)
@@ -244,19 +237,19 @@ def run_plan(cfg: IterateConfig) -> Path:
             lineage = json.loads((run_dir / "lineage.json").read_text())
             continue
         policy = str(out / st.parent) if st.parent else base
-        pairs, report = build_stage_pairs(st, policy, folder)
+        pairs, report = build_stage_pairs(st, policy, folder, cfg.plan)
         lineage = lineage + [lineage_entry(st, shas[st.data], pairs, kit.sha256_file(pairs), report)]
         lineage_file = folder / f"{st.run_name}.lineage.json"
         kit.atomic_write_json(lineage_file, lineage)
-        args = ["--data", pairs, "--output_dir", str(out), "--run_name", st.run_name, "--model_name_or_path", base,
-                "--lineage", str(lineage_file), *as_flags(st.train)]
+        options = {**st.train, "data": pairs, "output_dir": str(out), "run_name": st.run_name,
+                   "model_name_or_path": base, "lineage": str(lineage_file)}
         if st.parent:
-            args += ["--init_adapter", str(out / st.parent)]
+            options["init_adapter"] = str(out / st.parent)
         if st.kind == "sft":
-            args += ["--loss_type", "sft"]
-        status = train_dpo.main(args)
-        if status != 0 or not (run_dir / "manifest.json").exists():
-            raise kit.UserError(f"stage {st.index} ({st.run_name}) did not finish (status {status}); "
+            options["loss_type"] = "sft"
+        done = train_dpo.run(kit.config_from(train_dpo.TrainConfig, options, f"{cfg.plan}:{st.line}"))
+        if done.state != "succeeded" or not (run_dir / "manifest.json").exists():
+            raise kit.UserError(f"stage {st.index} ({st.run_name}) did not finish ({done.state}); "
                                 "run the same plan again to resume it")
     final = out / f"{stages[-1].run_name}.tar.gz"
     summary = {"plan": cfg.plan, "plan_sha256": kit.sha256_file(cfg.plan), "base_model": base, "stages": lineage,

@@ -26,20 +26,16 @@ import os
 import shlex
 import signal
 import sys
-import time
-import traceback
 from pathlib import Path
 
 import kit
+import ranks
 from kit import UserError, field
 
 ROOT = Path(__file__).resolve().parent
 DIST_CONFIGS = {"ddp": None, "zero2": "configs/zero2.yaml", "zero3": "configs/zero3.yaml", "fsdp": "configs/fsdp.yaml"}
 SHARDED = ("zero3", "fsdp")  # shard the weights themselves: no 4-bit base, no device_map
 SHUTDOWN_TIMEOUT = 120  # seconds torchrun lets the other ranks save a checkpoint after a signal before SIGKILL
-FAILURES_DIR = "failures"  # <run>.partial/failures/rank-N.json: what each failing rank recorded
-
-
 @dataclasses.dataclass
 class DistConfig:
     nproc: int | None = field(None, "processes on this machine (default: as many as --gpus names, else 1)")
@@ -116,21 +112,6 @@ def accelerate_command(cfg: DistConfig, script: str, script_args: list[str], acc
     return cmd + [script, *script_args]
 
 
-def effective_batch_size(per_device: int, processes: int, gradient_accumulation_steps: int) -> int:
-    """Pairs per optimiser step: 2 per device x 4 processes x 2 accumulation = 16. A 1-GPU run with
-    per_device 8 x accumulation 2 takes the same steps on the same batches as that 4-GPU run."""
-    return per_device * processes * gradient_accumulation_steps
-
-
-def world_from_env(env) -> dict:
-    """rank / local_rank / world_size / nodes from the variables torchrun (accelerate launch) sets; one
-    process when they are absent."""
-    world = int(env.get("WORLD_SIZE", 1))
-    local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-    return {"rank": int(env.get("RANK", 0)), "local_rank": int(env.get("LOCAL_RANK", 0)), "world_size": world,
-            "nodes": max(world // max(local_world, 1), 1)}
-
-
 def failure_status(records: list[dict], first_failure: dict | None, exit_code: int) -> dict:
     """status.json fields for a failed distributed run.
 
@@ -164,64 +145,6 @@ def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Used by train_dpo.py in every process (torch imported only when there is more than one).
-# ---------------------------------------------------------------------------------------------
-
-def world() -> dict:
-    return world_from_env(os.environ)
-
-
-def is_main_process() -> bool:
-    return world()["rank"] == 0
-
-
-def device_map(on_gpu: bool):
-    """Where each process puts its model: its own GPU (local rank: several processes share a machine), or the
-    CPU. Under ZeRO-3 / FSDP the engine places the shards itself, so no device_map at all."""
-    if os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3" or os.environ.get("ACCELERATE_USE_FSDP") == "true":
-        return None
-    return {"": world()["local_rank"] if on_gpu else "cpu"}
-
-
-def share_from_rank0(obj):
-    """Rank 0's value of obj in every process (the run name, the checkpoint to resume from)."""
-    if world()["world_size"] == 1:
-        return obj
-    import torch
-    from accelerate import PartialState
-    from accelerate.utils import broadcast_object_list
-
-    PartialState(cpu=not torch.cuda.is_available())  # the same process group the Trainer uses later
-    box = [obj]
-    broadcast_object_list(box, from_process=0)
-    return box[0]
-
-
-def any_process(flag: bool) -> bool:
-    """True in every process when it is true in any: all ranks stop at the same step after a signal
-    (a rank stopping alone would leave the others waiting in the next all-reduce)."""
-    if world()["world_size"] == 1:
-        return flag
-    import torch
-    from accelerate import PartialState
-
-    t = torch.tensor([1.0 if flag else 0.0], device=PartialState().device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return bool(t.item())
-
-
-def record_failure(partial: Path, error: str, user_error: bool = False) -> None:
-    """A failing process writes what went wrong to <run>.partial/failures/rank-N.json (any rank, any machine
-    sharing the output directory), for the wrapper to name in status.json."""
-    if world()["world_size"] == 1 or not partial.is_dir():  # one process: status.json says it all
-        return
-    rank = world()["rank"]
-    kit.atomic_write_json(partial / FAILURES_DIR / f"rank-{rank}.json",
-                          {"rank": rank, "error": error, "user_error": user_error, "at": time.time(),
-                           "host": os.uname().nodename, "traceback": traceback.format_exc(limit=8)})
-
-
-# ---------------------------------------------------------------------------------------------
 # Edges: run accelerate's launcher and own the final status.
 # ---------------------------------------------------------------------------------------------
 
@@ -230,6 +153,7 @@ def run_dir_for(train_args: list[str], dist: str) -> tuple[list[str], Path]:
     and fix the run name here so this wrapper knows which run directory it owns. On machines other than 0
     rank 0's name is used anyway (train_dpo broadcasts it)."""
     import formats
+    import runs
     import train_dpo
 
     cfg = kit.parse_config(train_dpo.TrainConfig, train_args, train_dpo.__doc__)
@@ -238,7 +162,7 @@ def run_dir_for(train_args: list[str], dist: str) -> tuple[list[str], Path]:
                         "(a 4-bit base trains with DIST=ddp or zero2)")
     _, data = formats.load_pairs(cfg.data, cfg.skip_invalid)
     if not cfg.run_name:
-        cfg.run_name = train_dpo.default_run_name(data["sha256"], dt.datetime.now(dt.timezone.utc))
+        cfg.run_name = runs.default_run_name(data["sha256"], dt.datetime.now(dt.timezone.utc))
         train_args = [*train_args, "--run_name", cfg.run_name]
     return train_args, Path(cfg.output_dir) / f"{cfg.run_name}.partial"
 
@@ -247,17 +171,14 @@ def write_failure(partial: Path, summary: dict, since: str) -> None:
     """Turn the run's status to failed, naming the rank (rank 0 may have been killed before it could); only
     when this launch got as far as touching the run (status written at or after `since`, ISO UTC seconds):
     a refused resume must not mark someone's earlier run failed."""
-    path = partial / "status.json"
-    old = json.loads(path.read_text()) if path.exists() else {}
+    import runs
+
+    old = runs.read_json(partial / "status.json")
     if not any(h["at"] >= since for h in old.get("history", [])):
         return
     if old.get("state") == "cancelled" and summary["rank"] is None:
         return  # a signal stopped it and rank 0 saved a checkpoint: resumable, not failed
-    history = old.get("history", [])
-    if not history or history[-1]["state"] != "failed":
-        history = history + [{"state": "failed", "at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}]
-    kit.atomic_write_json(path, {**{k: v for k, v in old.items() if k not in ("error",)},
-                                 "state": "failed", "history": history, **summary})
+    runs.write_status(partial, old.get("run_name", partial.name.removesuffix(".partial")), "failed", **summary)
 
 
 def launch(cfg: DistConfig, train_args: list[str]) -> int:
@@ -270,7 +191,6 @@ def launch(cfg: DistConfig, train_args: list[str]) -> int:
         import train_dpo
 
         return train_dpo.main(train_args)
-    accelerate = str(Path(sys.executable).with_name("accelerate"))
     cmd = accelerate_command(cfg, str(ROOT / "train_dpo.py"), train_args, configs_dir=str(ROOT / "configs"))
     print(f"[launch] {shlex.join(['accelerate', *cmd[1:]])}", flush=True)
     if cfg.dry_run:
@@ -301,7 +221,7 @@ def launch(cfg: DistConfig, train_args: list[str]) -> int:
             return 128 + int(getattr(e, "sigval", signal.SIGTERM))
         raise
     if cfg.node_rank == 0 and partial.is_dir():  # machine 0 owns the run directory
-        records = [json.loads(p.read_text()) for p in sorted((partial / FAILURES_DIR).glob("rank-*.json"))]
+        records = [json.loads(p.read_text()) for p in sorted((partial / ranks.FAILURES_DIR).glob("rank-*.json"))]
         summary = failure_status(records, first, code)
         write_failure(partial, summary, since)
         root = next((r for r in records if r["rank"] == summary["rank"]), {})

@@ -34,8 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import kit
-from build_pairs import Pair, PairWriter
-from formats import ROLES
+from formats import ROLES, Pair, PairWriter
 
 DEFAULT_TEMPLATE = "data/judge_template.txt"
 REWARD = "{reward}"
@@ -301,54 +300,42 @@ def load_generator(path: str):
     """(model, tokenizer, description) for a model directory / hub id, or a finished run (base + adapter)."""
     import tempfile
 
-    import torch
-
-    import train_dpo
+    import models
+    import runs
 
     p = Path(path)
     if (p / "adapter_config.json").exists() or p.is_file():
         with tempfile.TemporaryDirectory(prefix="self-pairs-") as tmp:
-            run_dir, cfg = train_dpo.open_run(path, tmp)
-            model, tok = train_dpo.load_for_chat(run_dir, cfg)
-        what = f"{cfg.model_name_or_path} + adapter of run {run_dir.name}"
+            run_dir, cfg = runs.open_run(path, tmp)
+            model, tok = models.load_run(run_dir, cfg)
+        what = f"{cfg['model_name_or_path']} + adapter of run {run_dir.name}"
+        opts = models.LoadOptions.of(cfg)
     else:
-        on_gpu = torch.cuda.is_available()
-        cfg = train_dpo.TrainConfig(data="-", model_name_or_path=path)
-        model = train_dpo.load_model(train_dpo.resolve_model_path(path), cfg, on_gpu,
-                                     on_gpu and torch.cuda.is_bf16_supported()).eval()
-        if not on_gpu:
-            train_dpo.dequantize_4bit_(model)  # the same values, without re-dequantising at every matmul
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(train_dpo.resolve_model_path(path))
+        on_gpu, bf16_ok = models.device()
+        opts = models.LoadOptions()  # as train_dpo.py loads a base by default: 4-bit NF4
+        model = models.load_model(models.resolve_model_path(path), opts, on_gpu, bf16_ok).eval()
+        if not on_gpu:
+            models.dequantize_4bit_(model)  # the same values, without re-dequantising at every matmul
+        tok = AutoTokenizer.from_pretrained(models.resolve_model_path(path))
         what = path
-    tok.padding_side = "left"
+    tok.padding_side = "left"  # batches of prompts (the judge's too) end where the answer starts
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    return model, tok, f"{what} ({'4-bit NF4' if cfg.load_in_4bit else 'full precision'})"
-
-
-def chat_texts(tok, prompts: list[list], prefix: str = "") -> list[str]:
-    return [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False) + prefix for p in prompts]
+    return model, tok, f"{what} ({'4-bit NF4' if opts.load_in_4bit else 'full precision'})"
 
 
 def sample(model, tok, prompts: list[list], n: int, max_new_tokens: int, temperature: float, top_p: float,
            seed: int, batch_size: int) -> list[list[str]]:
     """n answers per prompt (greedy when temperature is 0), batched with left padding; seeded per batch."""
-    import torch
+    import models
 
     out = []
     step = max(1, batch_size // n)
+    sampling = {"temperature": temperature, "top_p": top_p, "top_k": 0} if temperature else None
     for b, i in enumerate(range(0, len(prompts), step)):
-        batch = tok(chat_texts(tok, prompts[i:i + step]), return_tensors="pt", padding=True,
-                    add_special_tokens=False).to(model.device)
-        torch.manual_seed(seed + b)
-        options = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0} if temperature else \
-            {"do_sample": False}
-        with torch.no_grad():
-            gen = model.generate(**batch, max_new_tokens=max_new_tokens, num_return_sequences=n,
-                                 pad_token_id=tok.pad_token_id, **options)
-        texts = [tok.decode(row[batch["input_ids"].shape[1]:], skip_special_tokens=True).strip() for row in gen]
+        texts = models.generate(model, tok, prompts[i:i + step], max_new_tokens, sampling, seed + b, n=n)
         out += [texts[j:j + n] for j in range(0, len(texts), n)]
     return out
 
@@ -370,7 +357,9 @@ def judge_probs(model, tok, judge_prompts: list[str], prefix: str, lo: int, hi: 
     """(expected score, mass on allowed scores) per judge prompt, from one forward pass each."""
     import torch
 
-    texts = chat_texts(tok, [[{"role": "user", "content": q}] for q in judge_prompts], prefix)
+    import models
+
+    texts = models.prompt_texts(tok, [[{"role": "user", "content": q}] for q in judge_prompts], prefix)
     ids = score_tokens(tok, texts[0], lo, hi)
     out = []
     for i in range(0, len(texts), batch_size):
@@ -496,17 +485,20 @@ def print_summary(s: dict) -> None:
           f"{s['prompts_without_pair']['too_close']} best - worst < {s['min_margin']}", file=sys.stderr)
 
 
-def main(command: str, argv: list[str]) -> int:
-    if command == "spin":
-        cfg = kit.parse_config(SpinConfig, argv, __doc__, positional="sft")
-        summary = spin(cfg)
-    else:
-        cfg = kit.parse_config(SelfRewardConfig, argv, __doc__, positional="prompts")
-        summary = self_reward(cfg)
+def make(cfg: SpinConfig | SelfRewardConfig) -> dict:
+    """Run `spin` or `self_reward` (by the config's type), print the summary, write the report. Returns it."""
+    summary = spin(cfg) if isinstance(cfg, SpinConfig) else self_reward(cfg)
     print_summary(summary)
     if cfg.report:
         kit.atomic_write_json(cfg.report, summary)
     if not summary["pairs_written"]:
-        print(f"build_pairs {command}: no pairs; {cfg.output} not written", file=sys.stderr)
-        return 1
-    return 0
+        print(f"build_pairs {summary['command']}: no pairs; {cfg.output} not written", file=sys.stderr)
+    return summary
+
+
+def main(command: str, argv: list[str]) -> int:
+    if command == "spin":
+        cfg = kit.parse_config(SpinConfig, argv, __doc__, positional="sft")
+    else:
+        cfg = kit.parse_config(SelfRewardConfig, argv, __doc__, positional="prompts")
+    return 0 if make(cfg)["pairs_written"] else 1

@@ -3,10 +3,9 @@
     make bench [QUICK=1]
     .venv/bin/python bench/bench.py [--quick] [--lengths 256,1024] [--steps 4] [--modes default,separate_ref]
 
-Each training mode runs train_dpo.main in a fresh child process on generated pairs of a controlled
+Each training mode runs train_dpo.run in a fresh child process on generated pairs of a controlled
 token length (prompt L/4 tokens, completions filling the rest; truncated to exactly L = --max_length),
-batch 4, no held-out pairs, no probes. The child adds one timing callback (train_dpo.py is not
-changed); its peak resident memory comes from /proc (VmHWM) at the end of training and from wait4.
+batch 4, no held-out pairs, no probes. The child passes one timing callback (run's `callbacks`); its peak resident memory comes from /proc (VmHWM) at the end of training and from wait4.
 The tokenised-data cache is the bench's own: the default mode runs first at each length and tokenises
 (a cold start-up); the modes after it find the same tokens cached, as a user's second run would.
 build_pairs.py runs on generated logs of 10k, 100k and 1M runs (QUICK: 10k and 100k). Writes
@@ -360,40 +359,34 @@ def vm_hwm_mb() -> float:
 
 
 def child_train(argv: list[str], timing_path: str) -> None:
-    """Runs in the child process: train_dpo.main(argv) with one extra callback that records when the
-    trainer was built, when training began, when each optimizer step ended and the peak memory then.
-    The child ends when training does: metrics.jsonl is complete by then, and what the kit does next
-    (save, evaluate, tarball: ~18 s) is not what is measured."""
+    """Runs in the child process: train_dpo.run with one extra callback that records when the trainer was
+    built, when training began, when each optimizer step ended and the peak memory then. The child ends when
+    training does: metrics.jsonl is complete by then, and what the kit does next (save, evaluate, tarball:
+    ~18 s) is not what is measured."""
+    import torch
+    from transformers import TrainerCallback
+
     import train_dpo
 
-    rec = {"step_ends": []}
-    kit_callbacks = train_dpo.make_callbacks
+    rec = {"step_ends": [], "torch_threads": torch.get_num_threads()}
 
-    def make_callbacks(run, interrupt):
-        from transformers import TrainerCallback
+    class Timing(TrainerCallback):
+        def on_init_end(self, args, state, control, **kw):
+            rec["init_end"] = time.time()
 
-        class Timing(TrainerCallback):
-            def on_init_end(self, args, state, control, **kw):
-                rec["init_end"] = time.time()
+        def on_train_begin(self, args, state, control, **kw):
+            rec["train_begin"] = time.time()
 
-            def on_train_begin(self, args, state, control, **kw):
-                rec["train_begin"] = time.time()
+        def on_step_end(self, args, state, control, **kw):
+            rec["step_ends"].append(time.time())
 
-            def on_step_end(self, args, state, control, **kw):
-                rec["step_ends"].append(time.time())
+        def on_train_end(self, args, state, control, **kw):
+            rec["peak_train_mb"] = vm_hwm_mb()
+            Path(timing_path).write_text(json.dumps(rec))
+            os._exit(0)
 
-            def on_train_end(self, args, state, control, **kw):
-                rec["peak_train_mb"] = vm_hwm_mb()
-                Path(timing_path).write_text(json.dumps(rec))
-                os._exit(0)
-
-        return kit_callbacks(run, interrupt) + [Timing()]
-
-    train_dpo.make_callbacks = make_callbacks
-    import torch
-
-    rec["torch_threads"] = torch.get_num_threads()
-    sys.exit(train_dpo.main(argv) or 1)  # reached only when training did not end (on_train_end exits 0)
+    train_dpo.run(kit.parse_config(train_dpo.TrainConfig, argv, train_dpo.__doc__), callbacks=[Timing()])
+    sys.exit(1)  # reached only when training did not end (on_train_end exits 0)
 
 
 def child_build_pairs(argv: list[str], peak_path: str) -> None:
@@ -548,12 +541,10 @@ def main(argv=None) -> int:
                "config": dataclasses.asdict(cfg), "train": {}, "build_pairs": []}
     results["matmul"] = matmul_peak(cfg.matmul_size)
     results["matmul_bf16"] = matmul_peak(cfg.matmul_size, seconds=2.0, dtype="bfloat16")
-    import torch
-    import train_dpo
+    import models
 
     peaks = {"float32": results["matmul"]["gflops"], "bfloat16": results["matmul_bf16"]["gflops"],
-             "auto": train_dpo.resolve_compute_dtype("auto", torch.cuda.is_available(),
-                                                     torch.cuda.is_available() and torch.cuda.is_bf16_supported())}
+             "auto": models.resolve_compute_dtype("auto", *models.device())}
     print(f"[bench] matmul peak: fp32 {results['matmul']['gflops']:.1f} GFLOP/s "
           f"(bf16 {results['matmul_bf16']['gflops']:.1f})", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

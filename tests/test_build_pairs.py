@@ -289,8 +289,8 @@ def test_openai_format(tmp_path):
 
 
 def test_line_format_is_fixed():
-    pair = bp.Pair([{"role": "user", "content": "é"}], "a", "b", {"run_id": "r", "rule": "mixed"})
-    assert bp.to_line(bp.to_record(pair)) == (
+    pair = formats.Pair([{"role": "user", "content": "é"}], "a", "b", {"run_id": "r", "rule": "mixed"})
+    assert formats.to_line(formats.to_record(pair)) == (
         '{"prompt": [{"role": "user", "content": "é"}], "chosen": [{"role": "assistant", "content": "a"}], '
         '"rejected": [{"role": "assistant", "content": "b"}], "meta": {"run_id": "r", "rule": "mixed"}}\n')
 
@@ -439,7 +439,7 @@ def test_digest_set_finds_every_duplicate_across_growth():
 
     rng = random.Random(7)
     values = [rng.getrandbits(64) for _ in range(5000)]
-    s = bp.DigestSet(bits=0)  # grows at 128 entries, then 512, 2048: rehashing is exercised
+    s = formats.DigestSet(bits=0)  # grows at 128 entries, then 512, 2048: rehashing is exercised
     assert all(s.add(v) for v in values)
     assert s.bits == 6 and len(s) == 5000
     assert not any(s.add(v) for v in values[::7])  # every one of them is still found after the rehashes
@@ -466,8 +466,8 @@ def test_digest_and_line_match_the_plain_encoders(fmt):
         [{"role": "user", "content": 5}], [{"role": "user", "content": sub("sub")}]]
     for i, prompt in enumerate(prompts):
         for chosen, rejected in [(TRICKY[i % len(TRICKY)], TRICKY[-1 - i % len(TRICKY)]), ("a", sub("b"))]:
-            pair = bp.Pair(prompt, chosen, rejected, metas[i % len(metas)])
-            assert bp.digest_and_line(pair, fmt) == (bp.pair_digest(pair), bp.to_line(bp.to_record(pair, fmt)))
+            pair = formats.Pair(prompt, chosen, rejected, metas[i % len(metas)])
+            assert formats.digest_and_line(pair, fmt) == (formats.pair_digest(pair), formats.to_line(formats.to_record(pair, fmt)))
 
 
 def test_prompt_key_is_equal_exactly_when_the_canonical_prompt_json_is():
@@ -479,7 +479,7 @@ def test_prompt_key_is_equal_exactly_when_the_canonical_prompt_json_is():
                [{"role": "user", "content": "ab", "tag": "ignored"}], m(("user", "😀"))]
     for a in prompts:
         for b in prompts:
-            assert (bp.prompt_key(a) == bp.prompt_key(b)) == (bp._canon_prompt(a) == bp._canon_prompt(b)), (a, b)
+            assert (bp.prompt_key(a) == bp.prompt_key(b)) == (formats._canon_prompt(a) == formats._canon_prompt(b)), (a, b)
 
 
 def plain_main(path, cfg):
@@ -498,14 +498,14 @@ def plain_main(path, cfg):
             continue
         outcomes[bp.outcome(r)] += 1
         for pair in bp.pairs_for_run(r, cfg, garbler, stats):
-            if bp.pair_digest(pair) not in seen:
-                seen.add(bp.pair_digest(pair))
-                out.append(bp.to_line(bp.to_record(pair, cfg.format)))
+            if formats.pair_digest(pair) not in seen:
+                seen.add(formats.pair_digest(pair))
+                out.append(formats.to_line(formats.to_record(pair, cfg.format)))
         index.add(r)
     for pair in index.pairs():
-        if bp.pair_digest(pair) not in seen:
-            seen.add(bp.pair_digest(pair))
-            out.append(bp.to_line(bp.to_record(pair, cfg.format)))
+        if formats.pair_digest(pair) not in seen:
+            seen.add(formats.pair_digest(pair))
+            out.append(formats.to_line(formats.to_record(pair, cfg.format)))
     return "".join(out).encode("utf-8"), stats["invalid"], len(seen)
 
 

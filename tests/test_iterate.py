@@ -6,12 +6,14 @@ from pathlib import Path
 
 import pytest
 
+import evaluate
 import iterate
 import kit
-import train_dpo
+import models
+import runs
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = ROOT / train_dpo.BUNDLED_MODEL_DIR
+MODEL = ROOT / models.BUNDLED_MODEL_DIR
 
 
 def write(tmp_path, text, name="plan.yaml"):
@@ -101,9 +103,7 @@ def test_each_stage_starts_from_the_previous_one_and_names_follow_content(tmp_pa
     assert later[0].run_name == stages[0].run_name and later[1].run_name != stages[1].run_name
 
 
-def test_flags_and_sft_pairs():
-    assert iterate.as_flags({"max_steps": 2, "load_in_4bit": False, "probes": ""}) == \
-        ["--max_steps", "2", "--load_in_4bit", "false", "--probes", ""]
+def test_sft_pairs():
     [pair] = iterate.sft_pairs([(1, [{"role": "user", "content": "Q"}], "the answer is four")], 0)
     assert pair["chosen"] == [{"role": "assistant", "content": "the answer is four"}]
     assert pair["rejected"][0]["content"] != "the answer is four"
@@ -142,7 +142,7 @@ stages:
     s1, s2 = (out / s["run_name"] for s in summary["stages"])
     tarball = Path(summary["tarball"])
     assert tarball == out / f"{s2.name}.tar.gz"
-    manifest = kit.verify_tarball(tarball)  # the handoff checks out and carries the lineage
+    manifest = runs.verify_tarball(tarball)  # the handoff checks out and carries the lineage
     assert "lineage.json" in manifest["files"] and manifest["init_adapter"]["run_name"] == s1.name
     lineage = json.loads((s2 / "lineage.json").read_text())
     assert [(x["kind"], x["parent"]) for x in lineage] == [("spin", None), ("self_reward", s1.name)]
@@ -156,11 +156,11 @@ stages:
     import formats
 
     pairs, _ = formats.load_pairs(lineage[1]["pairs"])
-    model, tok = train_dpo.load_for_chat(s1, train_dpo.TrainConfig(**json.loads((s1 / "config.json").read_text())))
-    toks = [train_dpo.tokenize_pair(tok, r, 128) for r in pairs]
+    model, tok = models.load_run(s1, json.loads((s1 / "config.json").read_text()))
+    toks = [evaluate.tokenize_pair(tok, r, 128) for r in pairs]
 
     def mean_chosen():
-        rows = train_dpo.completion_logps(model, [t[0] for t in toks], [t[1] for t in toks], tok.pad_token_id)
+        rows = evaluate.completion_logps(model, [t[0] for t in toks], [t[1] for t in toks], tok.pad_token_id)
         return sum(lp for lp, _ in rows) / len(rows)
 
     tuned = mean_chosen()
@@ -190,7 +190,7 @@ def test_trainable_adapter_starts_at_the_reference_or_at_the_checkpoint(tmp_path
     ref_a, default_a = params["base_model.model.0.lora_A.ref.weight"], params["base_model.model.0.lora_A.default.weight"]
     default_a.data = default_a.data.bfloat16().float() + 0.01  # rounded and off, as after TRL's bfloat16 cast
     assert not torch.equal(default_a, ref_a)
-    train_dpo.sync_trainable_adapter_(model, "")  # fresh start: exactly the reference
+    models.sync_trainable_adapter_(model, "")  # fresh start: exactly the reference
     assert torch.equal(default_a, ref_a) and default_a.data_ptr() != ref_a.data_ptr()
     # Resume: the trained adapter comes from the checkpoint root (what PEFT saves for 'default').
     ckpt = tmp_path / "checkpoint-1"
@@ -198,5 +198,5 @@ def test_trainable_adapter_starts_at_the_reference_or_at_the_checkpoint(tmp_path
     saved = {"base_model.model.0.lora_A.weight": torch.full((2, 4), 0.5),
              "base_model.model.0.lora_B.weight": torch.full((4, 2), -0.5)}
     save_file(saved, ckpt / "adapter_model.safetensors")
-    train_dpo.sync_trainable_adapter_(model, str(ckpt))
+    models.sync_trainable_adapter_(model, str(ckpt))
     assert torch.equal(default_a, torch.full((2, 4), 0.5)) and not torch.equal(ref_a, default_a)

@@ -6,6 +6,7 @@ import tarfile
 import pytest
 
 import kit
+import runs
 from kit import UserError, field
 
 
@@ -96,9 +97,9 @@ def test_tarball_is_reproducible_and_carries_a_checksum(tmp_path):
     (run / "d").mkdir(parents=True)
     (run / "a.txt").write_text("alpha")
     (run / "d" / "b.bin").write_bytes(b"\x00\x01")
-    d1 = kit.make_tarball(run, tmp_path / "one.tar.gz")
+    d1 = runs.make_tarball(run, tmp_path / "one.tar.gz")
     (run / "a.txt").touch()  # a new mtime must not change the bytes
-    d2 = kit.make_tarball(run, tmp_path / "two.tar.gz")
+    d2 = runs.make_tarball(run, tmp_path / "two.tar.gz")
     assert d1 == d2 == hashlib.sha256((tmp_path / "one.tar.gz").read_bytes()).hexdigest()
     assert (tmp_path / "one.tar.gz.sha256").read_text() == f"{d1}  one.tar.gz\n"
     with tarfile.open(tmp_path / "one.tar.gz") as tar:
@@ -109,7 +110,7 @@ def test_tarball_is_reproducible_and_carries_a_checksum(tmp_path):
 def test_file_hashes_skip_the_manifest(tmp_path):
     (tmp_path / "x").write_text("x")
     (tmp_path / "manifest.json").write_text("{}")
-    assert kit.file_hashes(tmp_path) == {"x": hashlib.sha256(b"x").hexdigest()}
+    assert runs.file_hashes(tmp_path) == {"x": hashlib.sha256(b"x").hexdigest()}
 
 
 def fake_run(tmp_path, name="run1", adapter_config=None):
@@ -123,16 +124,16 @@ def fake_run(tmp_path, name="run1", adapter_config=None):
         "peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
         "modules_to_save": None}))
     manifest = {"run_name": name, "steps": 2, "seed": 1, "base_model": {"name_or_path": "m"},
-                "data": {"sha256": "ab", "format": "openai", "pairs": 3}, "files": kit.file_hashes(run)}
+                "data": {"sha256": "ab", "format": "openai", "pairs": 3}, "files": runs.file_hashes(run)}
     (run / "manifest.json").write_text(json.dumps(manifest))
     return run
 
 
 def test_verify_accepts_an_intact_tarball_and_describes_it(tmp_path):
     run = fake_run(tmp_path)
-    kit.make_tarball(run, tmp_path / "run1.tar.gz")
-    manifest = kit.verify_tarball(tmp_path / "run1.tar.gz")
-    text = kit.describe_run(manifest)
+    runs.make_tarball(run, tmp_path / "run1.tar.gz")
+    manifest = runs.verify_tarball(tmp_path / "run1.tar.gz")
+    text = runs.describe_run(manifest)
     assert "LoRA r=4 alpha=8 on q_proj, v_proj" in text and "3 pairs, openai, sha256 ab" in text
 
 
@@ -141,22 +142,22 @@ def test_verify_refuses_a_file_changed_after_the_manifest(tmp_path):
     data = bytearray((run / "adapter_model.safetensors").read_bytes())
     data[10] ^= 1
     (run / "adapter_model.safetensors").write_bytes(bytes(data))
-    kit.make_tarball(run, tmp_path / "t.tar.gz")
+    runs.make_tarball(run, tmp_path / "t.tar.gz")
     with pytest.raises(UserError, match="adapter_model.safetensors: sha256 differs from manifest.json"):
-        kit.verify_tarball(tmp_path / "t.tar.gz")
+        runs.verify_tarball(tmp_path / "t.tar.gz")
 
 
 def test_verify_refuses_a_changed_byte_in_the_archive(tmp_path):
     run = fake_run(tmp_path)
-    kit.make_tarball(run, tmp_path / "t.tar.gz")
+    runs.make_tarball(run, tmp_path / "t.tar.gz")
     raw = bytearray((tmp_path / "t.tar.gz").read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     (tmp_path / "t.tar.gz").write_bytes(bytes(raw))
     with pytest.raises(UserError, match="differs from t.tar.gz.sha256"):
-        kit.verify_tarball(tmp_path / "t.tar.gz")
+        runs.verify_tarball(tmp_path / "t.tar.gz")
     (tmp_path / "t.tar.gz.sha256").unlink()  # without the sidecar, gzip's CRC or the manifest catches it
     with pytest.raises(UserError):
-        kit.verify_tarball(tmp_path / "t.tar.gz")
+        runs.verify_tarball(tmp_path / "t.tar.gz")
 
 
 @pytest.mark.parametrize("kind", ["dotdot", "absolute", "symlink", "outside"])
@@ -182,15 +183,15 @@ def test_verify_refuses_crafted_archives_and_writes_nothing_outside(tmp_path, ki
         else:
             add("other/file", b"pwned")
     with pytest.raises(UserError, match="refused"):
-        kit.verify_tarball(evil)
+        runs.verify_tarball(evil)
     assert not (tmp_path.parent / "evil").exists() and not (tmp_path / "abs-evil").exists()
 
 
 def test_serving_rules():
     ok = {"peft_type": "LORA", "target_modules": ["q_proj"], "modules_to_save": None}
-    assert kit.serving_problems(ok) == []
+    assert runs.serving_problems(ok) == []
     bad = {"peft_type": "LORA", "target_modules": ["q_proj", "lm_head", "embed_tokens"], "modules_to_save": ["score"]}
-    assert len(kit.serving_problems(bad)) == 3
+    assert len(runs.serving_problems(bad)) == 3
 
 
 def test_serving_rules_refuse_unless_the_modules_were_asked_for(tmp_path):
@@ -198,11 +199,11 @@ def test_serving_rules_refuse_unless_the_modules_were_asked_for(tmp_path):
 
     bad = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "lm_head"]}
     run = fake_run(tmp_path, adapter_config=bad)
-    kit.make_tarball(run, tmp_path / "auto.tar.gz")
+    runs.make_tarball(run, tmp_path / "auto.tar.gz")
     with pytest.raises(UserError, match="serving rules"):
-        kit.verify_tarball(tmp_path / "auto.tar.gz")
+        runs.verify_tarball(tmp_path / "auto.tar.gz")
     manifest = json.loads((run / "manifest.json").read_text())
     (run / "manifest.json").write_text(json.dumps({**manifest, "lora_target_modules_requested": "q_proj,lm_head"}))
-    kit.make_tarball(run, tmp_path / "asked.tar.gz")
-    assert kit.verify_tarball(tmp_path / "asked.tar.gz")["serving_warnings"] == [
+    runs.make_tarball(run, tmp_path / "asked.tar.gz")
+    assert runs.verify_tarball(tmp_path / "asked.tar.gz")["serving_warnings"] == [
         "LoRA on 'lm_head' (embeddings or output head); vLLM does not serve that"]

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+import ranks
+import runs
 import scaleout
 import kit
 from scaleout import DistConfig
@@ -60,14 +62,14 @@ def test_processes_per_node_from_nproc_or_gpus():
 
 
 def test_effective_batch_makes_one_gpu_and_four_equivalent():
-    assert scaleout.effective_batch_size(2, 4, 2) == 16
-    assert scaleout.effective_batch_size(8, 1, 2) == scaleout.effective_batch_size(2, 4, 2)
+    assert ranks.effective_batch_size(2, 4, 2) == 16
+    assert ranks.effective_batch_size(8, 1, 2) == ranks.effective_batch_size(2, 4, 2)
 
 
 def test_world_from_torchrun_variables():
-    assert scaleout.world_from_env({}) == {"rank": 0, "local_rank": 0, "world_size": 1, "nodes": 1}
+    assert ranks.world_from_env({}) == {"rank": 0, "local_rank": 0, "world_size": 1, "nodes": 1}
     env = {"RANK": "9", "LOCAL_RANK": "1", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}
-    assert scaleout.world_from_env(env) == {"rank": 9, "local_rank": 1, "world_size": 16, "nodes": 2}
+    assert ranks.world_from_env(env) == {"rank": 9, "local_rank": 1, "world_size": 16, "nodes": 2}
 
 
 def test_failure_status_names_the_first_failing_rank():
@@ -225,10 +227,10 @@ def test_two_cpu_processes_match_one_with_the_same_global_batch(tmp_path, tiny):
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["r", "r.tar.gz", "r.tar.gz.sha256"]
     status = json.loads((tmp_path / "two" / "r" / "status.json").read_text())
     assert [h["state"] for h in status["history"]] == ["pending", "running", "succeeded"]
-    assert not (tmp_path / "two" / "r" / scaleout.FAILURES_DIR).exists()
+    assert not (tmp_path / "two" / "r" / ranks.FAILURES_DIR).exists()
     manifest = json.loads((tmp_path / "two" / "r" / "manifest.json").read_text())
     assert manifest["distributed"] == {"processes": 2, "nodes": 1, "effective_batch_size": 4}
-    assert manifest["files"] == kit.file_hashes(tmp_path / "two" / "r")
+    assert manifest["files"] == runs.file_hashes(tmp_path / "two" / "r")
     assert "4 pairs per step (2 per device x 2 process(es)" in (tmp_path / "two" / "r" / "README.md").read_text()
 
 

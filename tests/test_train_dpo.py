@@ -10,12 +10,17 @@ from pathlib import Path
 
 import pytest
 
+import evaluate
+import fastpath
+import formats
 import kit
+import models
+import runs
 import train_dpo
 from kit import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = ROOT / train_dpo.BUNDLED_MODEL_DIR
+MODEL = ROOT / models.BUNDLED_MODEL_DIR
 
 
 # ------------------------------------------------------------------ pure helpers, no model
@@ -53,7 +58,7 @@ def test_layer_detection_finds_every_linear_but_the_head(quantized):
     import torch
 
     model = toy_lm(quantized)
-    found = train_dpo.lora_target_modules(model.named_modules(), lambda m: isinstance(m, torch.nn.Linear),
+    found = models.lora_target_modules(model.named_modules(), lambda m: isinstance(m, torch.nn.Linear),
                                           ["lm_head"])
     assert found == ["q_proj", "up_proj", "v_proj"]
 
@@ -64,7 +69,7 @@ def test_parameter_count_uses_logical_shape_of_4bit_weights():
     model.layers[0].q_proj.weight.requires_grad_(False)
     packed = model.layers[0].q_proj.weight
     assert packed.numel() == 16 * 16 // 2  # two 4-bit values per byte: numel() undercounts
-    counts = train_dpo.count_parameters(model.named_parameters())
+    counts = models.count_parameters(model.named_parameters())
     linear_4bit = 2 * (16 * 16 + 16 * 16 + 16 * 32)
     norms = 2 * 2 * 16
     assert counts["quantized_4bit"] == linear_4bit
@@ -81,7 +86,7 @@ def test_dequantize_swaps_4bit_layers_for_the_same_function():
     block = model.layers[0]
     x = torch.randn(3, 16)
     before = block.q_proj(x), block.mlp.up_proj(x)
-    assert train_dpo.dequantize_4bit_(model) == 6  # q, v, up in each of two blocks; the head was never 4-bit
+    assert models.dequantize_4bit_(model) == 6  # q, v, up in each of two blocks; the head was never 4-bit
     assert type(block.q_proj) is torch.nn.Linear and not block.q_proj.weight.requires_grad
     after = block.q_proj(x), block.mlp.up_proj(x)
     for b, a in zip(before, after):
@@ -91,12 +96,12 @@ def test_dequantize_swaps_4bit_layers_for_the_same_function():
 def test_tied_weights_count_once():
     model = toy_lm(quantized=False)
     model.lm_head.weight = model.embed_tokens.weight
-    assert train_dpo.count_parameters(model.named_parameters())["total"] == (
+    assert models.count_parameters(model.named_parameters())["total"] == (
         50 * 16 + 2 * (2 * (16 * 16 + 16) + (16 * 32 + 32) + 2 * 16))  # head shares the embedding
 
 
 def test_parameter_table_formats_thousands():
-    table = train_dpo.parameter_table({"total": 1_000_000, "trainable": 10_000, "frozen": 990_000,
+    table = models.parameter_table({"total": 1_000_000, "trainable": 10_000, "frozen": 990_000,
                                        "quantized_4bit": 900_000})
     assert "10,000    1.00%" in table and "1,000,000  100.00%" in table
 
@@ -119,15 +124,15 @@ def test_dpo_config_mapping_uses_trl_names_and_device():
 
 def test_tokenized_cache_key_changes_with_what_tokenisation_depends_on():
     rows = [{"prompt": "p1", "chosen": "a", "rejected": "b"}, {"prompt": "p2", "chosen": "c", "rejected": "d"}]
-    key = train_dpo.tokenized_cache_key(rows, "tok", {"max_length": 512})
-    assert key == train_dpo.tokenized_cache_key([dict(r) for r in rows], "tok", {"max_length": 512})
-    assert key != train_dpo.tokenized_cache_key(rows[::-1], "tok", {"max_length": 512})  # order is data order
-    assert key != train_dpo.tokenized_cache_key(rows[:1], "tok", {"max_length": 512})
-    assert key != train_dpo.tokenized_cache_key([rows[0], rows[1] | {"rejected": "e"}], "tok", {"max_length": 512})
-    assert key != train_dpo.tokenized_cache_key(rows, "other tokenizer", {"max_length": 512})
-    assert key != train_dpo.tokenized_cache_key(rows, "tok", {"max_length": 256})
-    assert train_dpo.tokenized_cache_dir("none") is None
-    assert train_dpo.tokenized_cache_dir("/x") == Path("/x/tokenized")
+    key = fastpath.tokenized_cache_key(rows, "tok", {"max_length": 512})
+    assert key == fastpath.tokenized_cache_key([dict(r) for r in rows], "tok", {"max_length": 512})
+    assert key != fastpath.tokenized_cache_key(rows[::-1], "tok", {"max_length": 512})  # order is data order
+    assert key != fastpath.tokenized_cache_key(rows[:1], "tok", {"max_length": 512})
+    assert key != fastpath.tokenized_cache_key([rows[0], rows[1] | {"rejected": "e"}], "tok", {"max_length": 512})
+    assert key != fastpath.tokenized_cache_key(rows, "other tokenizer", {"max_length": 512})
+    assert key != fastpath.tokenized_cache_key(rows, "tok", {"max_length": 256})
+    assert fastpath.tokenized_cache_dir("none") is None
+    assert fastpath.tokenized_cache_dir("/x") == Path("/x/tokenized")
 
 
 def test_every_dpo_config_key_exists_in_trl():
@@ -148,10 +153,10 @@ def test_config_problems_are_collected():
 
 def test_resume_conflicts_ignore_step_budget_but_not_hyperparameters():
     old = {"beta": 0.1, "max_steps": 10, "lora_r": 16}
-    assert train_dpo.config_conflicts(old, {**old, "max_steps": 40}) == []
-    assert train_dpo.config_conflicts(old, {**old, "beta": 0.2, "lora_r": 8}) == ["beta", "lora_r"]
+    assert runs.config_conflicts(old, {**old, "max_steps": 40}) == []
+    assert runs.config_conflicts(old, {**old, "beta": 0.2, "lora_r": 8}) == ["beta", "lora_r"]
     # a run stopped before the fast path existed resumes with it: the same values, computed faster
-    assert train_dpo.config_conflicts(old, {**old, "fused_ops": True, "share_prompts": True}) == []
+    assert runs.config_conflicts(old, {**old, "fused_ops": True, "share_prompts": True}) == []
 
 
 def test_truncation_counts_prompt_plus_longer_completion():
@@ -160,34 +165,34 @@ def test_truncation_counts_prompt_plus_longer_completion():
 
 def test_held_out_split_is_stable_as_the_file_grows_and_near_the_fraction():
     pairs = [{"prompt": f"q{i}", "chosen": "a", "rejected": "b"} for i in range(4000)]
-    first = [p for p in pairs[:1000] if train_dpo.held_out(p, 0.1)]
-    grown = [p for p in pairs if train_dpo.held_out(p, 0.1)]
+    first = [p for p in pairs[:1000] if formats.held_out(p, 0.1)]
+    grown = [p for p in pairs if formats.held_out(p, 0.1)]
     assert grown[:len(first)] == first  # appending pairs never moves an earlier pair across the split
     assert 330 <= len(grown) <= 470  # 10% of 4000, within a few standard deviations
-    assert not any(train_dpo.held_out(p, 0.0) for p in pairs)
+    assert not any(formats.held_out(p, 0.0) for p in pairs)
 
 
 def test_mix_spec_and_counts_follow_the_stated_shares():
-    assert train_dpo.parse_mix("") == []
-    assert train_dpo.parse_mix("0.2") == [(train_dpo.GENERAL_MIX, 0.2)]
-    assert train_dpo.parse_mix("a.jsonl:0.2, b.jsonl:0.1") == [("a.jsonl", 0.2), ("b.jsonl", 0.1)]
+    assert formats.parse_mix("") == []
+    assert formats.parse_mix("0.2") == [(formats.GENERAL_MIX, 0.2)]
+    assert formats.parse_mix("a.jsonl:0.2, b.jsonl:0.1") == [("a.jsonl", 0.2), ("b.jsonl", 0.1)]
     for bad in ("a.jsonl:x", "a.jsonl:0", "a.jsonl:0.6,b.jsonl:0.5"):
         with pytest.raises(ValueError):
-            train_dpo.parse_mix(bad)
-    assert train_dpo.mix_counts(80, [0.2]) == [20]  # the deck's 4:1: 80 domain + 20 general = 100, 20%
-    assert train_dpo.mix_counts(60, [0.2, 0.2]) == [20, 20]
+            formats.parse_mix(bad)
+    assert formats.mix_counts(80, [0.2]) == [20]  # the deck's 4:1: 80 domain + 20 general = 100, 20%
+    assert formats.mix_counts(60, [0.2, 0.2]) == [20, 20]
 
 
 def test_draw_is_seeded_and_cycles_a_small_file():
     records = list("abcde")
-    assert train_dpo.draw(records, 12, seed=1) == train_dpo.draw(records, 12, seed=1)
-    drawn = train_dpo.draw(records, 12, seed=1)
+    assert formats.draw(records, 12, seed=1) == formats.draw(records, 12, seed=1)
+    drawn = formats.draw(records, 12, seed=1)
     assert sorted(drawn[:5]) == records and drawn[5:10] == drawn[:5]
 
 
 def test_preference_stats_by_hand():
     rows = [(-10.0, -12.0, 5, 4), (-8.0, -6.0, 8, 2), (-3.0, -9.0, 1, 9)]
-    stats = train_dpo.preference_stats(rows)
+    stats = evaluate.preference_stats(rows)
     assert stats["accuracy"] == pytest.approx(2 / 3)
     # per token: -2 > -3 yes; -1 > -3 yes; -3 > -1 no
     assert stats["accuracy_per_token"] == pytest.approx(2 / 3)
@@ -216,15 +221,15 @@ def test_completion_logps_on_a_toy_model_with_known_likelihoods():
     lm = Unigram([0.5, 0.25, 0.125, 0.125])
     prompts = [[3, 3], [1], [2, 1, 0]]
     completions = [[0, 0], [1, 2, 3], [2]]
-    got = train_dpo.completion_logps(lm, prompts, completions, pad_id=0, batch_size=2)
+    got = evaluate.completion_logps(lm, prompts, completions, pad_id=0, batch_size=2)
     want = [(2 * math.log(0.5), 2), (math.log(0.25) + 2 * math.log(0.125), 3), (math.log(0.125), 1)]
     assert [(pytest.approx(a), b) for a, b in want] == got
-    stats = train_dpo.preference_stats([(got[0][0], got[1][0], 2, 3)])
+    stats = evaluate.preference_stats([(got[0][0], got[1][0], 2, 3)])
     assert stats["accuracy"] == 1.0  # [0, 0] is likelier than [1, 2, 3] under this model
 
 
 def test_default_run_name_is_time_and_data_hash():
-    name = train_dpo.default_run_name("abcdef0123456789", dt.datetime(2026, 11, 22, 3, 4, 5))
+    name = runs.default_run_name("abcdef0123456789", dt.datetime(2026, 11, 22, 3, 4, 5))
     assert name == "20261122-030405-abcdef01"
 
 
@@ -345,7 +350,7 @@ def check_complete_run(run_dir: Path, steps: int):
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "succeeded" and [h["state"] for h in status["history"]][-1] == "succeeded"
     manifest = json.loads((run_dir / "manifest.json").read_text())
-    assert manifest["files"] == kit.file_hashes(run_dir)
+    assert manifest["files"] == runs.file_hashes(run_dir)
     assert manifest["steps"] == steps and manifest["versions"]["trl"] == "1.14.2"
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, steps + 1))
@@ -477,7 +482,7 @@ def test_chat_from_the_tarball_answers_with_base_and_tuned(trained, capsys):
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
-        assert train_dpo.chat(str(tarball), ["How do I clear apt's cache?"], compare=True, max_new_tokens=12) == 0
+        assert evaluate.chat(str(tarball), ["How do I clear apt's cache?"], compare=True, max_new_tokens=12) == 0
     finally:
         os.chdir(cwd)
     out = capsys.readouterr().out
@@ -496,7 +501,7 @@ def test_merge_gives_a_plain_16bit_model_that_matches_base_plus_adapter(trained,
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
-        dest = train_dpo.merge(str(run_dir), str(tmp_path / "merged"))
+        dest = evaluate.merge(str(run_dir), str(tmp_path / "merged"))
     finally:
         os.chdir(cwd)
     report = json.loads((dest / "merge_report.json").read_text())
@@ -516,12 +521,12 @@ def test_held_out_evaluation_probes_report_and_mix(tmp_path):
             for i in range(5) for r in pairs_in("trl_conversational")]
     data = tmp_path / "many.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    held = [r for r in rows if train_dpo.held_out(r, 0.25)]
+    held = [r for r in rows if formats.held_out(r, 0.25)]
     n_train = len(rows) - len(held)
     run_dir, out = small_run(tmp_path, "trl_conversational", "ev", "--data", data, "--eval_fraction", 0.25,
                              "--eval_steps", 1, "--probes", probes, "--mix", f"{ROOT / 'data/general.jsonl'}:0.2",
                              "--sft_weight", 0.1)
-    mixed = train_dpo.mix_counts(n_train, [0.2])[0]
+    mixed = formats.mix_counts(n_train, [0.2])[0]
     assert f"{len(held)} held out; training on {n_train + mixed}" in out
     assert f"mixed in {mixed} from {ROOT / 'data/general.jsonl'} (20% of the mixture)" in out
     data_json = json.loads((run_dir / "data.json").read_text())
@@ -544,7 +549,7 @@ def test_held_out_evaluation_probes_report_and_mix(tmp_path):
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
-        again = train_dpo.evaluate_run(str(run_dir.with_name("ev.tar.gz")), str(data), str(tmp_path / "re-eval"))
+        again = evaluate.evaluate_run(str(run_dir.with_name("ev.tar.gz")), str(data), str(tmp_path / "re-eval"))
     finally:
         os.chdir(cwd)
     assert json.loads((again / "evaluation.json").read_text())["held_out"]["tuned"]["pairs"] == len(rows)
@@ -573,10 +578,10 @@ def test_tokenizer_digest_sees_the_chat_template():
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(MODEL)
-    digest = train_dpo.tokenizer_digest(tok)
-    assert digest == train_dpo.tokenizer_digest(AutoTokenizer.from_pretrained(MODEL))
+    digest = fastpath.tokenizer_digest(tok)
+    assert digest == fastpath.tokenizer_digest(AutoTokenizer.from_pretrained(MODEL))
     tok.chat_template = tok.chat_template.replace("<|im_start|>", "<|im_start|> ")
-    assert train_dpo.tokenizer_digest(tok) != digest
+    assert fastpath.tokenizer_digest(tok) != digest
 
 
 @needs_model
@@ -597,3 +602,98 @@ def test_cpu_matmul_precision_bf16_is_recorded_close_to_float32_and_undone(tmp_p
 
     assert losses(run_m) == pytest.approx(losses(run_a), abs=0.02)
 
+
+
+def test_demo_config_spells_out_the_defaults_and_flags_override_it():
+    demo = str(ROOT / "configs" / "demo.yaml")
+    assert kit.parse_config(train_dpo.TrainConfig, ["--config", demo, "--data", "p.jsonl"], "") == \
+        train_dpo.TrainConfig(data="p.jsonl")
+    assert kit.parse_config(train_dpo.TrainConfig, ["--config", demo, "--data", "p.jsonl", "--beta", "0.3"], "").beta == 0.3
+
+
+def test_progress_line_says_step_loss_margin_and_time_left():
+    logs = {"loss": 0.69314, "rewards/margins": 0.01234, "rewards/accuracies": 0.5, "grad_norm": 1.0}
+    assert runs.progress_line(3, 10, logs, 2.0) == "step 3/10  loss 0.6931  margin 0.012  acc 0.50  2.0 s/step  0:00:14 left"
+    assert runs.progress_line(5, 10, {"eval_loss": 0.5, "eval_rewards/margins": 1.0}, None) == \
+        "step 5/10  eval loss 0.5000  eval margin 1.000"
+
+
+def test_fastpath_version_check_names_what_it_was_written_for():
+    assert fastpath.version_problem({"trl": "1.14.2", "transformers": "5.20.2"}) is None
+    assert fastpath.version_problem({"trl": "1.14.0", "transformers": "5.17.0"}) is None  # the GPU machine's
+    assert fastpath.version_problem({"trl": "1.15.0", "transformers": "5.20.2"}) == \
+        "the kit's fast path (fastpath.py) reaches into trl 1.14.x internals and this is trl 1.15.0"
+    assert fastpath.version_problem({"trl": "1.140.0", "transformers": "5.20.2"}) is not None
+    assert "transformers 6.0.0" in fastpath.version_problem({"trl": "1.14.2", "transformers": "6.0.0"})
+
+
+def test_run_lock_keeps_a_run_to_one_process(tmp_path):
+    with runs.RunLock(tmp_path, "x"):
+        assert (tmp_path / ".x.lock").read_text().strip() == str(os.getpid())
+        with pytest.raises(UserError) as e:
+            runs.RunLock(tmp_path, "x").__enter__()  # another open file: flock refuses it as it would another process
+        assert str(e.value).startswith(f"run x is in use by pid {os.getpid()};")
+        with runs.RunLock(tmp_path, "y"):  # another run name is another lock
+            pass
+    assert not (tmp_path / ".x.lock").exists()
+    with runs.RunLock(tmp_path, "x"):  # released: free again
+        pass
+
+
+def test_status_has_one_writer_that_keeps_the_history(tmp_path):
+    runs.write_status(tmp_path, "r", "pending")
+    runs.write_status(tmp_path, "r", "running")
+    runs.write_status(tmp_path, "r", "failed", error="boom", rank=1)
+    runs.write_status(tmp_path, "r", "failed", error="boom again", rank=0)  # a state is not repeated back to back
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert [h["state"] for h in status["history"]] == ["pending", "running", "failed"]
+    assert {k: status[k] for k in ("run_name", "state", "error", "rank")} == \
+        {"run_name": "r", "state": "failed", "error": "boom again", "rank": 0}
+
+
+@needs_model
+@pytest.mark.integration
+def test_a_second_training_into_one_run_stops_with_exit_2_and_the_first_finishes_untouched(tmp_path):
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in pairs_in("trl_conversational") * 2))
+    args = list(map(str, [sys.executable, ROOT / "train_dpo.py", "--data", data, "--output_dir", tmp_path / "art",
+                          "--run_name", "lk", "--max_steps", 3, "--per_device_train_batch_size", 2, "--max_length", 96,
+                          "--lora_r", 4, "--eval_fraction", 0, "--probes", ""]))
+    first = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    status = tmp_path / "art" / "lk.partial" / "status.json"
+    deadline = time.time() + 600
+    while not status.exists() and first.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    second = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    log = first.communicate(timeout=900)[0]
+    assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
+    assert second.stderr.strip() == f"error: run lk is in use by pid {first.pid}; wait for it, or choose another " \
+                                    "--run_name (RUN=)"
+    assert first.returncode == 0, log[-3000:]
+    run_dir = tmp_path / "art" / "lk"
+    check_complete_run(run_dir, steps=3)
+    history = [h["state"] for h in json.loads((run_dir / "status.json").read_text())["history"]]
+    assert history == ["pending", "running", "succeeded"]
+    assert not (tmp_path / "art" / ".lk.lock").exists()
+
+
+@needs_model
+@pytest.mark.integration
+def test_another_trl_gets_one_sentence_and_no_fused_ops_still_trains(tmp_path, monkeypatch, capsys):
+    import trl
+
+    monkeypatch.setattr(trl, "__version__", "1.15.0")
+    data = tmp_path / "c.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in pairs_in("trl_conversational")))
+    args = ["--data", str(data), "--output_dir", str(tmp_path / "art"), "--run_name", "v", "--max_steps", "2",
+            "--max_length", "96", "--lora_r", "4", "--eval_fraction", "0", "--probes", ""]
+    assert kit.run_cli(train_dpo.main, args) == 2
+    assert capsys.readouterr().err == (
+        "error: the kit's fast path (fastpath.py) reaches into trl 1.14.x internals and this is trl 1.15.0: install "
+        "the pinned versions (requirements.txt; make venv), or train with --no_fused_ops, which uses TRL's public "
+        "API only\n")
+    assert not (tmp_path / "art").exists()  # refused before any run directory
+    run_dir, out = small_run(tmp_path, "trl_conversational", "v", "--no_fused_ops")
+    check_complete_run(run_dir, steps=2)
+    assert "this is trl 1.15.0: TRL's own dataset preparation and log-probs" in out
+    assert "log-probs: full logits" in out and "fused ops" not in out and "[data] train:" not in out  # no cache

