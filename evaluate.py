@@ -17,16 +17,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import formats
 import kit
 import models
 import runs
 from kit import UserError
-
-if TYPE_CHECKING:  # type hints only: nothing here imports the training script
-    from train_dpo import TrainConfig
 
 SAMPLING = {"temperature": 1.5, "top_k": 100, "top_p": 0.95}  # the co-training deck's settings
 MERGE_PROBES = ["How do I free disk space on a Linux server?", "What is 1+1?", "Tell me the history of the US."]
@@ -102,7 +98,8 @@ def load_probes(path: str) -> list[dict]:
     return probes
 
 
-def reference_mode(cfg: TrainConfig) -> str:
+def reference_mode(cfg) -> str:
+    """What the run's reference model was. cfg: a train_dpo.TrainConfig."""
     if cfg.init_adapter:
         return f"base with the adapter of {cfg.init_adapter} (the run this one started from), frozen"
     if cfg.ref_model_name_or_path:
@@ -112,10 +109,10 @@ def reference_mode(cfg: TrainConfig) -> str:
     return "base model with the adapter disabled"
 
 
-def model_card(run_name: str, cfg: TrainConfig, data: dict, params: dict, targets, metrics: list[dict],
+def model_card(run_name: str, cfg, data: dict, params: dict, targets, metrics: list[dict],
                batch: dict) -> str:
     """README.md of a run: what it was trained on and how, first and last step, how to load and serve it.
-    data: the run's data.json; batch: train_dpo.batch_info."""
+    cfg: its train_dpo.TrainConfig; data: its data.json; batch: train_dpo.batch_info."""
     base = cfg.model_name_or_path
     train_rows = [m for m in metrics if "loss" in m]
     first, last = (train_rows[0], train_rows[-1]) if train_rows else ({}, {})

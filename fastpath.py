@@ -612,6 +612,16 @@ def dpo_trainer_class(cache_dir: Path | None, keys: dict, record: dict):
     return KitDPOTrainer
 
 
+def forget_gguf_quantization(model) -> None:
+    """transformers refuses save_pretrained on a model loaded from a GGUF file until its quantisation record
+    (hf_quantizer, is_quantized, config.quantization_config) is gone; safe once the weights are plain float32
+    (models.export_bundled_model loads them dequantised)."""
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
 def enable_chunked_logps(trainer, targets: list[str]) -> tuple[str, bool]:
     """Switch TRL 1.14's DPOTrainer to its chunked log-prob path: the body's hidden states of the completion
     tokens only go through the output head 8,192 vocabulary rows at a time with an online logsumexp, and the

@@ -63,7 +63,7 @@ def build_parser(cfg_cls, description: str, positional: str | None = None) -> ar
     hints = typing.get_type_hints(cfg_cls)
     for f in dataclasses.fields(cfg_cls):
         tp = _base_type(hints[f.name])
-        helptext = f.metadata.get("help", "")
+        helptext = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
         default = f.default if f.default is not dataclasses.MISSING else None
         if f.name == positional:
             parser.add_argument(f.name, nargs="?", help=f"{helptext} (default: {default})")

@@ -172,13 +172,12 @@ def export_bundled_model(dest: str = BUNDLED_MODEL_DIR) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import fastpath
+
     print(f"[model] converting {gguf.name} from {BUNDLED_PACKAGE} -> {dest}", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(pkg_dir, gguf_file=gguf.name, dtype=torch.float32)
-    model.hf_quantizer = None
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    fastpath.forget_gguf_quantization(model)
     model.config.name_or_path = BUNDLED_UPSTREAM
     tmp = dest.with_name(dest.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -354,31 +354,46 @@ def verify_tarball(path: str | os.PathLike, extract_to: str | os.PathLike | None
     """Check a run tarball: safe members only, every file matches manifest.json's sha256, nothing
     unlisted, the adapter obeys the serving rules. Returns the manifest; raises UserError.
 
-    Extraction goes to a temporary directory (removed afterwards) unless extract_to is given.
+    Extraction goes to a temporary directory (removed afterwards) unless extract_to is given; the run's
+    directory must not exist there yet.
     """
+    import gzip
+    import zlib
+
     path = Path(path)
     sidecar = Path(f"{path}.sha256")
     if sidecar.exists() and sidecar.read_text().split()[:1] != [sha256_file(path)]:
         raise UserError(f"tarball sha256 differs from {sidecar.name}", path)
     try:
+        with gzip.open(path) as gz:  # to the end: tarfile stops at the tar's last block, so it never
+            while gz.read(1 << 20):  # reaches gzip's CRC and length, and a cut-off copy would pass
+                pass
         tar = tarfile.open(path, "r:gz")
         members = tar.getmembers()
-    except (tarfile.TarError, OSError, EOFError) as e:
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
         raise UserError(f"not a readable .tar.gz: {e}", path) from None
     with tar, tempfile.TemporaryDirectory(prefix="verify-") as tmp:
-        top = Path(members[0].name).parts[0] if members else None
+        first = Path(members[0].name).parts if members else ()
+        if not first:  # empty, or packed from inside the run directory ('.')
+            raise UserError("refused: the archive does not start with the run's directory", path)
+        top = first[0]
         for m in members:
             if why := unsafe_member(m, top):
                 raise UserError(f"refused: {why}", path)
         dest = Path(extract_to) if extract_to else Path(tmp)
+        if os.path.lexists(dest / top):  # its files would stand in for missing ones; a link would lead out
+            raise UserError(f"{dest / top} already exists; extract into a new directory", path)
         for m in members:  # every member was checked above; extract plain files by hand
             target = dest / m.name
-            if m.isdir():
-                target.mkdir(parents=True, exist_ok=True)
-                continue
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tar.extractfile(m) as src, open(target, "wb") as out:
-                out.write(src.read())
+            try:
+                if m.isdir():
+                    target.mkdir(parents=True, exist_ok=True)
+                    continue
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with tar.extractfile(m) as src, open(target, "wb") as out:
+                    out.write(src.read())
+            except (FileExistsError, IsADirectoryError, NotADirectoryError):  # a file over a directory, or back
+                raise UserError(f"refused: {m.name!r} clashes with an earlier member", path) from None
         run_dir = dest / top
         try:
             manifest = json.loads((run_dir / "manifest.json").read_text())
@@ -391,6 +406,8 @@ def verify_tarball(path: str | os.PathLike, extract_to: str | os.PathLike | None
         problems += [f"{name}: present but not in manifest.json" for name in sorted(set(found) - set(listed))]
         if not (run_dir / "adapter_config.json").exists():
             problems.append("adapter_config.json is missing")
+        if manifest.get("run_name") != top:  # open_run finds the unpacked run by this name
+            problems.append(f"manifest.json names run {manifest.get('run_name')!r}, but the archive holds {top!r}")
         if problems:
             raise UserError("refused:\n  - " + "\n  - ".join(problems), path)
         manifest["adapter_config"] = json.loads((run_dir / "adapter_config.json").read_text())

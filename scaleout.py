@@ -148,10 +148,11 @@ def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
 # Edges: run accelerate's launcher and own the final status.
 # ---------------------------------------------------------------------------------------------
 
-def run_dir_for(train_args: list[str], dist: str) -> tuple[list[str], Path]:
+def run_dir_for(train_args: list[str], dist: str):
     """Check train_dpo's flags and data before starting N processes (a bad flag or line is one error, not N),
     and fix the run name here so this wrapper knows which run directory it owns. On machines other than 0
-    rank 0's name is used anyway (train_dpo broadcasts it)."""
+    rank 0's name is used anyway (train_dpo broadcasts it). Returns (the train config, its flags with the run
+    name, the run's .partial directory)."""
     import formats
     import runs
     import train_dpo
@@ -164,7 +165,7 @@ def run_dir_for(train_args: list[str], dist: str) -> tuple[list[str], Path]:
     if not cfg.run_name:
         cfg.run_name = runs.default_run_name(data["sha256"], dt.datetime.now(dt.timezone.utc))
         train_args = [*train_args, "--run_name", cfg.run_name]
-    return train_args, Path(cfg.output_dir) / f"{cfg.run_name}.partial"
+    return cfg, train_args, Path(cfg.output_dir) / f"{cfg.run_name}.partial"
 
 
 def write_failure(partial: Path, summary: dict, since: str) -> None:
@@ -183,14 +184,14 @@ def write_failure(partial: Path, summary: dict, since: str) -> None:
 
 def launch(cfg: DistConfig, train_args: list[str]) -> int:
     """Run train_dpo.py in every process through accelerate's launcher; on failure, name the rank."""
-    train_args, partial = run_dir_for(train_args, cfg.dist)
+    train_cfg, train_args, partial = run_dir_for(train_args, cfg.dist)
     if not is_distributed(cfg):  # one plain process: nothing to launch
         print(f"[launch] one process: {shlex.join(['python', 'train_dpo.py', *train_args])}", flush=True)
         if cfg.dry_run:
             return 0
         import train_dpo
 
-        return train_dpo.main(train_args)
+        return train_dpo.exit_code(train_dpo.run(train_cfg))
     cmd = accelerate_command(cfg, str(ROOT / "train_dpo.py"), train_args, configs_dir=str(ROOT / "configs"))
     print(f"[launch] {shlex.join(['accelerate', *cmd[1:]])}", flush=True)
     if cfg.dry_run:

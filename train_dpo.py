@@ -68,7 +68,7 @@ class TrainConfig:
     lora_dropout: float = field(0.0, "dropout on the LoRA input (DPO turns model dropout off by default)")
     lora_target_modules: str = field("auto", "comma-separated module names, or auto = every linear layer but the head")
     dequantize_on_cpu: bool = field(True, "on a CPU, dequantise the NF4 weights once (same values, float32 "
-                                    "matmuls, ~10x faster) when that copy takes under 40%% of free memory")
+                                    "matmuls, ~10x faster) when that copy takes under 40% of free memory")
     # Reference model: default = the base with the adapter disabled (one copy of the weights)
     ref_model_name_or_path: str = field("", "a separate reference model (loaded like the base, 4-bit by default)")
     precompute_ref_log_probs: bool = field(False, "compute reference log-probs once before training")
@@ -574,13 +574,16 @@ def manifest(cfg: TrainConfig, run: runs.Run, built: Built, data: formats.Traini
         "init_adapter": built.parent}  # the parent run in a chain of rounds (lineage.json has the whole chain)
 
 
-def main(argv=None) -> int:
-    cfg = kit.parse_config(TrainConfig, argv, __doc__)
-    done = run(cfg)
+def exit_code(done: runs.Run) -> int:
+    """0 when the run is complete; 128 + the signal when one cancelled it (a shell's convention)."""
     if done.state == "cancelled":
         print(f"[run] cancelled; resume with --run_name {done.name}", file=sys.stderr)
         return 128 + (done.stopped_by or signal.SIGINT)
     return 0
+
+
+def main(argv=None) -> int:
+    return exit_code(run(kit.parse_config(TrainConfig, argv, __doc__)))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,14 @@
-"""kit.py: config parsing, user errors, atomic writes, reproducible tarballs."""
+"""kit.py (config parsing, user errors, atomic writes) and runs.py's reproducible tarballs and handoff check.
+
+The handoff tests start from a tarball that verifies, then change one thing, so each refusal can
+only come from the check it is named for.
+"""
+import contextlib
 import dataclasses
 import hashlib
+import io
+import json
+import sys
 import tarfile
 
 import pytest
@@ -8,6 +16,7 @@ import pytest
 import kit
 import runs
 from kit import UserError, field
+from runs import file_hashes, make_tarball, unsafe_member, verify_tarball  # the handoff's code under test
 
 
 @dataclasses.dataclass
@@ -97,9 +106,9 @@ def test_tarball_is_reproducible_and_carries_a_checksum(tmp_path):
     (run / "d").mkdir(parents=True)
     (run / "a.txt").write_text("alpha")
     (run / "d" / "b.bin").write_bytes(b"\x00\x01")
-    d1 = runs.make_tarball(run, tmp_path / "one.tar.gz")
+    d1 = make_tarball(run, tmp_path / "one.tar.gz")
     (run / "a.txt").touch()  # a new mtime must not change the bytes
-    d2 = runs.make_tarball(run, tmp_path / "two.tar.gz")
+    d2 = make_tarball(run, tmp_path / "two.tar.gz")
     assert d1 == d2 == hashlib.sha256((tmp_path / "one.tar.gz").read_bytes()).hexdigest()
     assert (tmp_path / "one.tar.gz.sha256").read_text() == f"{d1}  one.tar.gz\n"
     with tarfile.open(tmp_path / "one.tar.gz") as tar:
@@ -110,81 +119,247 @@ def test_tarball_is_reproducible_and_carries_a_checksum(tmp_path):
 def test_file_hashes_skip_the_manifest(tmp_path):
     (tmp_path / "x").write_text("x")
     (tmp_path / "manifest.json").write_text("{}")
-    assert runs.file_hashes(tmp_path) == {"x": hashlib.sha256(b"x").hexdigest()}
+    assert file_hashes(tmp_path) == {"x": hashlib.sha256(b"x").hexdigest()}
 
 
-def fake_run(tmp_path, name="run1", adapter_config=None):
-    """A run directory shaped like train_dpo's output (no model needed to check the handoff rules)."""
-    import json
+# ---------------------------------------------------------------------------------------------
+# The handoff: a tarball that verifies, then one thing wrong with it at a time.
+# ---------------------------------------------------------------------------------------------
 
-    run = tmp_path / "src" / name
+ADAPTER_CONFIG = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+
+
+def fake_run(tmp_path, adapter_config=ADAPTER_CONFIG, **manifest):
+    """A run directory shaped like train_dpo's output, its manifest listing every file; no model needed."""
+    run = tmp_path / "src" / "run1"
     run.mkdir(parents=True)
-    (run / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
-    (run / "adapter_config.json").write_text(json.dumps(adapter_config or {
-        "peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
-        "modules_to_save": None}))
-    manifest = {"run_name": name, "steps": 2, "seed": 1, "base_model": {"name_or_path": "m"},
-                "data": {"sha256": "ab", "format": "openai", "pairs": 3}, "files": runs.file_hashes(run)}
+    (run / "adapter_model.safetensors").write_bytes(bytes(range(256)) * 4)  # any bytes: verify only hashes them
+    (run / "README.md").write_text("# run1\n")
+    if adapter_config is not None:
+        (run / "adapter_config.json").write_text(json.dumps(adapter_config))
+    manifest = {"run_name": "run1", "steps": 2, "seed": 1, "base_model": {"name_or_path": "m"},
+                "data": {"sha256": "ab", "format": "openai", "pairs": 3}, "lora_target_modules_requested": "auto",
+                **manifest, "files": file_hashes(run)}
     (run / "manifest.json").write_text(json.dumps(manifest))
     return run
 
 
-def test_verify_accepts_an_intact_tarball_and_describes_it(tmp_path):
-    run = fake_run(tmp_path)
-    runs.make_tarball(run, tmp_path / "run1.tar.gz")
-    manifest = runs.verify_tarball(tmp_path / "run1.tar.gz")
+def valid_tarball(tmp_path, **kw):
+    """fake_run packed by make_tarball, .sha256 beside it: what a finished training run hands off."""
+    make_tarball(fake_run(tmp_path, **kw), tmp_path / "run1.tar.gz")
+    return tmp_path / "run1.tar.gz"
+
+
+def repack(good, dest, add=(), drop=()):
+    """good's members but those named in drop, then the (TarInfo, bytes) pairs in add; no .sha256 file."""
+    with tarfile.open(good) as src, tarfile.open(dest, "w:gz") as out:
+        for m in src.getmembers():
+            if m.name not in drop:
+                out.addfile(m, src.extractfile(m) if m.isfile() else None)
+        for info, data in add:
+            out.addfile(info, None if data is None else io.BytesIO(data))
+    return dest
+
+
+def member(name, type=tarfile.REGTYPE, data=b"pwned", **attrs):
+    info = tarfile.TarInfo(name)
+    info.type = type
+    for k, v in attrs.items():
+        setattr(info, k, v)
+    info.size = len(data) if info.isfile() else 0
+    return info, data if info.isfile() else None
+
+
+def refusal(path, **kw) -> str:
+    with pytest.raises(UserError) as e:
+        verify_tarball(path, **kw)
+    return e.value.message
+
+
+def snapshot(root):
+    """Every path below root, with its bytes (files) or its target (links): to show nothing changed."""
+    return sorted((str(p.relative_to(root)), p.is_symlink() and str(p.readlink()),
+                   p.is_file() and not p.is_symlink() and p.read_bytes()) for p in root.rglob("*"))
+
+
+def test_a_valid_tarball_verifies_and_describes_itself(tmp_path):
+    good = valid_tarball(tmp_path)
+    manifest = verify_tarball(good, extract_to=tmp_path / "x")
+    assert sorted(manifest["files"]) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    assert file_hashes(tmp_path / "x" / "run1") == manifest["files"] and manifest["serving_warnings"] == []
     text = runs.describe_run(manifest)
     assert "LoRA r=4 alpha=8 on q_proj, v_proj" in text and "3 pairs, openai, sha256 ab" in text
+    verify_tarball(repack(good, tmp_path / "same.tar.gz"))  # repacking alone changes nothing verify cares about
 
 
-def test_verify_refuses_a_file_changed_after_the_manifest(tmp_path):
+@pytest.mark.parametrize("name,type,expected", [
+    ("run1/adapter_model.safetensors", tarfile.REGTYPE, None),
+    ("run1/sub", tarfile.DIRTYPE, None),
+    ("run1/./a", tarfile.REGTYPE, None),
+    ("/etc/passwd", tarfile.REGTYPE, "absolute path '/etc/passwd'"),
+    ("\\evil", tarfile.REGTYPE, "absolute path '\\\\evil'"),
+    ("C:/evil", tarfile.REGTYPE, "absolute path 'C:/evil'"),
+    ("run1/a/../../b", tarfile.REGTYPE, "path with '..' 'run1/a/../../b'"),
+    ("run1/l", tarfile.SYMTYPE, "link 'run1/l' -> 'target'"),
+    ("run1/l", tarfile.LNKTYPE, "link 'run1/l' -> 'target'"),
+    ("run1/d", tarfile.CHRTYPE, "special file 'run1/d'"),
+    ("run1/d", tarfile.BLKTYPE, "special file 'run1/d'"),
+    ("run1/d", tarfile.FIFOTYPE, "special file 'run1/d'"),
+    ("run2/a", tarfile.REGTYPE, "'run2/a' is outside the run directory 'run1'"),
+    ("run1x/a", tarfile.REGTYPE, "'run1x/a' is outside the run directory 'run1'"),
+])
+def test_unsafe_member_names_the_reason(name, type, expected):
+    info, _ = member(name, type, linkname="target")
+    assert unsafe_member(info, "run1") == expected
+
+
+BAD_MEMBERS = ["absolute path", "dotdot", "symlink", "hardlink", "chardev", "blockdev", "fifo", "outside"]
+
+
+def bad_members(kind, tmp):
+    """Entries to append to a valid archive, the reason verify must give, and where the bad member
+    would land if it were extracted as written into tmp/x."""
+    x = tmp / "x"
+    if kind == "absolute path":
+        return [member(str(tmp / "abs-escape.txt"))], "absolute path", tmp / "abs-escape.txt"
+    if kind == "dotdot":  # starts inside the run directory, so only the '..' check can stop it
+        return [member("run1/../../escape.txt")], "path with '..'", tmp / "escape.txt"
+    if kind == "symlink":  # a link out, then a file written through it
+        return ([member("run1/sub", tarfile.SYMTYPE, linkname=str(tmp / "outside")), member("run1/sub/escape.txt")],
+                "link 'run1/sub'", tmp / "outside" / "escape.txt")
+    if kind == "hardlink":  # a link to a file outside, then bytes written over it
+        (tmp / "secret.txt").write_bytes(b"secret")  # snapshot() shows it unchanged afterwards
+        return ([member("run1/hard", tarfile.LNKTYPE, linkname=str(tmp / "secret.txt")), member("run1/hard")],
+                "link 'run1/hard'", x / "run1" / "hard")
+    if kind in ("chardev", "blockdev", "fifo"):
+        type = {"chardev": tarfile.CHRTYPE, "blockdev": tarfile.BLKTYPE, "fifo": tarfile.FIFOTYPE}[kind]
+        return [member("run1/dev", type, devmajor=1, devminor=3)], "special file 'run1/dev'", x / "run1" / "dev"
+    assert kind == "outside"
+    return ([member("other/escape.txt")], "'other/escape.txt' is outside the run directory 'run1'",
+            x / "other" / "escape.txt")
+
+
+@pytest.mark.parametrize("kind", BAD_MEMBERS)
+def test_verify_refuses_an_unsafe_member_and_writes_nothing(tmp_path, kind):
+    entries, reason, landing = bad_members(kind, tmp_path)
+    evil = repack(valid_tarball(tmp_path), tmp_path / "evil.tar.gz", add=entries)
+    before = snapshot(tmp_path)
+    message = refusal(evil, extract_to=tmp_path / "x")
+    assert message.startswith("refused: ") and reason in message
+    assert not landing.exists() and not landing.is_symlink()
+    assert not (tmp_path / "x").exists() and snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("kind", ["absolute path", "dotdot", "outside"])
+def test_with_the_member_check_off_the_escape_lands_where_the_test_looks(tmp_path, monkeypatch, kind):
+    """Proves the test above looks in the right place: without unsafe_member, the bytes land there."""
+    monkeypatch.setattr(sys.modules[verify_tarball.__module__], "unsafe_member", lambda m, top: None)
+    entries, _, landing = bad_members(kind, tmp_path)
+    evil = repack(valid_tarball(tmp_path), tmp_path / "evil.tar.gz", add=entries)
+    with contextlib.suppress(UserError):  # whether verify then refuses does not matter here
+        verify_tarball(evil, extract_to=tmp_path / "x")
+    assert landing.read_bytes() == b"pwned"
+
+
+def test_verify_refuses_an_archive_without_a_run_directory(tmp_path):
+    good = valid_tarball(tmp_path)
+    with tarfile.open(good) as tar:
+        empty = repack(good, tmp_path / "empty.tar.gz", drop=set(tar.getnames()))
+    with tarfile.open(tmp_path / "dot.tar.gz", "w:gz") as tar:
+        tar.add(tmp_path / "src" / "run1", arcname=".")  # what `tar -C run1 -czf dot.tar.gz .` makes
+    for t in (empty, tmp_path / "dot.tar.gz"):
+        assert refusal(t) == "refused: the archive does not start with the run's directory"
+
+
+@pytest.mark.parametrize("name", ["run1/README.md/x", "run1"])
+def test_verify_refuses_members_that_clash(tmp_path, name):
+    t = repack(valid_tarball(tmp_path), tmp_path / "t.tar.gz", add=[member(name)])  # under a file; over a directory
+    assert refusal(t) == f"refused: {name!r} clashes with an earlier member"
+
+
+def test_verify_extracts_only_into_a_fresh_run_directory(tmp_path):
+    """One already in extract_to could stand in for a file the archive lacks, or be a link out."""
+    good, x, y = valid_tarball(tmp_path), tmp_path / "x", tmp_path / "y"
+    verify_tarball(good, extract_to=x)  # leaves x/run1 with every file in it
+    lacking = repack(good, tmp_path / "t.tar.gz", drop={"run1/README.md"})
+    assert refusal(lacking, extract_to=x) == f"{x / 'run1'} already exists; extract into a new directory"
+    y.mkdir()
+    (tmp_path / "outside").mkdir()
+    (y / "run1").symlink_to(tmp_path / "outside")
+    assert refusal(good, extract_to=y) == f"{y / 'run1'} already exists; extract into a new directory"
+    assert list((tmp_path / "outside").iterdir()) == []
+
+
+def test_verify_refuses_a_file_whose_bytes_differ_from_the_manifest(tmp_path):
     run = fake_run(tmp_path)
     data = bytearray((run / "adapter_model.safetensors").read_bytes())
     data[10] ^= 1
     (run / "adapter_model.safetensors").write_bytes(bytes(data))
-    runs.make_tarball(run, tmp_path / "t.tar.gz")
-    with pytest.raises(UserError, match="adapter_model.safetensors: sha256 differs from manifest.json"):
-        runs.verify_tarball(tmp_path / "t.tar.gz")
+    make_tarball(run, tmp_path / "t.tar.gz")  # a fresh .sha256: the archive is intact, a file in it is not
+    assert refusal(tmp_path / "t.tar.gz") == \
+        "refused:\n  - adapter_model.safetensors: sha256 differs from manifest.json"
 
 
-def test_verify_refuses_a_changed_byte_in_the_archive(tmp_path):
-    run = fake_run(tmp_path)
-    runs.make_tarball(run, tmp_path / "t.tar.gz")
-    raw = bytearray((tmp_path / "t.tar.gz").read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    (tmp_path / "t.tar.gz").write_bytes(bytes(raw))
-    with pytest.raises(UserError, match="differs from t.tar.gz.sha256"):
-        runs.verify_tarball(tmp_path / "t.tar.gz")
-    (tmp_path / "t.tar.gz.sha256").unlink()  # without the sidecar, gzip's CRC or the manifest catches it
-    with pytest.raises(UserError):
-        runs.verify_tarball(tmp_path / "t.tar.gz")
+def test_verify_refuses_a_listed_file_that_is_missing(tmp_path):
+    t = repack(valid_tarball(tmp_path), tmp_path / "t.tar.gz", drop={"run1/README.md"})
+    assert refusal(t) == "refused:\n  - README.md: listed in manifest.json but missing"
 
 
-@pytest.mark.parametrize("kind", ["dotdot", "absolute", "symlink", "outside"])
-def test_verify_refuses_crafted_archives_and_writes_nothing_outside(tmp_path, kind):
-    import io
+@pytest.mark.parametrize("name", ["extra.bin", "sub/.hidden"])
+def test_verify_refuses_a_file_the_manifest_does_not_list(tmp_path, name):
+    t = repack(valid_tarball(tmp_path), tmp_path / "t.tar.gz", add=[member(f"run1/{name}")])
+    assert refusal(t) == f"refused:\n  - {name}: present but not in manifest.json"
 
-    evil = tmp_path / "evil.tar.gz"
-    with tarfile.open(evil, "w:gz") as tar:
-        def add(name, data=b"x", **kw):
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            for k, v in kw.items():
-                setattr(info, k, v)
-            tar.addfile(info, io.BytesIO(data) if info.isfile() else None)
 
-        add("run1/manifest.json", b"{}")
-        if kind == "dotdot":
-            add("run1/../../evil", b"pwned")
-        elif kind == "absolute":
-            add(str(tmp_path / "abs-evil"), b"pwned")
-        elif kind == "symlink":
-            add("run1/link", type=tarfile.SYMTYPE, linkname="/etc/passwd", size=0)
-        else:
-            add("other/file", b"pwned")
-    with pytest.raises(UserError, match="refused"):
-        runs.verify_tarball(evil)
-    assert not (tmp_path.parent / "evil").exists() and not (tmp_path / "abs-evil").exists()
+def test_verify_refuses_a_run_without_adapter_config(tmp_path):
+    t = valid_tarball(tmp_path, adapter_config=None)  # the manifest agrees; only the file itself is missing
+    assert refusal(t) == "refused:\n  - adapter_config.json is missing"
+
+
+@pytest.mark.parametrize("run_name", ["/etc", "../run0", "run2", None])
+def test_verify_refuses_a_manifest_that_names_another_run(tmp_path, run_name):
+    """open_run finds the unpacked run by manifest["run_name"]: it must name the directory verify checked."""
+    t = valid_tarball(tmp_path, run_name=run_name)
+    assert refusal(t) == f"refused:\n  - manifest.json names run {run_name!r}, but the archive holds 'run1'"
+
+
+def test_verify_refuses_a_run_without_manifest(tmp_path):
+    t = repack(valid_tarball(tmp_path), tmp_path / "t.tar.gz", drop={"run1/manifest.json"})
+    assert refusal(t).startswith("no readable manifest.json in the run directory")
+
+
+def test_verify_checks_the_sha256_file_beside_the_tarball(tmp_path):
+    good = valid_tarball(tmp_path)
+    sidecar = tmp_path / "run1.tar.gz.sha256"
+    digest, name = sidecar.read_text().split()
+    sidecar.write_text(f"{digest[::-1]}  {name}\n")  # the .sha256 damaged, the archive intact
+    assert refusal(good) == "tarball sha256 differs from run1.tar.gz.sha256"
+    sidecar.write_text(f"{digest}  {name}\n")
+    raw = bytearray(good.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # the archive damaged, the .sha256 intact
+    good.write_bytes(bytes(raw))
+    assert refusal(good) == "tarball sha256 differs from run1.tar.gz.sha256"
+
+
+@pytest.mark.parametrize("damage", ["not gzip", "half", "empty file", "no trailer", "crc"])
+def test_verify_refuses_a_damaged_gzip_stream(tmp_path, damage):
+    good = valid_tarball(tmp_path)
+    (tmp_path / "run1.tar.gz.sha256").unlink()  # without it, the gzip stream itself must give the damage away
+    raw = good.read_bytes()
+    crc = bytes([raw[-8] ^ 1]) + raw[-7:]  # gzip ends with CRC32 and length (8 bytes), after the tar's last block
+    good.write_bytes({"not gzip": b"PK\x03\x04" + raw[4:], "half": raw[:len(raw) // 2], "empty file": b"",
+                      "no trailer": raw[:-8], "crc": raw[:-8] + crc}[damage])
+    assert refusal(good).startswith("not a readable .tar.gz: ")
+
+
+SERVING_PROBLEMS = [
+    pytest.param({"modules_to_save": ["score"]}, "modules_to_save is set (['score']); vLLM rejects it",
+                 id="modules_to_save"),
+    pytest.param({"target_modules": ["q_proj", "lm_head"]},
+                 "LoRA on 'lm_head' (embeddings or output head); vLLM does not serve that", id="lm_head"),
+    pytest.param({"target_modules": ["q_proj", "embed_tokens"]},
+                 "LoRA on 'embed_tokens' (embeddings or output head); vLLM does not serve that", id="embed_tokens"),
+]
 
 
 def test_serving_rules():
@@ -194,16 +369,14 @@ def test_serving_rules():
     assert len(runs.serving_problems(bad)) == 3
 
 
-def test_serving_rules_refuse_unless_the_modules_were_asked_for(tmp_path):
-    import json
+@pytest.mark.parametrize("change,problem", SERVING_PROBLEMS)
+def test_serving_rules_refuse_modules_the_trainer_chose_itself(tmp_path, change, problem):
+    t = valid_tarball(tmp_path, adapter_config={**ADAPTER_CONFIG, **change})  # lora_target_modules_requested: auto
+    assert refusal(t) == f"refused (serving rules):\n  - {problem}"
 
-    bad = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "lm_head"]}
-    run = fake_run(tmp_path, adapter_config=bad)
-    runs.make_tarball(run, tmp_path / "auto.tar.gz")
-    with pytest.raises(UserError, match="serving rules"):
-        runs.verify_tarball(tmp_path / "auto.tar.gz")
-    manifest = json.loads((run / "manifest.json").read_text())
-    (run / "manifest.json").write_text(json.dumps({**manifest, "lora_target_modules_requested": "q_proj,lm_head"}))
-    runs.make_tarball(run, tmp_path / "asked.tar.gz")
-    assert runs.verify_tarball(tmp_path / "asked.tar.gz")["serving_warnings"] == [
-        "LoRA on 'lm_head' (embeddings or output head); vLLM does not serve that"]
+
+@pytest.mark.parametrize("change,problem", SERVING_PROBLEMS)
+def test_serving_rules_only_warn_about_modules_the_user_asked_for(tmp_path, change, problem):
+    t = valid_tarball(tmp_path, adapter_config={**ADAPTER_CONFIG, **change},
+                      lora_target_modules_requested="q_proj,v_proj,lm_head,embed_tokens")
+    assert verify_tarball(t)["serving_warnings"] == [problem]

@@ -203,13 +203,13 @@ def test_two_cpu_processes_match_one_with_the_same_global_batch(tmp_path, tiny):
 
     data = pairs_file(tmp_path / "p.jsonl")
     common = ["--max_steps", 3, "--no_dequantize_on_cpu"]
-    runs = {  # side by side: the wall time is mostly imports
+    commands = {  # side by side: the wall time is mostly imports
         "one": [str(ROOT / "train_dpo.py"), *train_args(tiny, data, tmp_path / "one", "r",
                                                          "--per_device_train_batch_size", 4, *common)],
         "two": [str(ROOT / "scaleout.py"), "--nproc", 2, "--master_port", free_port(), "--",
                 *train_args(tiny, data, tmp_path / "two", "r", "--per_device_train_batch_size", 2, *common)]}
     procs = {k: subprocess.Popen([sys.executable, *map(str, v)], cwd=ROOT, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True) for k, v in runs.items()}
+                                 stderr=subprocess.PIPE, text=True) for k, v in commands.items()}
     outputs = {k: p.communicate(timeout=300) for k, p in procs.items()}  # reads both pipes: no full-pipe stall
     one, two = (subprocess.CompletedProcess(procs[k].args, procs[k].returncode, *outputs[k]) for k in ("one", "two"))
     assert one.returncode == 0, one.stderr[-3000:]

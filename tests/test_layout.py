@@ -1,0 +1,46 @@
+"""The kit's module layout: helpers sit below the scripts that use them (no import cycles), and what
+imports train_dpo.py uses it as the training run, not as a library."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODULES = {p.stem: p for p in ROOT.glob("*.py")} | {"bench": ROOT / "bench" / "bench.py"}
+TRAINING_RUN = {"TrainConfig", "run", "main", "exit_code", "__doc__"}  # what callers of a training may use
+
+
+def kit_imports(path: Path) -> set[str]:
+    """The kit's modules that path imports, at the top or inside functions."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module.split(".")[0])
+    return found & (set(MODULES) - {path.stem})
+
+
+def test_no_import_cycles_among_the_kit_modules():
+    graph = {name: kit_imports(path) for name, path in MODULES.items()}
+    assert graph["kit"] == set() and "train_dpo" in graph["entrypoint"]  # the walk sees both kinds of import
+    state = {}
+
+    def visit(name, trail):
+        if state.get(name) == "done":
+            return
+        assert state.get(name) != "open", f"import cycle: {' -> '.join(trail + [name])}"
+        state[name] = "open"
+        for dep in sorted(graph[name]):
+            visit(dep, trail + [name])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        visit(name, [])
+
+
+def test_train_dpo_is_imported_only_as_the_training_run():
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                and isinstance(n.value, ast.Name) and n.value.id == "train_dpo"}
+        assert used <= TRAINING_RUN, f"{name}.py uses train_dpo.{', '.join(sorted(used - TRAINING_RUN))}"
+        assert not any(isinstance(n, ast.ImportFrom) and n.module == "train_dpo" for n in ast.walk(tree)), name
