@@ -32,7 +32,7 @@ TORCH_VARIANT ?=
 EXTRAS ?=
 # Several processes, GPUs and machines (scaleout.py runs `accelerate launch`; README "Many GPUs, many machines"):
 #   GPUS=N      N GPUs and N processes, one per GPU (GPUS=0,1: those devices, one process each)
-#   GPUS=all    every GPU visible to one process, as before (add NPROC=N to use N of them data-parallel)
+#   GPUS=all    every GPU visible to one process, which trains alone (add NPROC=N to use N of them data-parallel)
 #   NPROC=N     N processes on this machine, overriding the count GPUS gives (no GPU: N CPU processes over gloo)
 #   NNODES=M NODE_RANK=0..M-1 MASTER_ADDR=<machine 0's address> [MASTER_PORT=29500]: the same command on each machine
 #   DIST=zero2|zero3|fsdp   DeepSpeed ZeRO-2/3 or FSDP (configs/<dist>.yaml); default ddp

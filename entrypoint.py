@@ -126,6 +126,9 @@ def main(argv=None) -> int:
     commands = {"model": model, "check": check, "verify": verify, "chat": chat, "merge": merge, "eval": eval_run,
                 "runs": list_runs, "launch": launch}
     if command in commands:
+        if rest[:1] in (["-h"], ["--help"]):  # this file's own commands: their lines of the usage above
+            print("\n".join(line for line in USAGE.splitlines() if f"entrypoint.py {command} " in line + " "))
+            return 0
         return commands[command](rest)
     raise kit.UserError(f"unknown command {command!r}; expected one of: train, pairs, iterate, {', '.join(commands)}")
 

@@ -9,7 +9,7 @@ batch 4, no held-out pairs, no probes. The child passes one timing callback (run
 The tokenised-data cache is the bench's own: the default mode runs first at each length and tokenises
 (a cold start-up); the modes after it find the same tokens cached, as a user's second run would.
 build_pairs.py runs on generated logs of 10k, 100k and 1M runs (QUICK: 10k and 100k). Writes
-bench/results.json, bench/results.md (the table and the ratios issue 7 asks for) and bench/results.png
+bench/results.json, bench/results.md (the table and the ratios against TRL as it comes) and bench/results.png
 (QUICK: bench/results-quick.*, not committed).
 
 Modes (issue 7's (a)-(d), plus what each of the kit's choices buys on its own):
@@ -54,9 +54,9 @@ of width d:
                            does, is waste, not model FLOPs)
   per step                 batch x the sum
 MFU = FLOPs per step / seconds per step / the torch.matmul peak, measured in the same run, in the dtype
-that mode's matmuls run in (float32 for the kit's default on a CPU). Before the kit ran prompts once,
-this count had 2T tokens per pair (T/4 of them repeated prompt): the earlier results.json MFUs are
-1.13x (L=256) and 1.16x (L=1024) the MFU this count gives the same step times.
+that mode's matmuls run in (float32 for the kit's default on a CPU). Counting TRL's layout instead (2T
+tokens per pair, the prompt twice) would give 1.13x (L=256) and 1.16x (L=1024) these MFUs for the same
+step times: the repeated prompt is work a mode does, not work DPO needs.
 """
 
 from __future__ import annotations
