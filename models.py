@@ -204,6 +204,19 @@ def resolve_model_path(name: str) -> str:
     return name  # a hub id; transformers downloads it (needs network and maybe HF_TOKEN)
 
 
+def base_model_identity(path: str) -> dict:
+    """What the manifest records of a base: its name, each weights file's sha256, where the bundled one came from."""
+    import json
+
+    info = {"name_or_path": path}
+    p = Path(path)
+    if p.is_dir():
+        info["weights_sha256"] = {f.name: kit.sha256_file(f) for f in sorted(p.glob("*.safetensors"))}
+        if (p / "kit_origin.json").exists():
+            info["origin"] = json.loads((p / "kit_origin.json").read_text())
+    return info
+
+
 def load_model(path: str, opts: LoadOptions, on_gpu: bool, bf16_ok: bool):
     """The base (or reference) model: 4-bit NF4 through bitsandbytes unless load_in_4bit is off."""
     import torch

@@ -190,16 +190,6 @@ def truncation_stats(prompt_lens, chosen_lens, rejected_lens, max_length: int) -
     return sum(1 for p, c, r in zip(prompt_lens, chosen_lens, rejected_lens) if p + max(c, r) > max_length)
 
 
-def base_model_identity(path: str) -> dict:
-    info = {"name_or_path": path}
-    p = Path(path)
-    if p.is_dir():
-        info["weights_sha256"] = {f.name: kit.sha256_file(f) for f in sorted(p.glob("*.safetensors"))}
-        if (p / "kit_origin.json").exists():
-            info["origin"] = json.loads((p / "kit_origin.json").read_text())
-    return info
-
-
 class Interrupt:
     """SIGTERM/SIGINT (docker stop, spot preemption, Ctrl-C) -> save a checkpoint and stop cleanly."""
 
@@ -564,7 +554,7 @@ def manifest(cfg: TrainConfig, run: runs.Run, built: Built, data: formats.Traini
 
     held = evaluation.get("held_out")
     return {
-        "kit": KIT_NAME, "run_name": run.name, "base_model": base_model_identity(model_path),
+        "kit": KIT_NAME, "run_name": run.name, "base_model": models.base_model_identity(model_path),
         "data": {k: getattr(data, k) for k in ("path", "sha256", "format", "pairs", "pairs_trained", "truncated")},
         "lora_target_modules_requested": cfg.lora_target_modules, "seed": cfg.seed, "distributed": batch_info(cfg),
         "started_at": started, "finished_at": runs.now_iso(), "steps": built.trainer.state.global_step,
