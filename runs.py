@@ -200,6 +200,9 @@ def progress_line(step: int, max_steps: int, logs: dict, seconds_per_step: float
     def num(key, fmt):
         return f"{logs[key]:{fmt}}" if isinstance(logs.get(key), (int, float)) else None
 
+    if "train_runtime" in logs:  # the Trainer's summary at the end
+        return (f"step {step}/{max_steps}  done in {logs['train_runtime']:.0f}s"
+                + (f"  mean loss {logs['train_loss']:.4f}" if isinstance(logs.get("train_loss"), float) else ""))
     parts = [f"step {step}/{max_steps}"]
     for prefix, label in (("", ""), ("eval_", "eval ")):
         for key, name, fmt in (("loss", "loss", ".4f"), ("rewards/margins", "margin", ".3f"),
@@ -255,11 +258,14 @@ def training_callbacks(run: Run, stop_requested, terminal: bool) -> list:
                 return
             done = state.global_step - self.first_step
             per_step = (time.time() - self.start) / done if done else None
-            if self.bar is not None:
+            if self.bar is not None and "train_runtime" not in logs:
                 self.bar.set_postfix_str(progress_line(state.global_step, state.max_steps, logs, None)
                                          .split("  ", 1)[-1], refresh=True)
-            else:
-                print(f"[train] {progress_line(state.global_step, state.max_steps, logs, per_step)}", flush=True)
+                return
+            if self.bar is not None:  # the end: the bar gives way to the summary line
+                self.bar.close()
+                self.bar = None
+            print(f"[train] {progress_line(state.global_step, state.max_steps, logs, per_step)}", flush=True)
 
         def on_train_end(self, args, state, control, **kwargs):
             if self.bar is not None:

@@ -616,6 +616,8 @@ def test_progress_line_says_step_loss_margin_and_time_left():
     assert runs.progress_line(3, 10, logs, 2.0) == "step 3/10  loss 0.6931  margin 0.012  acc 0.50  2.0 s/step  0:00:14 left"
     assert runs.progress_line(5, 10, {"eval_loss": 0.5, "eval_rewards/margins": 1.0}, None) == \
         "step 5/10  eval loss 0.5000  eval margin 1.000"
+    assert runs.progress_line(10, 10, {"train_runtime": 61.2, "train_loss": 0.5}, 6.1) == \
+        "step 10/10  done in 61s  mean loss 0.5000"
 
 
 def test_fastpath_version_check_names_what_it_was_written_for():
