@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Check that every pin in a lock has a wheel for the image's Python (CPython 3.10, x86_64 manylinux), downloading no wheel.
+"""Check that every pin in a lock has a wheel for the image's CPython 3.10 x86_64 manylinux, downloading none.
 
     python3 .ci/check-lock.py [requirements.txt ...] [--index-url URL]      # or: make lock-check
 
@@ -194,7 +194,7 @@ def main(argv=None):
     for path in args.files:
         pins, problems = read_pins(path)
         try:
-            with ThreadPoolExecutor(max_workers=8) as pool:  # ~90 pages (torch: 0.4 MB); mostly waiting on the network
+            with ThreadPoolExecutor(max_workers=8) as pool:  # ~90 pages (torch: 0.4 MB), mostly network waits
                 pages = list(pool.map(lambda p: index_files(args.index_url, p[1].name), pins))
         except (urllib.error.URLError, TimeoutError, ValueError) as e:
             print(f"{path}: cannot read the index {args.index_url}: {e}", file=sys.stderr)

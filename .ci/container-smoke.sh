@@ -7,8 +7,8 @@
 #
 # Checks: the tarball lands in artifacts/ owned by the caller and `sha256sum -c` passes; the same steps in .venv
 # (make train RUNNER=local, the same pairs) give a byte-identical adapter when torch is the same build; the input
-# mount is read-only; `check --require_gpu` fails without a GPU; the launcher's engine tests pass; `make prune` removes
-# the kit's leftovers (a superseded kit image, a stopped kit container) and nothing else (a foreign image and
+# mount is read-only; `check --require_gpu` fails without a GPU; the launcher's engine tests pass; `make prune`
+# removes the kit's leftovers (a superseded kit image, a stopped kit container) and nothing else (a foreign image and
 # container made before, and the base, survive). Exit 77 when podman cannot be set up here (CI: "skipped").
 # Set-up is idempotent: packages, /etc/containers/containers.conf and the base image are made only if missing.
 # The kit image (IMAGE:TAG) is kept for the next run; `podman rmi` it, or `make prune` after a code change.
