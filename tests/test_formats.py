@@ -63,6 +63,38 @@ def test_load_pairs_reads_a_file_in_each_format(tmp_path, fmt):
     assert len(records) == 3
 
 
+def conversational_rows(fmt: str) -> list[dict]:
+    """The same pairs written in each message-list format: single turns, and a multi-turn prompt with a
+    system message and an earlier exchange (OpenAI's content as text parts once)."""
+    S = {"role": "system", "content": "Be brief."}  # noqa: N806
+    pairs = [([U("How do I clear apt's cache?")], "Run `apt-get clean`.", "Reinstall Linux."),
+             ([U("How do I find big files?")], "Use `du -ah / | sort -rh | head`.", "Buy a bigger disk."),
+             ([S, U("hi"), A("hello"), U("2+2?")], "4", "5")]
+    rows = []
+    for prompt, good, bad in pairs:
+        rows.append({
+            "trl_conversational": {"prompt": prompt, "chosen": [A(good)], "rejected": [A(bad)]},
+            "implicit_prompt": {"chosen": prompt + [A(good)], "rejected": prompt + [A(bad)]},
+            "openai": {"input": {"messages": [m | {"content": [{"type": "text", "text": m["content"]}]}
+                                              if m is S else m for m in prompt]},
+                       "preferred_output": [A(good)], "non_preferred_output": [A(bad)]},
+        }[fmt])
+    return rows
+
+
+def test_conversational_formats_load_to_identical_records(tmp_path):
+    """What training sees is load_pairs' records: the three message-list formats give the very same ones
+    (so one training run covers all three; tests/test_train_dpo.py trains the conversational one)."""
+    loaded = {fmt: formats.load_pairs(write(tmp_path, conversational_rows(fmt), f"{fmt}.jsonl"))
+              for fmt in ("trl_conversational", "implicit_prompt", "openai")}
+    assert {fmt: stats["format"] for fmt, (_, stats) in loaded.items()} == {fmt: fmt for fmt in loaded}
+    records = loaded["trl_conversational"][0]
+    assert len(records) == 3 and records[2]["prompt"][0] == {"role": "system", "content": "Be brief."}
+    assert records[2]["chosen"] == [A("4")]
+    assert loaded["implicit_prompt"][0] == records
+    assert loaded["openai"][0] == records
+
+
 @pytest.mark.parametrize("line,message", [
     (b'{"prompt": "a", "chosen": "b"', "malformed JSON"),
     ({"prompt": "a", "chosen": "b"}, "missing field 'rejected'"),
