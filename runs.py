@@ -183,9 +183,11 @@ class Run:
 
 
 def trim_metrics(path: Path, last_step: int) -> None:
-    """On resume, drop log rows after the checkpoint we restart from (they will be logged again)."""
+    """On resume, drop log rows after the checkpoint we restart from (they will be logged again), and the
+    interrupted attempt's end-of-training summary (the resumed run writes its own)."""
     if path.exists():
-        rows = [r for r in path.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= last_step]
+        rows = [r for r in path.read_text().splitlines()
+                if r.strip() and json.loads(r)["step"] <= last_step and "train_runtime" not in json.loads(r)]
         atomic_write_text(path, "".join(r + "\n" for r in rows))
 
 

@@ -203,6 +203,11 @@ class Interrupt:
             raise KeyboardInterrupt
 
 
+def adapter_step(state) -> int:
+    """The step whose adapter the run keeps: the last, or with early stopping the best checkpoint's."""
+    return int(state.best_global_step) if state.best_model_checkpoint and state.best_global_step else state.global_step
+
+
 def batch_info(cfg: TrainConfig) -> dict:
     """Processes and pairs per optimiser step (the same global batch on 1 or N GPUs trains the same)."""
     w = ranks.world()
@@ -520,6 +525,8 @@ def finish(cfg: TrainConfig, run: runs.Run, built: Built, held: list[dict], prob
     kit.atomic_write_text(run.partial / "README.md", evaluate.model_card(
         run.name, cfg, data_record(data, built.compute), built.params, built.targets, metrics, batch_info(cfg)))
     digest = run.finish(manifest(cfg, run, built, data, evaluation, model_path, started))
+    if adapter_step(trainer.state) != trainer.state.global_step:
+        print(f"[run] early stopping: the adapter is step {adapter_step(trainer.state)}'s, the best held-out loss")
     print(f"[run] succeeded: {run.final}\n[run] handoff: {run.tarball} (sha256 {digest})", flush=True)
 
 
@@ -558,6 +565,7 @@ def manifest(cfg: TrainConfig, run: runs.Run, built: Built, data: formats.Traini
         "data": {k: getattr(data, k) for k in ("path", "sha256", "format", "pairs", "pairs_trained", "truncated")},
         "lora_target_modules_requested": cfg.lora_target_modules, "seed": cfg.seed, "distributed": batch_info(cfg),
         "started_at": started, "finished_at": runs.now_iso(), "steps": built.trainer.state.global_step,
+        "adapter_step": adapter_step(built.trainer.state),
         "eval": {k: held[k]["accuracy"] for k in ("base", "tuned")} if held else None, "mix": data.mix,
         "versions": kit.package_versions(), "python": platform.python_version(), "platform": platform.platform(),
         "device": torch.cuda.get_device_name(0) if built.on_gpu else "cpu", "git_commit": kit.git_commit(),

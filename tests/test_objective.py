@@ -241,7 +241,9 @@ def test_early_stopping_stops_when_held_out_loss_rises_and_keeps_the_best_adapte
     assert "4 held out; training on 4" in log
     assert [r["step"] for r in evals] == [1, 2] and [r["step"] for r in steps] == [1, 2]
     assert LN2 < evals[0]["eval_loss"] < evals[1]["eval_loss"]
-    assert json.loads((run_dir / "manifest.json").read_text())["steps"] == 2
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert (manifest["steps"], manifest["adapter_step"]) == (2, 1)  # trained 2 steps, kept step 1's adapter
+    assert "early stopping: the adapter is step 1's" in log
     assert json.loads((run_dir / "status.json").read_text())["state"] == "succeeded"
     # The kept adapter is step 1's: the run's own held-out evaluation of the saved model (tuned minus base
     # log-likelihood margin, nats, x beta) is TRL's eval reward margin at step 1, not step 2's (twice as big).

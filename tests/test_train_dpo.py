@@ -716,3 +716,12 @@ def test_another_trl_gets_one_sentence_and_no_fused_ops_still_trains(tmp_path, m
     check_complete_run(run_dir, steps=2)
     assert "this is trl 1.15.0: TRL's own dataset preparation and log-probs" in out
     assert "log-probs: full logits" in out and "fused ops" not in out and "[data] train:" not in out  # no cache
+
+
+def test_resume_trims_later_rows_and_the_interrupted_attempts_summary(tmp_path):
+    rows = [{"step": 1, "loss": 0.7}, {"step": 2, "loss": 0.6}, {"step": 2, "train_runtime": 9.0, "train_loss": 0.65},
+            {"step": 3, "loss": 0.5}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    runs.trim_metrics(path, 2)
+    assert [json.loads(x) for x in path.read_text().splitlines()] == rows[:2]
