@@ -344,7 +344,7 @@ def evaluate_run(path: str, data: str = "", out_dir: str | None = None) -> Path:
         partial = dest.with_name(dest.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-        metrics = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines() if r.strip()]
+        metrics = runs.read_metrics(run_dir)
         what = f"all {len(held)} pairs of {data}" if data else f"its {len(held)} held-out pairs"
         write_report(partial, f"{run_dir.name}: evaluated on {what}", evaluation | {"data": source, "pairs": len(held)},
                      metrics)

@@ -31,6 +31,9 @@ from kit import UserError, atomic_write_bytes, atomic_write_json, atomic_write_t
 
 # May differ on resume: the step budget and logging, and how the same values are computed (so a run
 # stopped before --fused_ops / --share_prompts existed, whose config lacks them, resumes with them on).
+# What chat / eval / merge / --init_adapter read from a finished run's config.json (TrainConfig's names).
+RUN_CONFIG_KEYS = ("model_name_or_path", "load_in_4bit", "bnb_4bit_quant_type", "data", "skip_invalid",
+                   "eval_fraction", "probes", "max_length", "seed", "output_dir")
 RESUMABLE_CHANGES = {"max_steps", "num_train_epochs", "save_steps", "logging_steps", "fused_ops", "share_prompts"}
 
 
@@ -69,6 +72,12 @@ def read_json(path: Path) -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+
+
+def read_metrics(directory: Path) -> list[dict]:
+    """A run's metrics.jsonl rows (none when it has not logged yet)."""
+    path = Path(directory) / "metrics.jsonl"
+    return [json.loads(r) for r in path.read_text().splitlines() if r.strip()] if path.exists() else []
 
 
 def write_status(directory: Path, run_name: str, state: str, **fields) -> None:
@@ -169,8 +178,7 @@ class Run:
         return str(last or "")
 
     def metrics(self) -> list[dict]:
-        path = (self.partial if self.partial.exists() else self.final) / "metrics.jsonl"
-        return [json.loads(r) for r in path.read_text().splitlines() if r.strip()] if path.exists() else []
+        return read_metrics(self.partial if self.partial.exists() else self.final)
 
     def finish(self, manifest: dict) -> str:
         """Checkpoints gone, manifest.json (every file's sha256) written, <run>.partial renamed to <run>, the
@@ -453,12 +461,7 @@ def runs_table(root: str | os.PathLike) -> str:
     """One line per run under root (finished, partial, failed): status, data, steps, held-out accuracy, size."""
     rows = [("run", "status", "data", "pairs", "steps", "held-out acc", "size")]
     for d in sorted(p for p in Path(root).glob("*") if (p / "status.json").exists()):
-        def read(name):
-            try:
-                return json.loads((d / name).read_text())
-            except (OSError, ValueError):
-                return {}
-        status, data, manifest = read("status.json"), read("data.json"), read("manifest.json")
+        status, data, manifest = (read_json(d / name) for name in ("status.json", "data.json", "manifest.json"))
         acc = manifest.get("eval") or {}
         size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
         rows.append((d.name, status.get("state", "?"), Path(data.get("path", "?")).name,
@@ -479,4 +482,7 @@ def open_run(path: str | os.PathLike, workdir: str | os.PathLike) -> tuple[Path,
         p = Path(workdir) / manifest["run_name"]
     if not (p / "adapter_config.json").exists() or not (p / "config.json").exists():
         raise UserError(f"{path} is not a finished run (no adapter_config.json and config.json)")
-    return p, json.loads((p / "config.json").read_text())
+    config = read_json(p / "config.json")
+    if missing := [k for k in RUN_CONFIG_KEYS if k not in config]:
+        raise UserError(f"config.json is not a train_dpo.py run's (no {', '.join(missing)})", p / "config.json")
+    return p, config

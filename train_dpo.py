@@ -171,7 +171,7 @@ def dpo_config_kwargs(cfg: TrainConfig, checkpoint_dir: str, on_gpu: bool, bf16_
         gradient_checkpointing=cfg.gradient_checkpointing, precompute_ref_log_probs=cfg.precompute_ref_log_probs,
         logging_steps=cfg.logging_steps, save_strategy="steps", save_steps=cfg.save_steps, save_total_limit=2,
         bf16=compute == "bfloat16", fp16=on_gpu and compute == "float16", use_cpu=not on_gpu,
-        report_to="none", disable_tqdm=True,  # progress: runs.training_callbacks dataloader_num_workers=0,
+        report_to="none", disable_tqdm=True, dataloader_num_workers=0,  # progress: runs.training_callbacks
         ddp_find_unused_parameters=False,  # several processes: every LoRA weight is used, skip DDP's extra graph walk
     )
     if cfg.sft_weight:  # TRL adds the losses with these weights (its MPO-style combination)
@@ -518,10 +518,10 @@ def finish(cfg: TrainConfig, run: runs.Run, built: Built, held: list[dict], prob
     if not sharded:
         trainer.model.save_pretrained(run.partial, selected_adapters=["default"])  # not TRL's frozen 'ref' copy
     built.tokenizer.save_pretrained(run.partial)
-    evaluation = evaluate_trained(cfg, run, built, held, probes, sharded)
+    metrics = run.metrics()
+    evaluation = evaluate_trained(cfg, run, built, held, probes, sharded, metrics)
     for problem in runs.serving_problems(json.loads((run.partial / "adapter_config.json").read_text())):
         print(f"[serve] warning: {problem}", file=sys.stderr)  # only reachable with explicit target modules
-    metrics = run.metrics()
     kit.atomic_write_text(run.partial / "README.md", evaluate.model_card(
         run.name, cfg, data_record(data, built.compute), built.params, built.targets, metrics, batch_info(cfg)))
     digest = run.finish(manifest(cfg, run, built, data, evaluation, model_path, started))
@@ -531,7 +531,7 @@ def finish(cfg: TrainConfig, run: runs.Run, built: Built, held: list[dict], prob
 
 
 def evaluate_trained(cfg: TrainConfig, run: runs.Run, built: Built, held: list[dict], probes: list[dict],
-                     sharded: bool) -> dict:
+                     sharded: bool, metrics: list[dict]) -> dict:
     """Held-out accuracy and probes of the model as trained (adapter on) against its base; report.md."""
     import torch
 
@@ -545,7 +545,7 @@ def evaluate_trained(cfg: TrainConfig, run: runs.Run, built: Built, held: list[d
     bf16_cpu = not built.on_gpu and models.resolve_compute_dtype(cfg.compute_dtype, False, False) == "bfloat16"
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_cpu):
         evaluation = {} if sharded else evaluate.evaluate(model, built.tokenizer, held, probes, cfg.max_length, cfg.seed)
-    evaluate.write_report(run.partial, f"{run.name}: what training changed", evaluation, run.metrics())
+    evaluate.write_report(run.partial, f"{run.name}: what training changed", evaluation, metrics)
     if "held_out" in evaluation:
         b, t = evaluation["held_out"]["base"], evaluation["held_out"]["tuned"]
         print(f"[eval] held-out preference accuracy {b['accuracy']:.3f} -> {t['accuracy']:.3f} "

@@ -380,3 +380,13 @@ def test_serving_rules_only_warn_about_modules_the_user_asked_for(tmp_path, chan
     t = valid_tarball(tmp_path, adapter_config={**ADAPTER_CONFIG, **change},
                       lora_target_modules_requested="q_proj,v_proj,lm_head,embed_tokens")
     assert verify_tarball(t)["serving_warnings"] == [problem]
+
+
+def test_open_run_names_what_a_foreign_config_lacks(tmp_path):
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "adapter_config.json").write_text("{}")
+    (run / "config.json").write_text('{"model_name_or_path": "m"}')
+    with pytest.raises(UserError) as e:
+        runs.open_run(run, tmp_path / "work")
+    assert str(e.value).startswith(f"{run / 'config.json'}: config.json is not a train_dpo.py run's (no load_in_4bit,")
