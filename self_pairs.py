@@ -315,10 +315,11 @@ def load_generator(path: str):
 
         on_gpu, bf16_ok = models.device()
         opts = models.LoadOptions()  # as train_dpo.py loads a base by default: 4-bit NF4
-        model = models.load_model(models.resolve_model_path(path), opts, on_gpu, bf16_ok).eval()
+        found = models.resolve_model_path(path)
+        model = models.load_model(found, opts, on_gpu, bf16_ok).eval()
         if not on_gpu:
             models.dequantize_4bit_(model)  # the same values, without re-dequantising at every matmul
-        tok = AutoTokenizer.from_pretrained(models.resolve_model_path(path))
+        tok = AutoTokenizer.from_pretrained(found)
         what = path
     tok.padding_side = "left"  # batches of prompts (the judge's too) end where the answer starts
     if tok.pad_token is None:
