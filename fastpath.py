@@ -25,9 +25,12 @@ chunked-log-prob switch, the attributes dpo_logps reads), behind one check of th
 for (`version_problem`): another TRL gets one sentence, and --no_fused_ops trains through TRL's public API.
 
 They are exact up to float rounding (tests/test_fastpath.py compares values and gradients with the
-eager modules). Modules they do not recognise, 4-bit kernels, LoRA variants (DoRA), dropout on the
-LoRA input and autocast keep the library's own forward, so anything unusual stays correct and merely
-runs at the old speed.
+eager modules). A class name only makes a module a candidate: enable() swaps a kernel onto a module
+after it has reproduced that module's own forward and gradients on a probe input (agrees_with_own;
+that is how the (1 + w) norms of Gemma, Qwen3.5 and Qwen3-Next get the kernel in that form, and how
+look-alikes with another function keep theirs). Modules that fail the probe, 4-bit kernels, LoRA
+variants (DoRA), dropout on the LoRA input and autocast keep the library's own forward, so anything
+unusual stays correct and merely runs at the old speed; the run lists what kept its own forward.
 """
 
 from __future__ import annotations
@@ -250,18 +253,19 @@ def fn():
 
 
 def is_rms_norm(module) -> bool:
-    """A Llama-style RMSNorm: a class named *RMSNorm with a 1-D weight and an eps, no bias, no offset.
-    (Gemma's norm multiplies by 1 + weight and is left alone: its class says so with 'Gemma'.)"""
+    """A candidate for the RMSNorm kernel: a class named *RMSNorm with a 1-D weight and a float eps, no bias.
+    Only a candidate: which form it computes (w * x or (1 + w) * x, as Gemma's, Qwen3.5's and Qwen3-Next's
+    do), and whether it is an RMSNorm at all, is settled by enable()'s probe, never by the name."""
     name = type(module).__name__
     weight = getattr(module, "weight", None)
-    return (name.endswith("RMSNorm") and "Gemma" not in name and weight is not None and weight.dim() == 1
+    return (name.lower().endswith("rmsnorm") and weight is not None and weight.dim() == 1
             and isinstance(getattr(module, "variance_epsilon", getattr(module, "eps", None)), float)
             and getattr(module, "bias", None) is None)
 
 
 def is_gated_silu_mlp(module) -> bool:
-    """A Llama-style MLP: down(silu(gate(x)) * up(x)), with SiLU as its activation module (a class named
-    *MLP with gate_proj, up_proj and down_proj)."""
+    """A candidate for the SiLU-gate kernel: a class named *MLP with gate_proj, up_proj and down_proj and
+    SiLU as its activation module; enable()'s probe checks that it computes down(silu(gate(x)) * up(x))."""
     import torch
 
     act = getattr(module, "act_fn", None)
@@ -315,7 +319,8 @@ def _rms_norm_forward(self, hidden_states):
             torch.is_autocast_enabled(hidden_states.device.type):
         return type(self).forward(self, hidden_states)
     eps = getattr(self, "variance_epsilon", getattr(self, "eps", None))
-    return fn().RMSNorm.apply(hidden_states, self.weight, float(eps))
+    offset = vars(self).get("_kit_weight_offset", 0.0)  # 1.0 for the (1 + w) norms (the probe found which)
+    return fn().RMSNorm.apply(hidden_states, self.weight + offset if offset else self.weight, float(eps))
 
 
 def _mlp_forward(self, x):
@@ -327,23 +332,120 @@ def _mlp_forward(self, x):
     return self.down_proj(fn().SiluMul.apply(gate, up))
 
 
-def enable(model) -> dict:
-    """Swap the fused forwards onto the model's RMSNorm and peft LoRA linear instances (the
-    instance's forward; the class is untouched). Returns how many of each; idempotent."""
+def enable(model, autocast_dtype=None) -> dict:
+    """Swap the fused forwards onto the model's peft LoRA linear, RMSNorm and gated-MLP instances (the
+    instance's forward; the class is untouched), each only after it reproduced that instance's own forward
+    on a probe input (values, and gradients; see agrees_with_own). autocast_dtype: the dtype training
+    autocasts to, if any (the probe runs under it too, at its tolerance). Returns how many of each kind
+    were swapped, and under "own_forward" the classes (with counts) that kept their own forward because the
+    kernel did not reproduce it. Idempotent."""
     from peft.tuners.lora.layer import Linear as LoraLinearLayer
 
-    counts = {"lora_linear": 0, "rms_norm": 0, "mlp": 0}
+    counts = {"lora_linear": 0, "rms_norm": 0, "mlp": 0, "own_forward": {}}
     for module in model.modules():
         if isinstance(module, LoraLinearLayer):
-            module.forward, kind = types.MethodType(_lora_forward, module), "lora_linear"
+            kind, forward, offsets = "lora_linear", _lora_forward, [None]
         elif is_rms_norm(module):
-            module.forward, kind = types.MethodType(_rms_norm_forward, module), "rms_norm"
+            kind, forward, offsets = "rms_norm", _rms_norm_forward, [0.0, 1.0]
         elif is_gated_silu_mlp(module):
-            module.forward, kind = types.MethodType(_mlp_forward, module), "mlp"
+            kind, forward, offsets = "mlp", _mlp_forward, [None]
         else:
             continue
-        counts[kind] += 1
+        vars(module).pop("forward", None)  # idempotent: probe against the class's forward
+        for offset in offsets:
+            if offset is not None:
+                module._kit_weight_offset = offset
+            if agrees_with_own(module, forward, kind, autocast_dtype):
+                module.forward = types.MethodType(forward, module)
+                counts[kind] += 1
+                break
+        else:
+            vars(module).pop("_kit_weight_offset", None)
+            name = type(module).__name__
+            counts["own_forward"][name] = counts["own_forward"].get(name, 0) + 1
     return counts
+
+
+# Probe tolerances, relative to the largest magnitude of the module's own output (values) and gradients:
+# float32 kernels differ from eager by rounding only; under bfloat16 autocast both round to 8 bits of mantissa.
+PROBE_RTOL = {"float32": (1e-4, 1e-3), "bfloat16": (3e-2, 6e-2), "float16": (4e-3, 8e-3)}
+
+
+def agrees_with_own(module, forward, kind: str, autocast_dtype=None) -> bool:
+    """Whether forward(module, x) reproduces type(module).forward(module, x) on a random probe input x:
+    the values, and the gradients of a random projection of the output with respect to x and to the
+    module's trainable weights. The weights a kernel multiplies by are made random for the probe (a norm's
+    scale, LoRA's B, which start as ones and zeros and would hide a wrong form) and restored after; the
+    module's .grad fields are not touched. A forward that takes more than the one input, raises, or returns
+    something else is not reproduced. In float32, and also under autocast_dtype when training autocasts."""
+    import inspect
+
+    import torch
+
+    params = [p for p in inspect.signature(type(module).forward).parameters.values()][1:]
+    if kind != "lora_linear" and (len(params) != 1 or params[0].kind not in (params[0].POSITIONAL_ONLY,
+                                                                             params[0].POSITIONAL_OR_KEYWORD)):
+        return False
+    if kind == "rms_norm":
+        width, probed = module.weight.shape[0], [module.weight]
+    elif kind == "mlp":
+        width, probed = getattr(module.gate_proj, "in_features", None), []
+    else:
+        width, probed = module.in_features, [module.lora_B[a].weight for a in module.active_adapters if a in module.lora_B]
+    ref = next(module.parameters(), None)
+    if not width or ref is None or any(p.is_meta for p in module.parameters()):
+        return False
+    dtypes = [None] + ([autocast_dtype] if autocast_dtype is not None else [])
+    saved = [(p, p.detach().clone(), p.requires_grad) for p in probed]
+    try:
+        gen = torch.Generator(device=ref.device).manual_seed(0)
+        with torch.no_grad():
+            for p, _, _ in saved:
+                p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32).to(p.dtype))
+                p.requires_grad_(p.is_floating_point())
+        x = torch.randn(2, 3, width, generator=gen, device=ref.device, dtype=torch.float32)
+        return all(_probe_agrees(module, forward, x, dtype) for dtype in dtypes)
+    except Exception:  # noqa: BLE001 - a probe that cannot run means the kernel is not shown to apply
+        return False
+    finally:
+        with torch.no_grad():
+            for p, value, grad in saved:
+                p.copy_(value)
+                p.requires_grad_(grad)
+
+
+def _probe_agrees(module, forward, x, autocast_dtype) -> bool:
+    import torch
+
+    leaves = [x] + [p for p in module.parameters() if p.requires_grad]
+    results = []
+    for f in (type(module).forward, forward):
+        xi = x.detach().requires_grad_()
+        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else [], device_type=x.device.type), \
+                torch.autocast(x.device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+            torch.manual_seed(0)  # the same dropout masks, where a module draws any
+            y = f(module, xi)
+        if not isinstance(y, torch.Tensor) or not y.is_floating_point():
+            return False
+        cotangent = torch.randn(y.shape, generator=torch.Generator(device=y.device).manual_seed(1), device=y.device)
+        grads = torch.autograd.grad((y.float() * cotangent).sum(), [xi] + leaves[1:], allow_unused=True)
+        results.append((y.detach().float(), [None if g is None else g.float() for g in grads]))
+    (y0, g0), (y1, g1) = results
+    rtol_v, rtol_g = PROBE_RTOL[str(autocast_dtype or torch.float32).removeprefix("torch.")]
+    if y0.shape != y1.shape or not _close(y1, y0, rtol_v):
+        return False
+    return all(_close(b if b is not None else torch.zeros_like(a), a, rtol_g) if a is not None else b is None or not b.any()
+               for a, b in zip(g0, g1))
+
+
+def _close(got, want, rtol: float) -> bool:
+    """Every element within rtol of want's largest magnitude, and nothing infinite or NaN."""
+    import torch
+
+    if got.numel() == 0:
+        return True
+    scale = want.abs().max().item()
+    return bool(torch.isfinite(got).all()) and (got - want).abs().max().item() <= rtol * scale + 1e-12
 
 
 def disable(model) -> None:
@@ -352,6 +454,7 @@ def disable(model) -> None:
         if "forward" in vars(module) and getattr(module.forward, "__func__", None) in (_lora_forward,
                                                                                        _rms_norm_forward, _mlp_forward):
             del module.forward
+            vars(module).pop("_kit_weight_offset", None)
 
 
 def keep_freed_memory() -> bool:

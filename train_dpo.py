@@ -455,13 +455,19 @@ def arm_fast_path(cfg: TrainConfig, built: Built) -> None:
     if cfg.chunked_logps:
         compute.logps, compute.chunked = fastpath.enable_chunked_logps(trainer, built.targets)
     if cfg.fused_ops:
-        fused = fastpath.enable(trainer.model)
+        import torch
+
+        autocast = torch.bfloat16 if trainer.args.bf16 else torch.float16 if trainer.args.fp16 else None
+        fused = fastpath.enable(trainer.model, autocast_dtype=autocast)  # each kernel checked on a probe first
         trainer.kit_fused_logps = compute.chunked
         trainer.kit_share_prompts = cfg.share_prompts
         compute.fused = fused | {"chunked_head": compute.chunked}
         print(f"[model] fused ops (fastpath.py): {fused['lora_linear']} LoRA layers, {fused['rms_norm']} RMSNorms, "
               f"{fused['mlp']} SiLU gates{', the chunked head' if compute.chunked else ''} (float32, no autocast; "
               "--no_fused_ops: off)")
+        if fused["own_forward"]:
+            print("[model] kept their own forward (a fused kernel did not reproduce them on a probe input): "
+                  + ", ".join(f"{n} x{k}" for n, k in sorted(fused["own_forward"].items())))
 
 
 def record_data(cfg: TrainConfig, run: runs.Run, built: Built, data: formats.TrainingData, n_pairs: int) -> None:
