@@ -53,7 +53,7 @@ RUN update-ca-certificates
 # the real build; the CPU smoke puts a local torch wheel there.
 COPY requirements.txt requirements-*.txt /tmp/kit/
 COPY wheels/ /tmp/kit/wheels/
-RUN if [ "$TORCH_VARIANT" = cpu ]; then grep -vE '^(nvidia-|cuda-|triton)' /tmp/kit/requirements.txt > /tmp/kit/req.txt; \
+RUN if [ "$TORCH_VARIANT" = cpu ]; then grep -vE '^(nvidia-|cuda-|triton|liger-kernel)' /tmp/kit/requirements.txt > /tmp/kit/req.txt; \
     elif [ "$TORCH_VARIANT" = cuda ]; then cp /tmp/kit/requirements.txt /tmp/kit/req.txt; \
     else echo "TORCH_VARIANT must be cpu or cuda, not '$TORCH_VARIANT'" >&2; exit 2; fi \
  && pip install -q --no-deps --find-links /tmp/kit/wheels -r /tmp/kit/req.txt \

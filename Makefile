@@ -89,9 +89,9 @@ $(STAMP): requirements.txt
 ifeq ($(HAS_CUDA),1)
 	$(VENV)/bin/pip install -q -r requirements.txt
 else
-	@# No GPU here: install the lock without torch's CUDA wheels (nvidia-*, cuda-*, triton); --no-deps keeps
+	@# No GPU here: install the lock without the CUDA wheels (nvidia-*, cuda-*, triton, liger-kernel); --no-deps keeps
 	@# torch from asking for them again. The lock is complete, so nothing else is missed.
-	grep -vE '^(nvidia-|cuda-|triton)' requirements.txt > $(VENV)/requirements-cpu.txt
+	grep -vE '^(nvidia-|cuda-|triton|liger-kernel)' requirements.txt > $(VENV)/requirements-cpu.txt
 	$(VENV)/bin/pip install -q --no-deps $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) -r $(VENV)/requirements-cpu.txt
 endif
 	$(VENV)/bin/pip install -q --no-deps $(SMOLLM)

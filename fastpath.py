@@ -59,6 +59,7 @@ class Compute:
     logps: str = "full logits (--no_chunked_logps)"
     chunked: bool = False  # completion tokens only, through the head in chunks
     fused: dict | None = None  # {"lora_linear": n, "rms_norm": n, "mlp": n, "chunked_head": bool}; None = off
+    liger: int = 0  # modules running Liger's Triton kernels (CUDA, use_liger_kernel), each checked on a probe
 
 
 def version_problem(versions: dict[str, str] | None = None) -> str | None:
@@ -351,6 +352,8 @@ def enable(model, autocast_dtype=None) -> dict:
             kind, forward, offsets = "mlp", _mlp_forward, [None]
         else:
             continue
+        if "forward" in vars(module) and getattr(module.forward, "__func__", None) not in OURS:
+            continue  # another library's kernel (Liger's on CUDA): check_liger probes those
         vars(module).pop("forward", None)  # idempotent: probe against the class's forward
         for offset in offsets:
             if offset is not None:
@@ -448,13 +451,56 @@ def _close(got, want, rtol: float) -> bool:
     return bool(torch.isfinite(got).all()) and (got - want).abs().max().item() <= rtol * scale + 1e-12
 
 
+OURS = (_lora_forward, _rms_norm_forward, _mlp_forward)
+
+
 def disable(model) -> None:
     """Undo enable(): the instances get their class's forward back."""
     for module in model.modules():
-        if "forward" in vars(module) and getattr(module.forward, "__func__", None) in (_lora_forward,
-                                                                                       _rms_norm_forward, _mlp_forward):
+        if "forward" in vars(module) and getattr(module.forward, "__func__", None) in OURS:
             del module.forward
             vars(module).pop("_kit_weight_offset", None)
+
+
+# Liger's kernels for the model's own layers on CUDA (transformers' liger_kernel_config): the norms, the gated
+# MLPs and RoPE. Not its losses: the kit's head and DPO loss are TRL's chunked path (dpo_logps on top).
+LIGER_LAYERS = {"rope": True, "rms_norm": True, "swiglu": True, "geglu": True, "cross_entropy": False,
+                "fused_linear_cross_entropy": False}
+
+
+def liger_applies(on_gpu: bool, targets: list[str]) -> bool:
+    """Liger's Triton kernels run on CUDA only and need the liger-kernel package (in the CUDA lock, left out of
+    CPU installs); TRL refuses use_liger_kernel with LoRA on the output head."""
+    import importlib.util
+
+    return (on_gpu and importlib.util.find_spec("liger_kernel") is not None
+            and not any(t in ("lm_head", "embed_out", "output") for t in targets))
+
+
+def apply_liger(model, autocast_dtype=None) -> dict:
+    """Liger's Triton kernels on the model's norms, gated MLPs and RoPE, through transformers'
+    apply_liger_kernel (what TrainingArguments.use_liger_kernel calls inside train(), called here instead so
+    that each patched norm and MLP is then probed against its class's forward, as enable() does the kit's
+    own kernels; where they disagree the module gets its class forward back). Returns {"checked": n
+    agreeing, "reverted": {class: count}}. CUDA only (Triton): liger_applies says when."""
+    from transformers.integrations.liger import apply_liger_kernel
+
+    apply_liger_kernel(model, dict(LIGER_LAYERS))
+    out = {"checked": 0, "reverted": {}}
+    for module in model.modules():
+        forward = vars(module).get("forward")
+        if forward is None or getattr(forward, "__func__", None) in OURS:
+            continue
+        kind = "rms_norm" if is_rms_norm(module) else "mlp" if hasattr(module, "gate_proj") else None
+        if kind is None:
+            continue
+        if agrees_with_own(module, forward.__func__, kind, autocast_dtype):
+            out["checked"] += 1
+        else:
+            del module.forward
+            name = type(module).__name__
+            out["reverted"][name] = out["reverted"].get(name, 0) + 1
+    return out
 
 
 def keep_freed_memory() -> bool:

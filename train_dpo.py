@@ -458,6 +458,11 @@ def arm_fast_path(cfg: TrainConfig, built: Built) -> None:
         import torch
 
         autocast = torch.bfloat16 if trainer.args.bf16 else torch.float16 if trainer.args.fp16 else None
+        if fastpath.liger_applies(built.on_gpu, built.targets):  # CUDA: Liger's norms and MLPs, not the kit's
+            liger = fastpath.apply_liger(trainer.model, autocast)
+            compute.liger = liger["checked"]
+            print(f"[model] Liger's Triton kernels: {liger['checked']} norms and MLPs, and RoPE"
+                  + (f"; kept their own forward (a probe disagreed): {liger['reverted']}" if liger["reverted"] else ""))
         fused = fastpath.enable(trainer.model, autocast_dtype=autocast)  # each kernel checked on a probe first
         trainer.kit_fused_logps = compute.chunked
         trainer.kit_share_prompts = cfg.share_prompts

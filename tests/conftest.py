@@ -13,3 +13,21 @@ import shutil  # noqa: E402
 
 atexit.register(shutil.rmtree, os.environ["DPO_KIT_CACHE"], True) if "dpo-kit-test-cache-" in os.environ[
     "DPO_KIT_CACHE"] else None
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu need CUDA: skipped, saying so, where there is none (CI never has one)."""
+    import pytest
+
+    gpu = [item for item in items if "gpu" in item.keywords]
+    if not gpu:
+        return
+    try:
+        import torch
+
+        why = None if torch.cuda.is_available() else "needs CUDA; torch sees no GPU here"
+    except ImportError:
+        why = "needs CUDA; torch is not installed"
+    if why:
+        for item in gpu:
+            item.add_marker(pytest.mark.skip(reason=why))

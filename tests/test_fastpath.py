@@ -454,3 +454,8 @@ def test_a_dpo_loss_on_tiny_families_matches_the_plain_path(family):
     assert abs(fast_loss - plain_loss) <= 1e-5 * abs(plain_loss), (fast_loss, plain_loss)
     for a, b in zip(fast_grads, plain_grads):
         assert torch.allclose(a, b, rtol=1e-3, atol=1e-5 * max(1.0, b.abs().max())), family
+
+
+def test_liger_only_on_cuda_with_the_package_and_without_lora_on_the_head():
+    assert not fastpath.liger_applies(False, ["q_proj"])  # a CPU: the kit's own kernels
+    assert not fastpath.liger_applies(True, ["q_proj", "lm_head"])  # TRL refuses Liger with LoRA on the head
