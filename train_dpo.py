@@ -353,7 +353,6 @@ def build_model(cfg: TrainConfig, model_path: str, ref_path: str | None, interna
     """The base (and a separate reference) loaded, prepared for k-bit training, its LoRA targets found; on a
     CPU the NF4 weights dequantised once when they fit."""
     models.quiet_libraries(sys.stdout.isatty())  # before bitsandbytes is imported
-    from peft import prepare_model_for_kbit_training
     from transformers import AutoTokenizer
 
     on_gpu, bf16_ok = models.device()
@@ -362,7 +361,7 @@ def build_model(cfg: TrainConfig, model_path: str, ref_path: str | None, interna
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = models.load_model(model_path, models.LoadOptions.of(cfg), on_gpu, bf16_ok)
     if cfg.load_in_4bit:
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
+        models.prepare_4bit_training(model, cfg.gradient_checkpointing)
     ref_model = models.load_model(ref_path, models.LoadOptions.of(cfg), on_gpu, bf16_ok) if ref_path else None
     leaves = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     targets = models.requested_targets(cfg.lora_target_modules, leaves, models.detect_lora_targets(model))

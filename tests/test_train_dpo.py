@@ -725,3 +725,48 @@ def test_resume_trims_later_rows_and_the_interrupted_attempts_summary(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     runs.trim_metrics(path, 2)
     assert [json.loads(x) for x in path.read_text().splitlines()] == rows[:2]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_prepare_4bit_training_gives_peft_losses_and_gradients_without_float32_tables(checkpointing):
+    """Under bfloat16 autocast, a bfloat16 tiny Llama with LoRA: the kit's preparation (norms cast, embedding
+    output cast, tables kept in bfloat16) gives the same loss and LoRA gradients, bit for bit, as peft's
+    prepare_model_for_kbit_training, which makes float32 copies of the embedding and the head."""
+    import torch
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import models
+
+    def build(prepare):
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model.is_loaded_in_4bit = True  # peft enables checkpointing for k-bit models only
+        prepare(model)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]))
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(len(name)))
+        return model.train()
+
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    results = []
+    for prepare in (lambda m: prepare_model_for_kbit_training(m, use_gradient_checkpointing=checkpointing),
+                    lambda m: models.prepare_4bit_training(m, checkpointing)):
+        model = build(prepare)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        inner = model.base_model.model
+        results.append((loss.detach(), grads, inner.model.embed_tokens.weight.dtype, inner.lm_head.weight.dtype,
+                        inner.model.norm.weight.dtype))
+    (peft_loss, peft_grads, *peft_dtypes), (kit_loss, kit_grads, *kit_dtypes) = results
+    assert peft_dtypes == [torch.float32] * 3
+    assert kit_dtypes == [torch.bfloat16, torch.bfloat16, torch.float32]
+    assert torch.equal(kit_loss, peft_loss)
+    assert kit_grads.keys() == peft_grads.keys() and len(kit_grads) == 12
+    for name, grad in peft_grads.items():
+        assert torch.equal(kit_grads[name], grad), name
