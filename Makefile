@@ -212,6 +212,10 @@ test-container: ## build the image on a local base with podman, train in it thro
 test: $(STAMP) $(BUNDLED_MODEL)/config.json ## run the tests (unit, then integration on the bundled model in 4-bit)
 	$(PY) -m pytest -q tests $(ARGS)
 
+.PHONY: precision
+precision: $(STAMP) $(BUNDLED_MODEL)/config.json ## bfloat16 against float32 over several seeds: bench/precision.{md,json,png} (six demo-sized runs: long)
+	$(PY) bench/precision.py $(ARGS)
+
 .PHONY: bench
 bench: $(STAMP) $(BUNDLED_MODEL)/config.json ## measure training modes and build_pairs: bench/results.{md,json,png} (QUICK=1: short)
 	$(PY) bench/bench.py $(if $(filter 1,$(QUICK)),--quick) $(ARGS)

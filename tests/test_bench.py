@@ -115,3 +115,19 @@ def test_generated_run_logs_are_valid_fresh_and_share_prompts(tmp_path):
     assert len(runs) == 300 and len({r.run_id for r in runs}) == 300
     assert len({r.strategy for r in runs}) == 300  # every run's own strategy: its pairs are not duplicates
     assert len({bp.prompt_key(r.messages) for r in runs}) < 300  # some runs share a prompt (cross_run)
+
+
+def test_precision_verdict_compares_with_the_seed_to_seed_spread():
+    import precision
+
+    def row(dtype, acc, margin):
+        return {"dtype": dtype, "tuned": {"accuracy": acc, "margin": margin}}
+
+    base = [row("float32", a, m) for a, m in ((0.80, 2.0), (0.86, 2.4), (0.83, 2.2))]
+    close = base + [row("bfloat16", a, m) for a, m in ((0.83, 2.1), (0.80, 2.3), (0.86, 2.2))]
+    v = precision.verdict(close, "float32", "bfloat16", held=35)
+    assert v["same"] and abs(v["accuracy"]["difference"]) < 1e-9
+    assert v["accuracy"]["allowance"] == pytest.approx(max(2 * 0.03, 1 / 35))
+    worse = base + [row("bfloat16", a, m) for a, m in ((0.60, 0.9), (0.63, 1.0), (0.57, 1.1))]
+    v = precision.verdict(worse, "float32", "bfloat16", held=35)
+    assert not v["same"] and not v["accuracy"]["same"] and not v["margin"]["same"]
