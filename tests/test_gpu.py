@@ -2,8 +2,6 @@
 the model's own layers, each checked on a probe, and the kit's kernels beside them, on a tiny real Llama
 with LoRA under bfloat16 autocast, against the libraries' own forwards."""
 
-import importlib.util
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -23,8 +21,8 @@ def loss_and_grads(model, ids):
     return loss.detach(), [p.grad.float() for p in model.parameters() if p.requires_grad]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="needs liger-kernel (the CUDA lock has it)")
 def test_liger_kernels_replace_norms_and_mlps_after_a_probe_and_keep_the_loss():
+    pytest.importorskip("liger_kernel", reason="needs liger-kernel (the CUDA lock has it)")
     model = tiny_llama_with_lora().cuda()
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3)).cuda()
     plain_loss, plain_grads = loss_and_grads(model, ids)
