@@ -42,8 +42,10 @@ NODE_RANK ?=
 MASTER_ADDR ?=
 MASTER_PORT ?=
 DIST ?=
-# make bench QUICK=1: shorter sequences, fewer steps, smaller build_pairs logs (under 3 minutes)
+# make bench QUICK=1: shorter sequences, fewer steps, smaller build_pairs logs (a few minutes)
 QUICK ?=
+# make bench DEVICE=cuda|cpu (default: CUDA when there is a GPU) MODEL=random:llama-3-8b (shapes.py)
+DEVICE ?=
 
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -213,8 +215,9 @@ test: $(STAMP) $(BUNDLED_MODEL)/config.json ## run the tests (unit, then integra
 	$(PY) -m pytest -q tests $(ARGS)
 
 .PHONY: bench
-bench: $(STAMP) $(BUNDLED_MODEL)/config.json ## measure training modes and build_pairs: bench/results.{md,json,png} (QUICK=1: short)
-	$(PY) bench/bench.py $(if $(filter 1,$(QUICK)),--quick) $(ARGS)
+bench: $(STAMP) $(if $(filter-out random:%,$(MODEL)),,$(BUNDLED_MODEL)/config.json) ## measure training modes: bench/results*.{md,json,png} (QUICK=1, DEVICE=cuda, MODEL=random:<shape>)
+	$(PY) bench/bench.py $(if $(filter 1,$(QUICK)),--quick) $(if $(DEVICE),--device $(DEVICE)) \
+	  $(if $(MODEL),--model $(MODEL)) $(ARGS)
 
 .PHONY: clean
 clean: ## remove caches and built pairs (keeps runs, .venv and models/)

@@ -359,6 +359,8 @@ def write_random_weights(dest: Path, name: str, seed: int) -> str:
         total = sum(2 * torch.Size(s).numel() for s, _ in params.values())
         kit.atomic_write_json(dest / "model.safetensors.index.json",
                               {"metadata": {"total_size": total}, "weight_map": weight_map})
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the model is loaded next, maybe by another process: give the memory back
     return device
 
 

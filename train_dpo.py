@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
+import importlib.util
 import json
 import os
 import platform
@@ -74,6 +75,8 @@ class TrainConfig:
     # Reference model: default = the base with the adapter disabled (one copy of the weights)
     ref_model_name_or_path: str = field("", "a separate reference model (loaded like the base, 4-bit by default)")
     precompute_ref_log_probs: bool = field(False, "compute reference log-probs once before training")
+    use_liger_kernel: bool = field(False, "TRL's switch: Liger's kernels in the model and TRL's chunked log-probs "
+                                   "(needs the liger-kernel package and a GPU, and --no_fused_ops)")
     chunked_logps: bool = field(True, "log-probs of the completion tokens only, through the output head in chunks: "
                                 "never the [tokens x vocabulary] logits (false = TRL's full-logits path)")
     fused_ops: bool = field(True, "float32 training (the CPU default): LoRA layers, RMSNorm, the SiLU gate and the "
@@ -149,6 +152,10 @@ class TrainConfig:
             p.append(f"--mix: {e}")
         p += [x for x in (shapes.problem(self.model_name_or_path),
                           shapes.problem(self.ref_model_name_or_path, "--ref_model_name_or_path")) if x]
+        if self.use_liger_kernel and self.fused_ops:
+            p.append("--use_liger_kernel patches the modules --fused_ops fuses: add --no_fused_ops")
+        if self.use_liger_kernel and not importlib.util.find_spec("liger_kernel"):
+            p.append("--use_liger_kernel needs the liger-kernel package (pip install liger-kernel)")
         if self.init_adapter and self.ref_model_name_or_path:
             p.append("--init_adapter is the reference; it does not go with --ref_model_name_or_path")
         if self.run_name and (os.sep in self.run_name or self.run_name.startswith(".")):
@@ -173,6 +180,7 @@ def dpo_config_kwargs(cfg: TrainConfig, checkpoint_dir: str, on_gpu: bool, bf16_
         per_device_train_batch_size=cfg.per_device_train_batch_size,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         gradient_checkpointing=cfg.gradient_checkpointing, precompute_ref_log_probs=cfg.precompute_ref_log_probs,
+        use_liger_kernel=cfg.use_liger_kernel,
         logging_steps=cfg.logging_steps, save_strategy="steps", save_steps=cfg.save_steps, save_total_limit=2,
         bf16=compute == "bfloat16", fp16=on_gpu and compute == "float16", use_cpu=not on_gpu,
         report_to="none", disable_tqdm=True, dataloader_num_workers=0,  # progress: runs.training_callbacks
@@ -431,6 +439,8 @@ def build_trainer(cfg: TrainConfig, run: runs.Run, built: Built, pairs: list[dic
     built.trainer = trainer
     if built.internals:
         arm_fast_path(cfg, built)
+    if cfg.use_liger_kernel:  # TRL's chunked log-probs, whatever --chunked_logps says
+        built.compute.logps, built.compute.chunked = "chunked by TRL, Liger kernels in the model (--use_liger_kernel)", True
     if not on_gpu:  # TRL casts LoRA weights to bf16 for 4-bit bases; on a CPU that is slow and rounds updates away
         for p in trainer.model.parameters():
             if p.requires_grad:

@@ -229,5 +229,14 @@ def test_two_dpo_steps_on_a_random_base_in_4bit_on_cuda(tmp_path, fused):
 
     run_dir, printed = random_run(tmp_path, "g", fused)
     data = check_random_run(run_dir, printed)
-    assert data["compute"] == "4-bit kernels, bfloat16 matmuls"
+    assert data["compute"].startswith("4-bit kernels") and "bfloat16" in data["compute"]
     assert json.loads((run_dir / "manifest.json").read_text())["device"] == torch.cuda.get_device_name(0)
+
+
+@needs_tokenizer
+@pytest.mark.gpu
+def test_trl_best_switches_with_liger_on_cuda(tmp_path):
+    pytest.importorskip("liger_kernel")
+    run_dir, printed = random_run(tmp_path, "l", "--no_fused_ops", "--no_chunked_logps", "--use_liger_kernel",
+                                  "--precompute_ref_log_probs")
+    assert check_random_run(run_dir, printed)["logps"].startswith("chunked by TRL, Liger kernels")
