@@ -219,6 +219,19 @@ bench: $(STAMP) $(if $(filter-out random:%,$(MODEL)),,$(BUNDLED_MODEL)/config.js
 	$(PY) bench/bench.py $(if $(filter 1,$(QUICK)),--quick) $(if $(DEVICE),--device $(DEVICE)) \
 	  $(if $(MODEL),--model $(MODEL)) $(ARGS)
 
+# A lent GPU machine (bench/gpu.sh) has torch, transformers, peft and accelerate but none of these, and no network:
+# their wheels (the lock's pins; liger-kernel for TRL's best switches) and the bundled tokenizer go in .whl/.
+GPU_WHEELS := $(shell grep -E '^(bitsandbytes|trl|datasets|dill|multiprocess)==' requirements.txt 2>/dev/null) liger-kernel==0.8.5
+GPU_PLATFORMS := $(foreach p,manylinux_2_28 manylinux_2_24 manylinux_2_17,--platform $(p)_x86_64)
+
+.PHONY: gpu-wheels
+gpu-wheels: $(STAMP) $(BUNDLED_MODEL)/config.json ## fetch what bench/gpu.sh installs on a GPU machine (Python 3.12) into .whl/
+	rm -rf .whl && mkdir -p .whl/tokenizer
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $(GPU_PLATFORMS) \
+	  -d .whl $(GPU_WHEELS)
+	cp $(addprefix $(BUNDLED_MODEL)/,tokenizer.json tokenizer_config.json chat_template.jinja) .whl/tokenizer/
+	@du -sh .whl
+
 .PHONY: clean
 clean: ## remove caches and built pairs (keeps runs, .venv and models/)
 	rm -rf $(OUT)/pairs .pytest_cache

@@ -193,6 +193,14 @@ def test_generated_run_logs_are_valid_fresh_and_share_prompts(tmp_path):
     assert len({bp.prompt_key(r.messages) for r in runs}) < 300  # some runs share a prompt (cross_run)
 
 
+def test_gpu_script_parses_and_refuses_an_unknown_step(tmp_path):
+    script = ROOT / "bench" / "gpu.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    out = subprocess.run([str(script), "bench-9b"], capture_output=True, text=True, env={**os.environ, "OUT": str(tmp_path)})
+    assert out.returncode == 2 and "unknown step bench-9b (tests e2e bench-1b bench-8b bench-8b-4k all)" in out.stderr
+    assert not list(tmp_path.iterdir())  # refused before installing or running anything
+
+
 @pytest.mark.integration
 def test_a_tiny_cpu_bench_of_the_default_and_trl_best_on_a_random_shape(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench.py"), "--device", "cpu", "--model",
