@@ -42,8 +42,10 @@ NODE_RANK ?=
 MASTER_ADDR ?=
 MASTER_PORT ?=
 DIST ?=
-# make bench QUICK=1: shorter sequences, fewer steps, smaller build_pairs logs (under 3 minutes)
+# make bench QUICK=1: shorter sequences, fewer steps, smaller build_pairs logs (a few minutes)
 QUICK ?=
+# make bench DEVICE=cuda|cpu (default: CUDA when there is a GPU) MODEL=random:llama-3-8b (shapes.py)
+DEVICE ?=
 
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -143,7 +145,7 @@ train: train-$(RUNNER) ## train an adapter: DATA= or LOGS=, MODEL=, RUN=, ARGS=;
 train-auto: train-local
 
 .PHONY: train-local
-train-local: $(STAMP) $(if $(MODEL),,$(BUNDLED_MODEL)/config.json) $(if $(DATA),,$(PAIRS))
+train-local: $(STAMP) $(if $(filter-out random:%,$(MODEL)),,$(BUNDLED_MODEL)/config.json) $(if $(DATA),,$(PAIRS))
 	$(PY) $(if $(DISTRIBUTED),scaleout.py $(if $(GPUS),--gpus $(GPUS)) $(DIST_FLAGS) $(if $(DRY_RUN),--dry_run) --,train_dpo.py) \
 	  --data $(PAIRS) --output_dir $(OUT) $(if $(MODEL),--model_name_or_path $(MODEL)) \
 	  $(if $(RUN),--run_name $(RUN)) $(if $(MIX),--mix $(MIX)) $(ARGS)
@@ -217,8 +219,22 @@ precision: $(STAMP) $(BUNDLED_MODEL)/config.json ## bfloat16 against float32 ove
 	$(PY) bench/precision.py $(ARGS)
 
 .PHONY: bench
-bench: $(STAMP) $(BUNDLED_MODEL)/config.json ## measure training modes and build_pairs: bench/results.{md,json,png} (QUICK=1: short)
-	$(PY) bench/bench.py $(if $(filter 1,$(QUICK)),--quick) $(ARGS)
+bench: $(STAMP) $(if $(filter-out random:%,$(MODEL)),,$(BUNDLED_MODEL)/config.json) ## measure training modes: bench/results*.{md,json,png} (QUICK=1, DEVICE=cuda, MODEL=random:<shape>)
+	$(PY) bench/bench.py $(if $(filter 1,$(QUICK)),--quick) $(if $(DEVICE),--device $(DEVICE)) \
+	  $(if $(MODEL),--model $(MODEL)) $(ARGS)
+
+# A lent GPU machine (bench/gpu.sh) has torch, transformers, peft and accelerate but none of these, and no network:
+# their wheels (the lock's pins; liger-kernel for TRL's best switches) and the bundled tokenizer go in .whl/.
+GPU_WHEELS := $(shell grep -E '^(bitsandbytes|trl|datasets|dill|multiprocess)==' requirements.txt 2>/dev/null) liger-kernel==0.8.5
+GPU_PLATFORMS := $(foreach p,manylinux_2_28 manylinux_2_24 manylinux_2_17,--platform $(p)_x86_64)
+
+.PHONY: gpu-wheels
+gpu-wheels: $(STAMP) $(BUNDLED_MODEL)/config.json ## fetch what bench/gpu.sh installs on a GPU machine (Python 3.12) into .whl/
+	rm -rf .whl && mkdir -p .whl/tokenizer
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $(GPU_PLATFORMS) \
+	  -d .whl $(GPU_WHEELS)
+	cp $(addprefix $(BUNDLED_MODEL)/,tokenizer.json tokenizer_config.json chat_template.jinja) .whl/tokenizer/
+	@du -sh .whl
 
 .PHONY: clean
 clean: ## remove caches and built pairs (keeps runs, .venv and models/)

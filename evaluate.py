@@ -22,6 +22,7 @@ import formats
 import kit
 import models
 import runs
+import shapes
 from kit import UserError
 
 SAMPLING = {"temperature": 1.5, "top_k": 100, "top_p": 0.95}  # the co-training deck's settings
@@ -124,6 +125,7 @@ def model_card(run_name: str, cfg, data: dict, params: dict, targets, metrics: l
         f"# {run_name}: LoRA DPO adapter for {base}", "",
         f"Trained with dpo-kit (TRL DPOTrainer, {'4-bit NF4' if cfg.load_in_4bit else 'full-precision'} base, "
         f"LoRA r={cfg.lora_r} alpha={cfg.lora_alpha}).", "",
+        *([f"**Random base**: {shapes.describe(base)}.", ""] if shapes.is_random(base) else []),
         "## Data", "",
         f"- file: `{data['path']}` (sha256 `{data['sha256']}`), format `{data['format']}`",
         f"- pairs used: {data['pairs_trained']:,}; skipped invalid: {sum(data['skipped'].values())}; "

@@ -1,5 +1,5 @@
-"""Models: finding or converting the base, loading it (4-bit NF4, dequantised on a CPU), LoRA targets,
-parameter counts, a finished run's adapter on its base, and text generation.
+"""Models: finding or converting the base (or building a random one), loading it (4-bit NF4, dequantised on a
+CPU), LoRA targets, parameter counts, a finished run's adapter on its base, and text generation.
 
 Not run on its own: train_dpo.py builds the policy here; evaluate.py, self_pairs.py and build_pairs.py
 (the model garbler) load and generate through it. `python entrypoint.py model` converts the bundled model.
@@ -13,9 +13,11 @@ import dataclasses
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import kit
+import shapes
 from kit import UserError
 
 BUNDLED_MODEL_DIR = "models/SmolLM2-135M-Instruct"
@@ -192,7 +194,10 @@ def export_bundled_model(dest: str = BUNDLED_MODEL_DIR) -> Path:
 
 
 def resolve_model_path(name: str) -> str:
-    """A local directory, a hub id, or the bundled default (made on first use)."""
+    """A local directory, a hub id, the bundled default (made on first use), or random:<shape>[:<seed>] (built
+    once into the cache: random_model_dir)."""
+    if shapes.is_random(name):
+        return str(random_model_dir(name))
     if Path(name).is_dir():
         if not (Path(name) / "config.json").exists():
             raise UserError(f"{name} is a directory without config.json: not a transformers model directory")
@@ -202,6 +207,161 @@ def resolve_model_path(name: str) -> str:
     if Path(name).exists() or name.startswith((".", "/")) or name.count("/") > 1:
         raise UserError(f"model {name!r} is neither a model directory nor a hub id")
     return name  # a hub id; transformers downloads it (needs network and maybe HF_TOKEN)
+
+
+# ---------------------------------------------------------------------------------------------
+# Random bases (random:<shape>): a real model's shape with random weights, built once, loaded like any base.
+# ---------------------------------------------------------------------------------------------
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+SHARD_BYTES = 4 << 30  # safetensors files of at most 4 GiB: one file's tensors are in host memory at a time
+
+
+def random_uniform_(out, key: int, bound: float, chunk: int = 1 << 22):
+    """Fill a tensor with values uniform in (-bound, bound) from a hash of (key, element index), in place.
+    Integer hashing and exactly rounded float steps give the same bits on a CPU and a GPU, in any chunking;
+    chunks of int32 scratch keep the memory small. Element i: x = mix(i); x ^= key; mix twice more, each mix
+    x ^= x >> 16 then x *= an odd constant (mod 2^32); then ((x >> 9) + 0.5) / 2^22 - 1 (exact in float32),
+    times bound (one rounding), cast to out's dtype (another)."""
+    import torch
+
+    flat = out.view(-1)
+    n = flat.numel()
+    if n >= 1 << 31:
+        raise ValueError(f"random_uniform_: {n:,} elements; at most 2^31 - 1 in one tensor")
+    chunk = min(chunk, max(n, 1))
+    signed_key = key - (1 << 32) if key >= 1 << 31 else key  # the same 32 bits in an int32
+    index = torch.arange(chunk, dtype=torch.int32, device=out.device)
+    x, t = torch.empty_like(index), torch.empty_like(index)
+    f = torch.empty(chunk, dtype=torch.float32, device=out.device)
+
+    def mix(xs, ts, constant):
+        torch.bitwise_right_shift(xs, 16, out=ts)
+        ts &= 0xFFFF  # the shift is arithmetic on int32: keep the bits a logical shift gives
+        xs ^= ts
+        xs *= constant  # wraps mod 2^32
+
+    for start in range(0, n, chunk):
+        m = min(chunk, n - start)
+        xs, ts, fs = x[:m], t[:m], f[:m]
+        torch.add(index[:m], start, out=xs)
+        mix(xs, ts, 0x7FEB352D)
+        xs ^= signed_key
+        mix(xs, ts, 0x68E31DA5)
+        mix(xs, ts, 0x5BD1E995)
+        torch.bitwise_right_shift(xs, 9, out=ts)
+        ts &= 0x7FFFFF  # 23 bits
+        fs.copy_(ts).add_(0.5).mul_(2.0 ** -22).sub_(1.0).mul_(bound)
+        flat[start:start + m].copy_(fs)
+    return out
+
+
+def bundled_tokenizer_dir() -> Path:
+    """The SmolLM2 tokenizer every random shape uses: the bundled model's (converted first when missing; a
+    directory holding only the tokenizer files is enough, as bench/gpu.sh sets one up on a GPU machine)."""
+    d = Path(BUNDLED_MODEL_DIR)
+    return d if (d / "tokenizer.json").exists() else export_bundled_model(d)
+
+
+def random_model_dir(spec: str) -> Path:
+    """random:<shape>[:<seed>] -> a model directory in the cache (shapes.cache_dir), built on first use: the
+    shape's config, bfloat16 safetensors of its random weights, the bundled tokenizer, kit_origin.json. Built in
+    a temporary directory and renamed into place, so a directory there is always whole; a second process building
+    the same one at the same time keeps the first's."""
+    import json
+
+    try:
+        name, seed = shapes.parse(spec)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    dest, want = shapes.cache_dir(name, seed), shapes.origin(name, seed)
+
+    def built() -> bool:
+        try:
+            return json.loads((dest / "kit_origin.json").read_text()) == want
+        except (OSError, ValueError):
+            return False
+
+    print(f"[model] {shapes.describe(spec)}", flush=True)
+    if built():
+        return dest
+    tokenizer = bundled_tokenizer_dir()
+    need = 2 * shapes.parameter_count(shapes.config_dict(name))  # bytes of bfloat16
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if shutil.disk_usage(dest.parent).free < need * 1.05:
+        raise UserError(f"building {spec} needs {need / 1e9:.1f} GB free in {dest.parent} "
+                        f"({shutil.disk_usage(dest.parent).free / 1e9:.1f} GB are): set DPO_KIT_CACHE elsewhere")
+    t0 = time.time()
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        where = write_random_weights(tmp, name, seed)
+        for f in TOKENIZER_FILES:
+            if (tokenizer / f).exists():
+                shutil.copyfile(tokenizer / f, tmp / f)
+        kit.atomic_write_json(tmp / "kit_origin.json", want)
+        if dest.exists() and not built():  # an older format, or a damaged copy: replaced
+            shutil.rmtree(dest)
+        try:
+            os.replace(tmp, dest)
+        except OSError:
+            if not built():  # not another process's finished copy
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"[model] built {dest} ({need / 1e9:.2f} GB, weights made on {where}) in {time.time() - t0:.0f}s", flush=True)
+    return dest
+
+
+def write_random_weights(dest: Path, name: str, seed: int) -> str:
+    """config.json and the safetensors files (sharded with an index, as transformers saves) of a shape's random
+    weights into dest: linear and embedding weights random_uniform_ with the std of initializer_range, each
+    tensor keyed by its name (shapes.tensor_key); norm weights 1, biases 0; a tied head is not stored. The
+    parameter names and shapes come from the model built on the meta device (no memory). Made on a GPU when
+    there is one (the same bits as a CPU, faster). Returns the device used."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    values = shapes.config_dict(name)
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    config.save_pretrained(dest)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    kinds = {}
+    for module in model.modules():
+        for pname, p in module.named_parameters(recurse=False):
+            dense = pname == "weight" and isinstance(module, (torch.nn.Linear, torch.nn.Embedding))
+            kinds[id(p)] = "random" if dense else "zeros" if pname == "bias" else "ones"
+    params = {n: (tuple(p.shape), kinds[id(p)]) for n, p in model.named_parameters()}  # tied: once
+    del model
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    bound = config.initializer_range * 3 ** 0.5  # uniform on (-b, b) has std b / sqrt(3)
+    plan = shapes.shard_plan([(n, 2 * torch.Size(s).numel()) for n, (s, _) in params.items()], SHARD_BYTES)
+    files, weight_map = shapes.shard_names(len(plan)), {}
+    for names, file in zip(plan, files):
+        tensors = {}
+        for n in names:
+            shape, kind = params[n]
+            t = torch.empty(shape, dtype=torch.bfloat16, device=device)
+            if kind == "random":
+                random_uniform_(t, shapes.tensor_key(seed, n), bound, chunk=1 << (26 if device == "cuda" else 22))
+            else:
+                t.fill_(1.0 if kind == "ones" else 0.0)
+            tensors[n] = t.cpu()
+            weight_map[n] = file
+        save_file(tensors, str(dest / file), metadata={"format": "pt"})
+        del tensors
+    if len(files) > 1:
+        total = sum(2 * torch.Size(s).numel() for s, _ in params.values())
+        kit.atomic_write_json(dest / "model.safetensors.index.json",
+                              {"metadata": {"total_size": total}, "weight_map": weight_map})
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the model is loaded next, maybe by another process: give the memory back
+    return device
 
 
 def base_model_identity(path: str) -> dict:

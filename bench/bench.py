@@ -1,16 +1,27 @@
 """Benchmark the kit: DPO step throughput, memory, start-up and utilisation per reference mode, and build_pairs.
 
-    make bench [QUICK=1]
-    .venv/bin/python bench/bench.py [--quick] [--lengths 256,1024] [--steps 4] [--modes default,separate_ref]
+    make bench [QUICK=1] [DEVICE=cpu|cuda] [MODEL=random:llama-3.2-1b]
+    .venv/bin/python bench/bench.py [--quick] [--device cuda] [--model random:llama-3-8b] [--lengths 256,1024]
+        [--prompt_fractions 0.75,0.25] [--steps 4] [--modes default,separate_ref]
+    bench/gpu.sh bench-1b | bench-8b        # on a lent GPU machine (bench/README.md)
 
 Each training mode runs train_dpo.run in a fresh child process on generated pairs of a controlled
-token length (prompt L/4 tokens, completions filling the rest; truncated to exactly L = --max_length),
-batch 4, no held-out pairs, no probes. The child passes one timing callback (run's `callbacks`); its peak resident memory comes from /proc (VmHWM) at the end of training and from wait4.
+token length (a prompt of --prompt_fractions of L tokens, a quarter by default; completions filling the rest,
+truncated to exactly L = --max_length), batch 4, no held-out pairs, no probes. The child passes one timing
+callback (run's `callbacks`); its peak memory is taken at the end of training: on a CPU resident memory from
+/proc (VmHWM), on CUDA torch.cuda.max_memory_allocated.
 The tokenised-data cache is the bench's own: the default mode runs first at each length and tokenises
 (a cold start-up); the modes after it find the same tokens cached, as a user's second run would.
-build_pairs.py runs on generated logs of 10k, 100k and 1M runs (QUICK: 10k and 100k). Writes
+build_pairs.py runs on generated logs of 10k, 100k and 1M runs (QUICK: 10k and 100k; not on CUDA). Writes
 bench/results.json, bench/results.md (the table and the ratios against TRL as it comes) and bench/results.png
-(QUICK: bench/results-quick.*, not committed).
+(QUICK: bench/results-quick.*, not committed; CUDA: bench/results-gpu.*, with the GPU's name), after each
+measurement, so a run stopped by a time limit (--budget_s) leaves what it measured.
+
+The model: the bundled SmolLM2-135M-Instruct, any model directory, or random:<shape> (shapes.py: a real model's
+shape with random weights, built once into the cache, e.g. random:llama-3-8b; loaded like any base, 4-bit NF4).
+On CUDA (--device auto finds one) the defaults change to what a GPU is for: lengths 1,024 and 4,096, prompts
+three quarters and a quarter of each sequence, the modes default, trl_separate_ref and trl_best at every length,
+4 steps each (the first is warm-up), bfloat16 (the kit's auto dtype there), no build_pairs.
 
 Modes (issue 7's (a)-(d), plus what each of the kit's choices buys on its own):
   default           (a) the kit's default: reference = base with the adapter disabled, log-probs of the
@@ -19,8 +30,13 @@ Modes (issue 7's (a)-(d), plus what each of the kit's choices buys on its own):
                     LoRA / RMSNorm / SiLU-gate / head kernels, each prompt run once for both completions, and
                     malloc keeping freed memory for reuse
   trl_separate_ref  (b) the original pipeline: TRL 1.14.2 as it comes, "the main model and a reference model":
-                    a second 4-bit copy as reference, full logits, float32 matmuls, bitsandbytes 4-bit kernels,
-                    peft's and transformers' own modules, glibc's default malloc settings
+                    a second 4-bit copy as reference, full logits, the device's auto dtype (float32 matmuls on a
+                    CPU, bfloat16 on a GPU), bitsandbytes 4-bit kernels, peft's and transformers' own modules,
+                    glibc's default malloc settings
+  trl_best          (e) TRL with its best switches, through its public API only: precompute_ref_log_probs=True
+                    (no reference pass in training) and use_liger_kernel=True (Liger's kernels in the model and
+                    TRL's chunked log-probs) where liger-kernel is installed and there is a GPU; without it the
+                    table says "no Liger" and TRL computes full logits
   separate_ref      the kit's fast path with a separate 4-bit reference (what (a) gains from the reference alone;
                     not run by default)
   precompute_ref    (c) --precompute_ref_log_probs: one reference pass over the data before training
@@ -78,12 +94,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import kit  # noqa: E402
+import shapes  # noqa: E402
 from kit import field  # noqa: E402
 
-MODES = {  # mode -> extra train_dpo flags (see the docstring)
+MODES = {  # mode -> extra train_dpo flags (see the docstring; mode_flags fills them in)
     "default": [],
-    "trl_separate_ref": ["--ref_model_name_or_path", "{model}", "--no_chunked_logps", "--compute_dtype", "float32",
-                         "--no_dequantize_on_cpu", "--no_fused_ops"],
+    "trl_separate_ref": ["--ref_model_name_or_path", "{model}", "--no_chunked_logps", "--no_dequantize_on_cpu",
+                         "--no_fused_ops"],
+    "trl_best": ["--precompute_ref_log_probs", "--no_chunked_logps", "--no_dequantize_on_cpu", "--no_fused_ops"],
     "separate_ref": ["--ref_model_name_or_path", "{model}"],
     "precompute_ref": ["--precompute_ref_log_probs"],
     "no_4bit": ["--no_load_in_4bit"],
@@ -97,49 +115,99 @@ MODES = {  # mode -> extra train_dpo flags (see the docstring)
 OPTIONAL_MODES = ("separate_ref", "full_logits", "bnb_kernels", "cpu_matmul_bf16", "no_fused", "no_share")  # --modes: each a minute more (15-minute budget)
 DEFAULT_MODES = [m for m in MODES if m not in OPTIONAL_MODES]
 BASELINE = "trl_separate_ref"  # issue 7's (b): the ratios are against it
+QUICK_MODES = f"default,{BASELINE},trl_best"
+GPU_MODES = f"default,{BASELINE},trl_best"  # issue 17: (a), (b) and (e)
+DEFAULT_PROMPT_FRACTION = 0.25  # the CPU bench's layout since issue 7: results keyed by length alone
 
 
 @dataclasses.dataclass
 class BenchConfig:
-    quick: bool = field(False, f"under 3 minutes: lengths 128,256, default and {BASELINE} only, 1 step each, "
+    quick: bool = field(False, f"a few minutes: lengths 128,256, modes {QUICK_MODES}, 1 step each (CUDA: 2), "
                         "build_pairs up to 100k runs")
-    model_name_or_path: str = field("models/SmolLM2-135M-Instruct", "base model directory (the bundled one)")
-    out_dir: str = field("bench", "where results.json, results.md and results.png go (quick: results-quick.*)")
-    lengths: str = field("", "sequence lengths in tokens (prompt + completion); '' = 256,1024 (quick: 128,256)")
-    steps: int = field(0, "optimizer steps per mode at lengths up to 512: the first is warm-up, the rest are "
-                       "timed (the median of their times); 0 = 3 (quick: 1, timed with its warm-up)")
-    long_steps: int = field(1, "optimizer steps at lengths over 512 (one step of ~100 s at 1024 tokens on 2 cores: "
-                            "its warm-up is a few percent of it)")
+    model_name_or_path: str = field("models/SmolLM2-135M-Instruct", "base model: a directory (the bundled one) or "
+                                    "random:<shape> (shapes.py, e.g. random:llama-3-8b)", short="--model")
+    device: str = field("auto", "where the modes train: auto = CUDA when there is a GPU, else the CPU; the "
+                        "defaults below differ on CUDA", choices=("auto", "cpu", "cuda"))
+    out_dir: str = field("bench", "where the results go (relative to the repository, or absolute)")
+    out_stem: str = field("", "results file name without extension; '' = results (quick: results-quick; CUDA: "
+                          "results-gpu, results-gpu-quick)")
+    lengths: str = field("", "sequence lengths in tokens (prompt + completion); '' = 256,1024 (quick: 128,256; "
+                         "CUDA: 1024,4096)")
+    prompt_fractions: str = field("", "the prompt's share of each sequence, comma-separated; '' = 0.25 (CUDA: "
+                                  "0.75,0.25)")
+    steps: int = field(0, "optimizer steps per mode at lengths up to 512 (CUDA: at every length): the first is "
+                       "warm-up, the rest are timed (the median of their times); 0 = 3 (quick: 1, timed with its "
+                       "warm-up; CUDA: 4, quick 2)")
+    long_steps: int = field(1, "optimizer steps at lengths over 512 on a CPU (one step of ~100 s at 1024 tokens on "
+                            "2 cores: its warm-up is a few percent of it)")
     batch_size: int = field(4, "pairs per step (per_device_train_batch_size)")
+    max_tokens: int = field(0, "at most this many tokens per step (2 x pairs x length): fewer pairs per step at "
+                            "long lengths, so a big shape fits in GPU memory; 0 = no cap")
+    gradient_checkpointing: bool = field(False, "train every mode with --gradient_checkpointing (less memory, "
+                                         "slower steps)")
     modes: str = field("", f"training modes to measure, comma-separated; '' = {','.join(DEFAULT_MODES)} "
-                       f"(quick: default,{BASELINE})")
-    long_modes: str = field(f"default,{BASELINE}", "the modes also run at the longest length (the ratios issue 7 "
-                            "asks for; the others there would take the run past 15 minutes)")
-    pairs_runs: str = field("", "build_pairs log sizes in runs; '' = 10000,100000,1000000 (quick: 10000,100000)")
-    matmul_size: int = field(2048, "square matrix size for the fp32 matmul peak")
+                       f"(quick: {QUICK_MODES}; CUDA: {GPU_MODES})")
+    long_modes: str = field("", f"the modes also run at the longest length; '' = default,{BASELINE} (the ratios "
+                            "issue 7 asks for; the others there would take a CPU run past 15 minutes; CUDA: all)")
+    pairs_runs: str = field("", "build_pairs log sizes in runs, or none; '' = 10000,100000,1000000 (quick: "
+                            "10000,100000; CUDA: none)")
+    matmul_size: int = field(0, "square matrix size for the matmul peaks; 0 = 2048 (CUDA: 8192)")
+    budget_s: float = field(0.0, "stop starting measurements after this many seconds and write what was measured "
+                            "(a device call's time limit); 0 = no limit")
     seed: int = field(0, "data generation seed")
 
     def problems(self) -> list[str]:
         p = []
         if unknown := [m for m in self.mode_list() if m not in MODES]:
             p.append(f"--modes: unknown {', '.join(unknown)} (known: {', '.join(MODES)})")
-        if self.batch_size < 1 or self.steps < 0 or self.long_steps < 1 or self.matmul_size < 64:
-            p.append("--batch_size and --long_steps at least 1, --steps not negative, --matmul_size at least 64")
+        if self.batch_size < 1 or self.steps < 0 or self.long_steps < 1 or self.max_tokens < 0:
+            p.append("--batch_size and --long_steps at least 1, --steps and --max_tokens not negative")
+        if self.matmul_size and self.matmul_size < 64:
+            p.append("--matmul_size: 0 or at least 64")
+        try:
+            if any(n < 8 for n in self.length_list()):
+                p.append("--lengths: at least 8 tokens each")
+        except ValueError:
+            p.append(f"--lengths: whole numbers, comma-separated (got {self.lengths!r})")
+        try:
+            if any(not 0 < f < 1 for f in self.fraction_list()):
+                p.append("--prompt_fractions: each between 0 and 1")
+        except ValueError:
+            p.append(f"--prompt_fractions: numbers, comma-separated (got {self.prompt_fractions!r})")
+        if problem := shapes.problem(self.model_name_or_path, "--model"):
+            p.append(problem)
         return p
 
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"  # main() resolves auto first
+
     def mode_list(self) -> list[str]:
-        modes = self.modes or (f"default,{BASELINE}" if self.quick else ",".join(DEFAULT_MODES))
+        modes = self.modes or (QUICK_MODES if self.quick else GPU_MODES if self.cuda else ",".join(DEFAULT_MODES))
         return [m.strip() for m in modes.split(",") if m.strip()]
 
+    def long_mode_list(self) -> list[str]:
+        return self.mode_list() if self.cuda and not self.long_modes else \
+            [m.strip() for m in (self.long_modes or f"default,{BASELINE}").split(",") if m.strip()]
+
     def length_list(self) -> list[int]:
-        return [int(x) for x in (self.lengths or ("128,256" if self.quick else "256,1024")).split(",")]
+        return [int(x) for x in (self.lengths or ("128,256" if self.quick else "1024,4096" if self.cuda
+                                                  else "256,1024")).split(",")]
+
+    def fraction_list(self) -> list[float]:
+        return [float(x) for x in (self.prompt_fractions or ("0.75,0.25" if self.cuda else "0.25")).split(",")]
 
     def run_sizes(self) -> list[int]:
-        return [int(x) for x in (self.pairs_runs or ("10000,100000" if self.quick else "10000,100000,1000000"))
-                .split(",")]
+        sizes = self.pairs_runs or ("none" if self.cuda else "10000,100000" if self.quick else "10000,100000,1000000")
+        return [] if sizes == "none" else [int(x) for x in sizes.split(",")]
 
     def step_count(self, seq_len: int) -> int:
+        if self.cuda:
+            return self.steps or (2 if self.quick else 4)
         return self.long_steps if seq_len > 512 else self.steps or (1 if self.quick else 3)
+
+    def stem(self) -> str:
+        return self.out_stem or ("results-gpu" if self.cuda else "results") + ("-quick" if self.quick else "")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,16 +232,40 @@ def lora_params(config: dict, r: int) -> int:
     return layers * r * (2 * (d + d) + 2 * (d + kv) + 3 * (d + inter))
 
 
-def prompt_tokens(seq_len: int) -> int:
-    """The generated pairs' prompt length: a quarter of the sequence (make_pairs and step_flops agree on it)."""
-    return seq_len // 4
+def prompt_tokens(seq_len: int, fraction: float = DEFAULT_PROMPT_FRACTION) -> int:
+    """The generated pairs' prompt length: that share of the sequence, rounded down (make_pairs and step_flops
+    agree on it; a quarter is seq_len // 4)."""
+    return int(seq_len * fraction)
 
 
-def step_flops(shape: dict, n_lora: int, seq_len: int, batch: int, reference: bool) -> dict:
+def case_key(seq_len: int, fraction: float) -> str:
+    """The key of one (length, prompt share) in the results: '1024' for the CPU's quarter, else '1024p0.75'."""
+    return str(seq_len) if fraction == DEFAULT_PROMPT_FRACTION else f"{seq_len}p{fraction:g}"
+
+
+def batch_for(seq_len: int, batch: int, max_tokens: int) -> int:
+    """Pairs per step at this length: --batch_size, fewer where 2 x pairs x length would pass --max_tokens."""
+    return max(1, min(batch, max_tokens // (2 * seq_len))) if max_tokens else batch
+
+
+def resolve_device(asked: str, cuda_available: bool) -> str:
+    if asked == "cuda" and not cuda_available:
+        raise kit.UserError("--device cuda: torch sees no CUDA device here (--device cpu, or auto)")
+    return ("cuda" if cuda_available else "cpu") if asked == "auto" else asked
+
+
+def mode_flags(mode: str, model: str, liger: bool) -> list[str]:
+    """A mode's train_dpo flags for this model; trl_best with --use_liger_kernel when Liger can run (liger)."""
+    return [a.format(model=model) for a in MODES[mode]] + (["--use_liger_kernel"] if mode == "trl_best" and liger
+                                                           else [])
+
+
+def step_flops(shape: dict, n_lora: int, seq_len: int, batch: int, reference: bool,
+               prompt_fraction: float = DEFAULT_PROMPT_FRACTION) -> dict:
     """Model FLOPs of one DPO step (the formula in the module docstring), split by where they go."""
     layers, d, t = shape["layers"], shape["d_model"], seq_len
     blocks, head = shape["n_base"] - shape["n_head"], shape["n_head"]
-    p = prompt_tokens(t)
+    p = prompt_tokens(t, prompt_fraction)
     c = t - p
     tokens = batch * (p + 2 * c)  # each prompt once, both completions
     attention = batch * (p * p + 2 * c * t) * 4 * layers * d
@@ -210,28 +302,33 @@ def summarize_steps(step_ends: list[float], process_start: float, init_end: floa
             "pairs_per_s_with_precompute": batch * steps / (precompute_s + steps * step_s)}
 
 
-def ratios(train: dict, lengths: list[int]) -> dict:
-    """The numbers issue 7 asks for, from {mode: {length: result}}; None where a mode was not run."""
-    def get(mode, length, key):
-        return train.get(mode, {}).get(str(length), {}).get(key)
+def ratios(train: dict, lengths: list[int], fractions: tuple[float, ...] = (DEFAULT_PROMPT_FRACTION,),
+           every_memory: bool = False) -> dict:
+    """The numbers issues 7, 17 and 19 ask for, from {mode: {case_key: result}}, for every length and prompt
+    share; None where a mode was not run. Memory at the longest length (each prompt share), or at every length
+    (every_memory: the GPU's goals are at 1,024 tokens)."""
+    def get(mode, case, key):
+        return train.get(mode, {}).get(case, {}).get(key)
 
     def div(a, b):
         return a / b if a is not None and b else None
 
-    long = max(lengths)
-    out = {f"speed_default_vs_{BASELINE}_L{n}": div(get("default", n, "pairs_per_s"),
-                                                     get(BASELINE, n, "pairs_per_s")) for n in lengths}
-    out[f"memory_default_vs_{BASELINE}_L{long}"] = div(get("default", long, "peak_train_mb"),
-                                                         get(BASELINE, long, "peak_train_mb"))
-    for other in ("separate_ref", "default_bf16", "cpu_matmul_bf16", "full_logits", "bnb_kernels", "precompute_ref",
-                  "no_fused", "no_share"):
-        out |= {f"speed_default_vs_{other}_L{n}": div(get("default", n, "pairs_per_s"), get(other, n, "pairs_per_s"))
-                for n in lengths if get(other, n, "pairs_per_s")}
-    if get("full_logits", long, "peak_train_mb"):
-        out[f"memory_default_vs_full_logits_L{long}"] = div(get("default", long, "peak_train_mb"),
-                                                              get("full_logits", long, "peak_train_mb"))
-    out |= {f"mfu_default_L{n}": get("default", n, "mfu") for n in lengths}
-    out["startup_default_s"] = get("default", min(lengths), "startup_s")
+    cases = [case_key(n, f) for n in lengths for f in fractions]
+    longest = cases if every_memory else [case_key(max(lengths), f) for f in fractions]
+    out = {f"speed_default_vs_{BASELINE}_L{c}": div(get("default", c, "pairs_per_s"),
+                                                     get(BASELINE, c, "pairs_per_s")) for c in cases}
+    out |= {f"memory_default_vs_{BASELINE}_L{c}": div(get("default", c, "peak_train_mb"),
+                                                       get(BASELINE, c, "peak_train_mb")) for c in longest}
+    for other in ("trl_best", "separate_ref", "default_bf16", "cpu_matmul_bf16", "full_logits", "bnb_kernels",
+                  "precompute_ref", "no_fused", "no_share"):
+        out |= {f"speed_default_vs_{other}_L{c}": div(get("default", c, "pairs_per_s"), get(other, c, "pairs_per_s"))
+                for c in cases if get(other, c, "pairs_per_s")}
+    for other in ("trl_best", "full_logits"):
+        out |= {f"memory_default_vs_{other}_L{c}": div(get("default", c, "peak_train_mb"),
+                                                        get(other, c, "peak_train_mb"))
+                for c in longest if get(other, c, "peak_train_mb")}
+    out |= {f"mfu_default_L{c}": get("default", c, "mfu") for c in cases}
+    out["startup_default_s"] = get("default", cases[0], "startup_s")
     return out
 
 
@@ -243,10 +340,19 @@ GOALS = (  # (ratio key prefix, comparison, target, what)
 )
 
 
-def goal_rows(r: dict, pairs: list[dict]) -> list[tuple[str, str, str]]:
-    """(goal, measured, met?) rows for the markdown report."""
+GPU_CASE = "L1024p0.75"  # issue 19's goals: 1,024 tokens, the prompt three quarters (agent data), an 8B shape
+GPU_GOALS = (
+    (f"speed_default_vs_{BASELINE}_{GPU_CASE}", ">=", 1.9, "default pairs/s >= 1.9x (b) TRL as it comes (issue 19)"),
+    (f"speed_default_vs_trl_best_{GPU_CASE}", ">=", 1.3, "default pairs/s >= 1.3x (e) TRL with its best switches"),
+    (f"memory_default_vs_{BASELINE}_{GPU_CASE}", "<=", 0.6, "default peak GPU memory <= 0.6x (b)"),
+    (f"mfu_default_{GPU_CASE}", ">=", 0.35, "default MFU >= 35% of the measured bfloat16 peak"),
+)
+
+
+def goal_rows(r: dict, pairs: list[dict], goals=GOALS) -> list[tuple[str, str, str]]:
+    """(goal, measured, met?) rows for the markdown report: issue 7's on a CPU, issue 19's (GPU_GOALS) on CUDA."""
     rows = []
-    for prefix, op, target, what in GOALS:
+    for prefix, op, target, what in goals:
         for key, value in r.items():
             if key.startswith(prefix) and value is not None:
                 met = value >= target if op == ">=" else value <= target
@@ -262,41 +368,63 @@ def goal_rows(r: dict, pairs: list[dict]) -> list[tuple[str, str, str]]:
     return rows
 
 
+def result_cases(results: dict) -> list[dict]:
+    """The (length, prompt share, batch) cases of a results record, in the order they ran (older records: lengths)."""
+    return results.get("cases") or [{"key": str(n), "seq_len": n, "prompt_fraction": DEFAULT_PROMPT_FRACTION,
+                                     "batch": results["batch_size"]} for n in results["lengths"]]
+
+
 def markdown(results: dict) -> str:
-    m, lengths = results["machine"], results["lengths"]
-    lines = [f"# dpo-kit benchmark ({'QUICK' if results['quick'] else 'full'})", "",
-             f"{m['cpu']}; {m['cores']} cores, torch threads {m['torch_threads']}; python {m['python']}; "
-             + ", ".join(f"{k} {v}" for k, v in m["versions"].items()), "",
-             f"matmul peak ({results['matmul']['size']}^2, torch.matmul): float32 "
-             f"**{results['matmul']['gflops']:.1f} GFLOP/s**"
-             + (f", bfloat16 **{results['matmul_bf16']['gflops']:.1f} GFLOP/s**" if "matmul_bf16" in results else "")
-             + f" (each mode's MFU is against the peak of the dtype it runs in). Batch {results['batch_size']} pairs, "
-             "steps per mode " + ", ".join(f"{v} at L={k}" for k, v in results["steps"].items())
-             + " (with more than one, the first is warm-up and not timed), sequences of exactly L tokens.", "",
-             "| mode | L | matmuls | pairs/s | tokens/s | s/step | GFLOP/s | MFU | peak RSS train (MB) | start-up (s) "
-             "| precompute (s) | loss (last step) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for mode, by_len in results["train"].items():
-        for n in lengths:
-            r = by_len.get(str(n))
+    m, cuda = results["machine"], results.get("device") == "cuda"
+    peak = "bfloat16" if cuda else "float32"  # the dtype the default mode's matmuls run in there
+    model = results.get("model")
+    lines = [f"# dpo-kit benchmark ({'QUICK' if results['quick'] else 'full'}{', CUDA' if cuda else ''})", "",
+             (f"**{m['gpu']}** (torch CUDA {m.get('cuda_version')}); " if cuda else "")
+             + f"{m['cpu']}; {m['cores']} cores, torch threads {m['torch_threads']}; python {m['python']}; "
+             + ", ".join(f"{k} {v}" for k, v in m["versions"].items()), ""]
+    if model:
+        lines += [f"Model: {model['random']}." if model.get("random") else
+                  f"Model: `{model['spec']}` ({model['parameters']:,} parameters).", ""]
+    lines += [f"matmul peak ({results['matmul']['size']}^2, torch.matmul{' on the GPU' if cuda else ''}): float32 "
+              f"**{results['matmul']['gflops']:.1f} GFLOP/s**"
+              + (f", bfloat16 **{results['matmul_bf16']['gflops']:.1f} GFLOP/s**" if "matmul_bf16" in results else "")
+              + f" (each mode's MFU is against the peak of the dtype it runs in; {peak} for the default here). "
+              f"Batch {results['batch_size']} pairs"
+              + (f" (at most {results['max_tokens']:,} tokens a step)" if results.get("max_tokens") else "")
+              + ", steps per mode " + ", ".join(f"{v} at L={k}" for k, v in results["steps"].items())
+              + " (with more than one, the first is warm-up and not timed), sequences of exactly L tokens, the prompt "
+              "the given share of each" + (", gradient checkpointing" if results.get("gradient_checkpointing") else "")
+              + ".", "",
+              f"| mode | L | prompt | batch | matmuls | pairs/s | tokens/s | s/step | GFLOP/s | MFU | "
+              f"{'peak GPU memory, max_memory_allocated' if cuda else 'peak RSS train'} (MB) | start-up (s) "
+              "| precompute (s) | loss (last step) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for mode, by_case in results["train"].items():
+        for case in result_cases(results):
+            r = by_case.get(case["key"])
             if not r:
                 continue
-            if "error" in r:
-                lines.append(f"| {mode} | {n} | failed: {r['error'][:80]} ||||||||||")
+            label = f"{mode} (no Liger)" if r.get("liger") is False else mode
+            head = f"| {label} | {case['seq_len']} | {case['prompt_fraction']:g} | {case['batch']} |"
+            if "error" in r or "skipped" in r:
+                lines.append(f"{head} {'failed: ' + r['error'][:80] if 'error' in r else r['skipped']} |||||||||")
                 continue
-            lines.append(f"| {mode} | {n} | {r.get('dtype', 'float32')} | {r['pairs_per_s']:.3f} | {r['tokens_per_s']:.0f} | {r['step_s']:.2f} "
-                         f"| {r['gflops']:.1f} | {r['mfu']:.1%} | {r['peak_train_mb']:,.0f} | {r['startup_s']:.1f} "
-                         f"| {r['precompute_s']:.1f} | {r.get('last_loss', float('nan')):.4f} |")
-    lines += ["", "| build_pairs runs | workers | runs/s | runs/s (wall, with interpreter start) | peak RSS, all "
-              "processes (MB) | main process (MB) | wall (s) | pairs written |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {p['runs']:,} | {p['workers']} | {p['runs_per_s']:,.0f} | {p['runs_per_s_wall']:,.0f} "
-              f"| {p['peak_mb']:,.0f} | {p['main_peak_mb']:,.0f} | {p['wall_s']:.2f} | {p['pairs']:,} |"
-              for p in results["build_pairs"]]
+            lines.append(f"{head} {r.get('dtype', 'float32')} | {r['pairs_per_s']:.3f} | {r['tokens_per_s']:.0f} "
+                         f"| {r['step_s']:.2f} | {r['gflops']:.1f} | {r['mfu']:.1%} | {r['peak_train_mb']:,.0f} "
+                         f"| {r['startup_s']:.1f} | {r['precompute_s']:.1f} | {r.get('last_loss', float('nan')):.4f} |")
+    lines += [f"\n{note}" for note in results.get("notes", [])]
+    if results["build_pairs"]:
+        lines += ["", "| build_pairs runs | workers | runs/s | runs/s (wall, with interpreter start) | peak RSS, all "
+                  "processes (MB) | main process (MB) | wall (s) | pairs written |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {p['runs']:,} | {p['workers']} | {p['runs_per_s']:,.0f} | {p['runs_per_s_wall']:,.0f} "
+                  f"| {p['peak_mb']:,.0f} | {p['main_peak_mb']:,.0f} | {p['wall_s']:.2f} | {p['pairs']:,} |"
+                  for p in results["build_pairs"]]
     lines += ["", "| ratio | value |", "| --- | --- |"]
     lines += [f"| {k} | {'n/a' if v is None else f'{v:.3g}'} |" for k, v in results["ratios"].items()]
-    lines += ["", "| goal (issue 7) | measured | |", "| --- | --- | --- |"]
-    lines += [f"| {g} | {v} | {ok} |" for g, v, ok in goal_rows(results["ratios"], results["build_pairs"])]
+    lines += ["", f"| goal (issue {19 if cuda else 7}) | measured | |", "| --- | --- | --- |"]
+    lines += [f"| {g} | {v} | {ok} |" for g, v, ok in goal_rows(results["ratios"], results["build_pairs"],
+                                                                 GPU_GOALS if cuda else GOALS)]
     return "\n".join(lines) + "\n"
 
 
@@ -313,14 +441,16 @@ def word_ids(tokenizer) -> list[int]:
     return sorted(out)
 
 
-def make_pairs(tokenizer, n_pairs: int, seq_len: int, seed: int) -> list[dict]:
-    """Plain-text pairs: a prompt of seq_len/4 tokens, completions longer than the rest (truncated to seq_len)."""
+def make_pairs(tokenizer, n_pairs: int, seq_len: int, seed: int,
+               prompt_fraction: float = DEFAULT_PROMPT_FRACTION) -> list[dict]:
+    """Plain-text pairs: a prompt of that share of seq_len tokens, completions longer than the rest (truncated
+    to seq_len)."""
     rng, vocab = random.Random(seed), word_ids(tokenizer)
 
     def text(n):
         return tokenizer.decode([rng.choice(vocab) for _ in range(n)])
 
-    p = prompt_tokens(seq_len)
+    p = prompt_tokens(seq_len, prompt_fraction)
     return [{"prompt": text(p), "chosen": text(seq_len - p + 16), "rejected": text(seq_len - p + 16)}
             for _ in range(n_pairs)]
 
@@ -360,9 +490,9 @@ def vm_hwm_mb() -> float:
 
 def child_train(argv: list[str], timing_path: str) -> None:
     """Runs in the child process: train_dpo.run with one extra callback that records when the trainer was
-    built, when training began, when each optimizer step ended and the peak memory then. The child ends when
-    training does: metrics.jsonl is complete by then, and what the kit does next (save, evaluate, tarball:
-    ~18 s) is not what is measured."""
+    built, when training began, when each optimizer step ended and the peak memory then (resident, and on CUDA
+    the GPU's). The child ends when training does: metrics.jsonl is complete by then, and what the kit does
+    next (save, evaluate, tarball: ~18 s) is not what is measured."""
     import torch
     from transformers import TrainerCallback
 
@@ -378,10 +508,14 @@ def child_train(argv: list[str], timing_path: str) -> None:
             rec["train_begin"] = time.time()
 
         def on_step_end(self, args, state, control, **kw):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the step's kernels have finished, not only been queued
             rec["step_ends"].append(time.time())
 
         def on_train_end(self, args, state, control, **kw):
             rec["peak_train_mb"] = vm_hwm_mb()
+            if torch.cuda.is_available():
+                rec["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2 ** 20
             Path(timing_path).write_text(json.dumps(rec))
             os._exit(0)
 
@@ -412,44 +546,66 @@ def child_command(function: str, *args) -> list[str]:
             f"import bench; bench.{function}(*{args!r})"]
 
 
-def run_child(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
+def run_child(cmd: list[str], log: Path, timeout: float, env: dict | None = None) -> tuple[int, float]:
     """Run cmd with its output in log; returns (exit status, wall seconds)."""
     start = time.time()
     with open(log, "w") as out:
         try:
-            status = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, timeout=timeout).returncode
+            status = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, timeout=timeout,
+                                    env=env).returncode
         except subprocess.TimeoutExpired:
             status = -9
     return status, time.time() - start
 
 
-def bench_train(cfg: BenchConfig, mode: str, seq_len: int, data: Path, work: Path, shape: dict,
-                n_lora: int, peaks: dict) -> dict:
-    run_dir, timing = work / f"{mode}-{seq_len}", work / f"{mode}-{seq_len}.timing.json"
-    model = str(Path(cfg.model_name_or_path).resolve())
+@dataclasses.dataclass
+class Case:
+    """One measured setting: sequence length, the prompt's share of it, pairs per step, steps."""
+    seq_len: int
+    prompt_fraction: float
+    batch: int
+    steps: int
+
+    @property
+    def key(self) -> str:
+        return case_key(self.seq_len, self.prompt_fraction)
+
+
+def bench_train(cfg: BenchConfig, mode: str, case: Case, data: Path, work: Path, shape: dict, n_lora: int,
+                peaks: dict, model: str, liger: bool, timeout: float) -> dict:
+    name = f"{mode}-{case.key}"
+    run_dir, timing, log = work / name, work / f"{name}.timing.json", work / f"{name}.log"
+    flags = mode_flags(mode, model, liger)
     argv = ["--data", str(data), "--model_name_or_path", model, "--output_dir", str(run_dir), "--run_name", "r",
-            "--max_steps", str(cfg.step_count(seq_len)), "--max_length", str(seq_len),
-            "--per_device_train_batch_size", str(cfg.batch_size), "--eval_fraction", "0", "--probes", "",
-            "--save_steps", "100000", "--seed", "42", "--tokenized_cache", str(work / "cache")] + [a.format(model=model) for a in MODES[mode]]
-    dtype = mode_dtype(MODES[mode], peaks["auto"])
+            "--max_steps", str(case.steps), "--max_length", str(case.seq_len),
+            "--per_device_train_batch_size", str(case.batch), "--eval_fraction", "0", "--probes", "",
+            "--save_steps", "100000", "--seed", "42", "--tokenized_cache", str(work / "cache"), *flags] + \
+        (["--gradient_checkpointing"] if cfg.gradient_checkpointing else [])
+    dtype = mode_dtype(flags, peaks["auto"])
+    env = os.environ | ({"CUDA_VISIBLE_DEVICES": ""} if not cfg.cuda else {})  # --device cpu on a GPU machine
     start = time.time()
-    status, wall = run_child(child_command("child_train", argv, str(timing)), work / f"{mode}-{seq_len}.log",
-                             timeout=900)
+    status, wall = run_child(child_command("child_train", argv, str(timing)), log, timeout=timeout, env=env)
     if status != 0 or not timing.exists():
-        tail = (work / f"{mode}-{seq_len}.log").read_text()[-600:]
-        return {"error": f"exit {status}: {tail.strip().splitlines()[-1] if tail.strip() else ''}", "log_tail": tail}
+        tail = log.read_text()[-600:]
+        error = "timed out (--budget_s)" if status == -9 else \
+            f"exit {status}: {tail.strip().splitlines()[-1] if tail.strip() else ''}"
+        return {"error": error, "log_tail": tail}
     rec = json.loads(timing.read_text())
-    out = summarize_steps(rec["step_ends"], start, rec["init_end"], rec["train_begin"], cfg.batch_size, seq_len)
-    flops = step_flops(shape, n_lora, seq_len, cfg.batch_size, reference=mode != "precompute_ref")
+    out = summarize_steps(rec["step_ends"], start, rec["init_end"], rec["train_begin"], case.batch, case.seq_len)
+    flops = step_flops(shape, n_lora, case.seq_len, case.batch, reference="--precompute_ref_log_probs" not in flags,
+                       prompt_fraction=case.prompt_fraction)
     metrics_file = run_dir / "r.partial" / "metrics.jsonl"  # the run stops before it is renamed to r/
     metrics = [json.loads(r) for r in metrics_file.read_text().splitlines() if r.strip()]
     losses = [m["loss"] for m in metrics if "loss" in m]
-    out |= {"wall_s": wall, "peak_train_mb": rec.get("peak_train_mb"),
+    out |= {"wall_s": wall, "peak_train_mb": rec.get("peak_gpu_mb" if cfg.cuda else "peak_train_mb"),
+            "peak_rss_mb": rec.get("peak_train_mb"), "batch": case.batch, "prompt_fraction": case.prompt_fraction,
             "flops_per_step": flops, "gflops": flops["total"] / out["step_s"] / 1e9,
             "dtype": dtype, "mfu": flops["total"] / out["step_s"] / (peaks[dtype] * 1e9),
             "first_loss": losses[0] if losses else None,
             "last_loss": losses[-1] if losses else None, "torch_threads": rec["torch_threads"],
             "train_runtime_s": next((m["train_runtime"] for m in metrics if "train_runtime" in m), None)}
+    if mode == "trl_best":
+        out["liger"] = liger
     return out
 
 
@@ -477,28 +633,37 @@ def bench_build_pairs(n_runs: int, work: Path, seed: int) -> dict:
     return out
 
 
-def matmul_peak(n: int, seconds: float = 3.0, dtype: str = "float32") -> dict:
-    """Best torch.matmul rate on n x n matrices (2 n^3 FLOPs each), over about `seconds`."""
+def matmul_peak(n: int, seconds: float = 3.0, dtype: str = "float32", device: str = "cpu") -> dict:
+    """Best torch.matmul rate on n x n matrices (2 n^3 FLOPs each), over about `seconds`; on CUDA each timing
+    covers 10 products and waits for them."""
     import torch
 
-    a, b = torch.randn(n, n, dtype=getattr(torch, dtype)), torch.randn(n, n, dtype=getattr(torch, dtype))
+    a, b = (torch.randn(n, n, dtype=getattr(torch, dtype), device=device) for _ in range(2))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    reps = 10 if device == "cuda" else 1
     torch.matmul(a, b)  # warm-up
+    sync()
     best, end = float("inf"), time.time() + seconds
     while time.time() < end:
         t = time.perf_counter()
-        torch.matmul(a, b)
-        best = min(best, time.perf_counter() - t)
-    return {"size": n, "dtype": dtype, "best_s": best, "gflops": 2 * n ** 3 / best / 1e9}
+        for _ in range(reps):
+            torch.matmul(a, b)
+        sync()
+        best = min(best, (time.perf_counter() - t) / reps)
+    return {"size": n, "dtype": dtype, "device": device, "best_s": best, "gflops": 2 * n ** 3 / best / 1e9}
 
 
-def machine() -> dict:
+def machine(cuda: bool) -> dict:
     import torch
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(), "platform": platform.platform(), "versions": kit.package_versions(),
-            "cuda": torch.cuda.is_available()}
+            "python": platform.python_version(), "platform": platform.platform(),
+            "versions": kit.package_versions(("torch", "transformers", "trl", "peft", "bitsandbytes", "accelerate",
+                                              "datasets", "liger-kernel")),
+            "cuda": torch.cuda.is_available(), "gpu": torch.cuda.get_device_name(0) if cuda else None,
+            "cuda_version": torch.version.cuda if cuda else None}
 
 
 def plot(results: dict, dest: Path) -> None:
@@ -507,62 +672,110 @@ def plot(results: dict, dest: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    modes, lengths = list(results["train"]), results["lengths"]
+    modes, cases = list(results["train"]), result_cases(results)
+    memory = "peak GPU memory" if results.get("device") == "cuda" else "peak RSS in training"
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    width = 0.8 / max(len(lengths), 1)
-    for k, (key, title) in enumerate([("pairs_per_s", "pairs/s (higher is better)"),
-                                      ("peak_train_mb", "peak RSS in training, MB"), ("mfu", "MFU (peak in the mode's dtype)")]):
+    width = 0.8 / max(len(cases), 1)
+    for k, (key, title) in enumerate([("pairs_per_s", "pairs/s (higher is better)"), ("peak_train_mb", f"{memory}, MB"),
+                                      ("mfu", "MFU (peak in the mode's dtype)")]):
         ax = axes[k]
-        for j, n in enumerate(lengths):
-            vals = [results["train"][m].get(str(n), {}).get(key) or 0 for m in modes]
-            ax.bar([i + j * width for i in range(len(modes))], vals, width, label=f"L={n}")
-        ax.set_xticks([i + width * (len(lengths) - 1) / 2 for i in range(len(modes))], modes, rotation=30, ha="right")
+        for j, case in enumerate(cases):
+            vals = [results["train"][m].get(case["key"], {}).get(key) or 0 for m in modes]
+            ax.bar([i + j * width for i in range(len(modes))], vals, width,
+                   label=f"L={case['seq_len']}, prompt {case['prompt_fraction']:g}")
+        ax.set_xticks([i + width * (len(cases) - 1) / 2 for i in range(len(modes))], modes, rotation=30, ha="right")
         ax.set_title(title)
-        ax.legend()
-    fig.suptitle(f"dpo-kit, {results['machine']['cores']} cores, batch {results['batch_size']}")
+        ax.legend(fontsize="small")
+    where = results["machine"].get("gpu") or f"{results['machine']['cores']} cores"
+    fig.suptitle(f"dpo-kit, {where}, {results.get('model', {}).get('spec', '')}, batch {results['batch_size']}")
     fig.tight_layout()
     fig.savefig(dest, dpi=80)
 
 
+def liger_note(cuda: bool) -> tuple[bool, str | None]:
+    """(whether trl_best turns Liger on, the note for the report when it does not)."""
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        return False, ("trl_best ran without Liger: liger-kernel is not installed, so TRL's best switch there is "
+                       "precompute_ref_log_probs alone (full logits)")
+    if not cuda:
+        return False, "trl_best ran without Liger: its Triton kernels need a GPU (precompute_ref_log_probs alone)"
+    return True, None
+
+
+def save(results: dict, out_dir: Path, stem: str, cfg: BenchConfig, final: bool) -> str:
+    """results.json and results.md (and at the end the plot), rewritten after every measurement."""
+    results["ratios"] = ratios(results["train"], cfg.length_list(), tuple(cfg.fraction_list()), every_memory=cfg.cuda)
+    kit.atomic_write_json(out_dir / f"{stem}.json", results)
+    table = markdown(results)
+    kit.atomic_write_text(out_dir / f"{stem}.md", table)
+    if final:
+        plot(results, out_dir / f"{stem}.png")
+    return table
+
+
 def main(argv=None) -> int:
+    began = time.time()
     cfg = kit.parse_config(BenchConfig, argv, __doc__)
+    import torch
     from transformers import AutoTokenizer
 
-    out_dir, work = ROOT / cfg.out_dir, Path(tempfile.mkdtemp(prefix="dpo-kit-bench-"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = Path(cfg.model_name_or_path)
-    model_config = json.loads((model_dir / "config.json").read_text())
-    shape, n_lora = model_shape(model_config), lora_params(model_config, r=16)
-    print(f"[bench] matmul params {shape['n_base']:,} (blocks {shape['n_blocks']:,} + head {shape['n_head']:,}); "
-          f"LoRA {n_lora:,}; work dir {work}", flush=True)
-    results = {"quick": cfg.quick, "lengths": cfg.length_list(),
-               "steps": {str(n): cfg.step_count(n) for n in cfg.length_list()},
-               "batch_size": cfg.batch_size, "machine": machine(), "shape": shape, "lora_params": n_lora,
-               "config": dataclasses.asdict(cfg), "train": {}, "build_pairs": []}
-    results["matmul"] = matmul_peak(cfg.matmul_size)
-    results["matmul_bf16"] = matmul_peak(cfg.matmul_size, seconds=2.0, dtype="bfloat16")
     import models
 
+    cfg = dataclasses.replace(cfg, device=resolve_device(cfg.device, torch.cuda.is_available()))
+    out_dir, work = ROOT / cfg.out_dir, Path(tempfile.mkdtemp(prefix="dpo-kit-bench-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = cfg.model_name_or_path
+    model_dir = Path(models.resolve_model_path(spec))  # a random shape is built here, once, not in each child
+    model = spec if shapes.is_random(spec) else str(model_dir.resolve())
+    model_config = json.loads((model_dir / "config.json").read_text())
+    shape, n_lora = model_shape(model_config), lora_params(model_config, r=16)
+    print(f"[bench] {spec} on {cfg.device}: matmul params {shape['n_base']:,} (blocks {shape['n_blocks']:,} + head "
+          f"{shape['n_head']:,}); LoRA {n_lora:,}; work dir {work}", flush=True)
+    cases = [Case(n, f, batch_for(n, cfg.batch_size, cfg.max_tokens), cfg.step_count(n))
+             for n in cfg.length_list() for f in cfg.fraction_list()]
+    liger, note = liger_note(cfg.cuda)
+    results = {"quick": cfg.quick, "device": cfg.device, "lengths": cfg.length_list(),
+               "prompt_fractions": cfg.fraction_list(), "cases": [dataclasses.asdict(c) | {"key": c.key} for c in cases],
+               "steps": {str(n): cfg.step_count(n) for n in cfg.length_list()}, "batch_size": cfg.batch_size,
+               "max_tokens": cfg.max_tokens, "gradient_checkpointing": cfg.gradient_checkpointing,
+               "machine": machine(cfg.cuda), "model": {"spec": spec, "path": str(model_dir), "parameters": (
+                   shapes.parameter_count(model_config) if model_config.get("model_type") in ("llama", "qwen2")
+                   else shape["n_base"]), "random": shapes.describe(spec) if shapes.is_random(spec) else None},
+               "shape": shape, "lora_params": n_lora, "config": dataclasses.asdict(cfg), "train": {},
+               "build_pairs": [], "notes": [note] if note and "trl_best" in cfg.mode_list() else []}
+    device = "cuda" if cfg.cuda else "cpu"
+    size = cfg.matmul_size or (8192 if cfg.cuda else 2048)
+    results["matmul"] = matmul_peak(size, device=device)
+    results["matmul_bf16"] = matmul_peak(size, seconds=2.0, dtype="bfloat16", device=device)
+    if cfg.cuda:
+        torch.cuda.empty_cache()  # the children get the whole GPU: this process keeps no cached blocks
     peaks = {"float32": results["matmul"]["gflops"], "bfloat16": results["matmul_bf16"]["gflops"],
-             "auto": models.resolve_compute_dtype("auto", *models.device())}
-    print(f"[bench] matmul peak: fp32 {results['matmul']['gflops']:.1f} GFLOP/s "
-          f"(bf16 {results['matmul_bf16']['gflops']:.1f})", flush=True)
+             "auto": models.resolve_compute_dtype("auto", cfg.cuda, cfg.cuda and torch.cuda.is_bf16_supported())}
+    print(f"[bench] matmul peak on {device}: fp32 {results['matmul']['gflops']:.1f} GFLOP/s "
+          f"(bf16 {results['matmul_bf16']['gflops']:.1f})" + (f"; {note}" if results["notes"] else ""), flush=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    long_modes = {m.strip() for m in cfg.long_modes.split(",")}
+    longest, long_modes = max(cfg.length_list()), set(cfg.long_mode_list())
+    stem = cfg.stem()  # a quick check never overwrites the measured record
     try:
-        for n in cfg.length_list():
-            data = work / f"pairs-L{n}.jsonl"
-            pairs = make_pairs(tokenizer, cfg.batch_size * cfg.step_count(n), n, cfg.seed)
+        for case in cases:
+            data = work / f"pairs-{case.key}.jsonl"
+            pairs = make_pairs(tokenizer, case.batch * case.steps, case.seq_len, cfg.seed, case.prompt_fraction)
             data.write_text("".join(json.dumps(p) + "\n" for p in pairs))
             for mode in cfg.mode_list():
-                if n == max(cfg.length_list()) and n != min(cfg.length_list()) and mode not in long_modes:
+                if case.seq_len == longest != min(cfg.length_list()) and mode not in long_modes:
                     continue
-                r = bench_train(cfg, mode, n, data, work, shape, n_lora, peaks)
-                results["train"].setdefault(mode, {})[str(n)] = r
-                print(f"[bench] {mode:<15} L={n:<5} " + (r["error"] if "error" in r else
-                      f"{r['pairs_per_s']:.3f} pairs/s, {r['step_s']:.2f} s/step, MFU {r['mfu']:.1%}, peak "
-                      f"{r['peak_train_mb']:,.0f} MB, start-up {r['startup_s']:.1f} s, loss {r['last_loss']}"),
-                      flush=True)
+                left = cfg.budget_s - (time.time() - began) if cfg.budget_s else 900.0
+                r = bench_train(cfg, mode, case, data, work, shape, n_lora, peaks, model, liger, timeout=min(900.0, left)) \
+                    if left > 10 else {"skipped": "skipped: past --budget_s"}
+                results["train"].setdefault(mode, {})[case.key] = r
+                print(f"[bench] {mode:<16} L={case.seq_len:<5} prompt {case.prompt_fraction:<4g} batch {case.batch} "
+                      + (r.get("error") or r.get("skipped") or
+                         f"{r['pairs_per_s']:.3f} pairs/s, {r['tokens_per_s']:,.0f} tokens/s, {r['step_s']:.2f} s/step, "
+                         f"MFU {r['mfu']:.1%}, peak {r['peak_train_mb']:,.0f} MB, start-up {r['startup_s']:.1f} s, "
+                         f"loss {r['last_loss']}"), flush=True)
+                save(results, out_dir, stem, cfg, final=False)
         for n in cfg.run_sizes():
             r = bench_build_pairs(n, work, cfg.seed)
             results["build_pairs"].append(r)
@@ -570,13 +783,7 @@ def main(argv=None) -> int:
                   f"{r['pairs']:,} pairs", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    results["ratios"] = ratios(results["train"], cfg.length_list())
-    stem = "results-quick" if cfg.quick else "results"  # a quick check never overwrites the measured record
-    kit.atomic_write_json(out_dir / f"{stem}.json", results)
-    table = markdown(results)
-    kit.atomic_write_text(out_dir / f"{stem}.md", table)
-    plot(results, out_dir / f"{stem}.png")
-    print(table)
+    print(save(results, out_dir, stem, cfg, final=True))
     return 0
 
 

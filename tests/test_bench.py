@@ -1,6 +1,9 @@
-"""bench/bench.py: the FLOP formula, the step timings and the ratios on worked numbers (no model, no training)."""
+"""bench/bench.py: the FLOP formula, the step timings, the ratios and the options on worked numbers (no model, no
+training); one quick CPU run of the new modes on a random shape (integration)."""
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -39,10 +42,49 @@ def test_step_flops_worked_example():
     assert bench.step_flops(shape, 10, 8, 1, reference=False)["total"] == 21680 - 5880
 
 
+def test_step_flops_with_the_prompt_three_quarters():
+    shape = {"n_base": 100, "n_head": 30, "layers": 2, "d_model": 4}
+    f = bench.step_flops(shape, n_lora=10, seq_len=8, batch=1, reference=False, prompt_fraction=0.75)
+    # prompt 6 tokens, completions 2 each: 6 + 4 = 10 tokens; attention over 6 * 6 + 4 * 8 = 68 query-key pairs
+    # (x 32 = 2,176); the head for the 4 completion tokens: 4 * 2 * 30 = 240 per pass
+    assert f["policy_forward"] == 10 * 2 * 80 + 2176 + 240
+    assert f["policy_backward"] == 10 * (2 * 70 + 4 * 10) + 2 * 2176 + 240 and f["reference_forward"] == 0
+    assert bench.prompt_tokens(1024, 0.75) == 768 and bench.prompt_tokens(4096, 0.25) == 1024
+    assert bench.prompt_tokens(130) == 130 // 4  # the CPU bench's layout as before
+
+
+def test_cases_batches_devices_and_mode_flags():
+    assert bench.case_key(1024, 0.25) == "1024" and bench.case_key(1024, 0.75) == "1024p0.75"
+    assert bench.batch_for(1024, 4, 0) == 4 and bench.batch_for(1024, 4, 16384) == 4
+    assert bench.batch_for(4096, 4, 16384) == 2 and bench.batch_for(4096, 4, 1000) == 1  # never below one pair
+    assert bench.resolve_device("auto", True) == "cuda" and bench.resolve_device("auto", False) == "cpu"
+    assert bench.resolve_device("cpu", True) == "cpu"
+    with pytest.raises(kit.UserError, match="--device cuda: torch sees no CUDA device"):
+        bench.resolve_device("cuda", False)
+    best = bench.mode_flags("trl_best", "m", liger=True)
+    assert {"--precompute_ref_log_probs", "--no_fused_ops", "--no_chunked_logps", "--use_liger_kernel"} <= set(best)
+    assert "--use_liger_kernel" not in bench.mode_flags("trl_best", "m", liger=False)
+    assert bench.mode_flags("trl_separate_ref", "random:x", liger=True)[:2] == ["--ref_model_name_or_path", "random:x"]
+    assert "--use_liger_kernel" not in bench.mode_flags("default", "m", liger=True)
+
+
+def test_trl_best_flags_are_options_train_dpo_accepts():
+    import train_dpo
+
+    flags = bench.mode_flags("trl_best", "m", liger=False)
+    cfg = kit.parse_config(train_dpo.TrainConfig, ["--data", "x.jsonl", *flags], "")
+    assert cfg.precompute_ref_log_probs and not cfg.fused_ops and not cfg.chunked_logps and not cfg.use_liger_kernel
+    kwargs = train_dpo.dpo_config_kwargs(cfg, "/tmp/ck", False, False)
+    assert kwargs["precompute_ref_log_probs"] and kwargs["use_liger_kernel"] is False
+    with pytest.raises(kit.UserError, match="--use_liger_kernel patches the modules --fused_ops fuses"):
+        kit.parse_config(train_dpo.TrainConfig, ["--data", "x.jsonl", "--use_liger_kernel"], "")
+
+
 def test_mode_dtype_follows_the_flag_else_the_auto_choice():
     assert bench.mode_dtype(bench.MODES["default"], auto="float32") == "float32"
     assert bench.mode_dtype(bench.MODES["default"], auto="bfloat16") == "bfloat16"
-    assert bench.mode_dtype(bench.MODES["trl_separate_ref"], auto="bfloat16") == "float32"
+    assert bench.mode_dtype(bench.MODES["trl_separate_ref"], auto="bfloat16") == "bfloat16"  # TRL on a GPU: bf16
+    assert bench.mode_dtype(bench.MODES["trl_separate_ref"], auto="float32") == "float32"
     assert bench.mode_dtype(bench.MODES["default_bf16"], auto="float32") == "bfloat16"
     assert bench.mode_dtype(bench.MODES["cpu_matmul_bf16"], auto="float32") == "bfloat16"
 
@@ -82,6 +124,24 @@ def test_ratios_and_goals():
     assert bench.goal_rows({}, pairs)[1][1:] == ("100 MB", "missed (2.00x target)")
 
 
+def test_ratios_per_prompt_share_and_the_gpu_goals():
+    train = {"default": {"1024p0.75": result(1.9, 3000, mfu=0.4), "1024": result(1.0, 5000),
+                         "4096p0.75": result(0.5, 9000)},
+             "trl_separate_ref": {"1024p0.75": result(1.0, 6000), "1024": result(0.5, 7000)},
+             "trl_best": {"1024p0.75": result(1.5, 4000)}}
+    r = bench.ratios(train, [1024, 4096], (0.75, 0.25), every_memory=True)
+    assert r["speed_default_vs_trl_separate_ref_L1024p0.75"] == pytest.approx(1.9)
+    assert r["speed_default_vs_trl_separate_ref_L1024"] == pytest.approx(2.0)
+    assert r["memory_default_vs_trl_separate_ref_L1024p0.75"] == pytest.approx(0.5)
+    assert r["speed_default_vs_trl_best_L1024p0.75"] == pytest.approx(1.9 / 1.5)
+    assert r["memory_default_vs_trl_separate_ref_L4096"] is None  # not run: n/a
+    rows = {g.split(" [")[-1].rstrip("]"): ok for g, _, ok in bench.goal_rows(r, [], bench.GPU_GOALS)}
+    assert rows == {"speed_default_vs_trl_separate_ref_L1024p0.75": "met",
+                    "speed_default_vs_trl_best_L1024p0.75": "missed (0.97x target)",
+                    "memory_default_vs_trl_separate_ref_L1024p0.75": "met", "mfu_default_L1024p0.75": "met"}
+    assert "memory_default_vs_trl_separate_ref_L1024" not in bench.ratios(train, [1024, 4096], (0.75, 0.25))
+
+
 def test_markdown_table():
     results = {"quick": True, "lengths": [128], "steps": {"128": 1}, "batch_size": 4,
                "machine": {"cpu": "cpu", "cores": 2, "torch_threads": 2, "python": "3.11", "versions": {"trl": "1"}},
@@ -91,7 +151,7 @@ def test_markdown_table():
                                 "peak_mb": 69.0, "main_peak_mb": 29.0, "wall_s": 2.5, "pairs": 13}]}
     results["ratios"] = bench.ratios(results["train"], [128])
     text = bench.markdown(results)
-    assert "| default | 128 | float32 | 0.500 |" in text and "failed: exit 1: boom" in text
+    assert "| default | 128 | 0.25 | 4 | float32 | 0.500 |" in text and "failed: exit 1: boom" in text
     assert "| 10,000 | 2 | 5,000 | 4,000 | 69 | 29 | 2.50 | 13 |" in text and "100.0 GFLOP/s" in text
 
 
@@ -99,13 +159,29 @@ def test_config_defaults_and_problems():
     quick = kit.parse_config(bench.BenchConfig, ["--quick"], "")
     assert quick.length_list() == [128, 256] and quick.run_sizes() == [10_000, 100_000]
     full = kit.parse_config(bench.BenchConfig, [], "")
-    assert quick.mode_list() == ["default", "trl_separate_ref"] and quick.step_count(256) == 1
+    assert quick.mode_list() == ["default", "trl_separate_ref", "trl_best"] and quick.step_count(256) == 1
     assert full.length_list() == [256, 1024] and full.run_sizes()[-1] == 1_000_000
-    assert full.step_count(256) == 3 and full.step_count(1024) == 1
-    assert {"default", "trl_separate_ref", "precompute_ref", "no_4bit"} <= set(full.mode_list())  # (a)-(d)
+    assert full.step_count(256) == 3 and full.step_count(1024) == 1 and full.fraction_list() == [0.25]
+    assert {"default", "trl_separate_ref", "precompute_ref", "no_4bit", "trl_best"} <= set(full.mode_list())  # (a)-(e)
     assert not set(bench.OPTIONAL_MODES) & set(full.mode_list())
+    assert full.long_mode_list() == ["default", "trl_separate_ref"] and (full.stem(), quick.stem()) == (
+        "results", "results-quick")
     with pytest.raises(kit.UserError, match="unknown fast"):
         kit.parse_config(bench.BenchConfig, ["--modes", "default,fast"], "")
+
+
+def test_cuda_defaults_and_the_model_option():
+    gpu = kit.parse_config(bench.BenchConfig, ["--device", "cuda", "--model", "random:llama-3-8b"], "")
+    assert gpu.model_name_or_path == "random:llama-3-8b" and gpu.cuda
+    assert gpu.length_list() == [1024, 4096] and gpu.fraction_list() == [0.75, 0.25] and gpu.run_sizes() == []
+    assert gpu.mode_list() == ["default", "trl_separate_ref", "trl_best"] == gpu.long_mode_list()
+    assert gpu.step_count(4096) == 4 and gpu.stem() == "results-gpu"
+    assert kit.parse_config(bench.BenchConfig, ["--device", "cuda", "--quick"], "").stem() == "results-gpu-quick"
+    with pytest.raises(kit.UserError) as e:
+        kit.parse_config(bench.BenchConfig, ["--model", "random:gpt-5", "--prompt_fractions", "0.5,1.5",
+                                             "--lengths", "1k"], "")
+    assert "--model: no random model shape 'gpt-5'" in str(e.value) and "each between 0 and 1" in str(e.value)
+    assert "--lengths: whole numbers" in str(e.value)
 
 
 def test_generated_run_logs_are_valid_fresh_and_share_prompts(tmp_path):
@@ -131,3 +207,32 @@ def test_precision_verdict_compares_with_the_seed_to_seed_spread():
     worse = base + [row("bfloat16", a, m) for a, m in ((0.60, 0.9), (0.63, 1.0), (0.57, 1.1))]
     v = precision.verdict(worse, "float32", "bfloat16", held=35)
     assert not v["same"] and not v["accuracy"]["same"] and not v["margin"]["same"]
+
+
+def test_gpu_script_parses_and_refuses_an_unknown_step(tmp_path):
+    script = ROOT / "bench" / "gpu.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    out = subprocess.run([str(script), "bench-9b"], capture_output=True, text=True, env={**os.environ, "OUT": str(tmp_path)})
+    assert out.returncode == 2 and "unknown step bench-9b (tests e2e bench-1b bench-8b bench-8b-4k all)" in out.stderr
+    assert not list(tmp_path.iterdir())  # refused before installing or running anything
+
+
+@pytest.mark.integration
+def test_a_tiny_cpu_bench_of_the_default_and_trl_best_on_a_random_shape(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench.py"), "--device", "cpu", "--model",
+                          "random:smollm2-135m", "--lengths", "64", "--prompt_fractions", "0.75", "--modes",
+                          "default,trl_best", "--steps", "1", "--batch_size", "2", "--pairs_runs", "none",
+                          "--matmul_size", "256", "--out_dir", str(tmp_path), "--out_stem", "r"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    results = json.loads((tmp_path / "r.json").read_text())
+    assert results["device"] == "cpu" and results["model"]["spec"] == "random:smollm2-135m"
+    assert results["model"]["random"].startswith("random:smollm2-135m is RANDOMLY INITIALISED")
+    default, best = results["train"]["default"]["64p0.75"], results["train"]["trl_best"]["64p0.75"]
+    assert default["pairs_per_s"] > 0 and default["peak_train_mb"] > 0 and 0 < default["mfu"] < 1
+    assert best["liger"] is False and best["precompute_s"] > 0  # the reference pass ran before training
+    assert best["flops_per_step"]["reference_forward"] == 0 and default["flops_per_step"]["reference_forward"] > 0
+    table = (tmp_path / "r.md").read_text()
+    assert "| trl_best (no Liger) | 64 | 0.75 | 2 | float32 |" in table
+    assert "trl_best ran without Liger: liger-kernel is not installed" in table
+    assert (tmp_path / "r.png").exists() and "speed_default_vs_trl_best_L64p0.75" in results["ratios"]

@@ -157,6 +157,7 @@ def test_resume_conflicts_ignore_step_budget_but_not_hyperparameters():
     assert runs.config_conflicts(old, {**old, "beta": 0.2, "lora_r": 8}) == ["beta", "lora_r"]
     # a run stopped before the fast path existed resumes with it: the same values, computed faster
     assert runs.config_conflicts(old, {**old, "fused_ops": True, "share_prompts": True}) == []
+    assert runs.config_conflicts(old, {**old, "use_liger_kernel": False}) == []  # an option newer than the run
 
 
 def test_truncation_counts_prompt_plus_longer_completion():
