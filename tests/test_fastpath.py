@@ -35,6 +35,15 @@ def test_rms_norm_matches_the_llama_module_and_its_gradients():
     x64 = x.double().requires_grad_()
     w64 = norm.weight.detach().double().requires_grad_()
     assert torch.autograd.gradcheck(lambda x, w: fastpath.fn().RMSNorm.apply(x, w, 1e-5), (x64, w64))
+    # bfloat16 (a bfloat16 model under autocast): normalised in float32, rounded before the weight, as the module
+    norm16, x16 = norm.bfloat16(), x.bfloat16().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, expected = fastpath.fn().RMSNorm.apply(x16, norm16.weight, 1e-5), norm16(x16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+    gy = torch.randn(3, 4, 8, generator=g).bfloat16()
+    got_grads = torch.autograd.grad(got, (x16, norm16.weight), gy)
+    for a, b in zip(got_grads, torch.autograd.grad(expected, (x16, norm16.weight), gy)):
+        assert a.dtype == torch.bfloat16 and torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("keep_bytes", [0, 1 << 30])  # the backward recomputes the logits / reads the kept ones
@@ -56,11 +65,44 @@ def test_chunked_logps_and_entropy_match_log_softmax(monkeypatch, vocab_chunk, k
     assert torch.autograd.gradcheck(lambda h: fastpath.chunked_logps(h, weight, targets)[0], (hidden,))
 
 
+@pytest.mark.parametrize("keep_bytes", [0, 1 << 30])
+@pytest.mark.parametrize("hidden_dtype", [torch.float32, torch.bfloat16])
+def test_chunked_logps_under_bfloat16_autocast_round_logits_once_and_sum_in_float32(monkeypatch, keep_bytes,
+                                                                                      hidden_dtype):
+    """The head in bfloat16 as a bfloat16 GEMM computes it (products summed in float32, each logit rounded
+    once); the logsumexp in float32 over those logits; the gradient in the hidden's dtype."""
+    monkeypatch.setattr(fastpath, "LOGP_VOCAB_CHUNK", 7)
+    monkeypatch.setattr(fastpath, "LOGP_TOKEN_CHUNK", 4)
+    monkeypatch.setattr(fastpath, "LOGP_KEEP_BYTES", keep_bytes)
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(10, 6, generator=g).to(hidden_dtype).requires_grad_()
+    weight = 3 * torch.randn(30, 6, generator=g)
+    targets = torch.randint(0, 30, (10,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logps, entropy = fastpath.chunked_logps(hidden, weight, targets, with_entropy=True)
+    assert logps.dtype == entropy.dtype == torch.float32
+    h, w = hidden.detach().bfloat16().float().requires_grad_(), weight.bfloat16().float()
+    full = torch.log_softmax((h @ w.t()).bfloat16().float(), -1)
+    expected = full.gather(1, targets[:, None])[:, 0]
+    assert torch.allclose(logps, expected, atol=1e-5)
+    assert torch.allclose(entropy, -(full.exp() * full).sum(-1), atol=1e-5)
+    (grad,) = torch.autograd.grad(logps.sum(), hidden)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), h)
+    assert grad.dtype == hidden_dtype
+    assert torch.allclose(grad.float(), expected_grad, rtol=2e-2, atol=2e-2)  # softmax tiles rounded to bfloat16
+
+
 def test_silu_mul_matches_and_its_gradients():
     g = torch.Generator().manual_seed(5)
     gate, up = (torch.randn(4, 6, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(2))
     assert torch.allclose(fastpath.fn().SiluMul.apply(gate, up), torch.nn.functional.silu(gate) * up, atol=1e-12)
     assert torch.autograd.gradcheck(fastpath.fn().SiluMul.apply, (gate, up))
+    gate16, up16 = (t.detach().bfloat16().requires_grad_() for t in (gate, up))  # the module's ops, in bfloat16
+    got, expected = fastpath.fn().SiluMul.apply(gate16, up16), torch.nn.functional.silu(gate16) * up16
+    assert torch.equal(got, expected)
+    g = torch.randn(4, 6, generator=g).bfloat16()
+    for a, b in zip(torch.autograd.grad(got, (gate16, up16), g), torch.autograd.grad(expected, (gate16, up16), g)):
+        assert torch.equal(a, b)
 
 
 def test_recognisers_on_real_modules():
