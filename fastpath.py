@@ -25,13 +25,17 @@ chunked-log-prob switch, the attributes dpo_logps reads), behind one check of th
 for (`version_problem`): another TRL gets one sentence, and --no_fused_ops trains through TRL's public API.
 
 They are exact up to float rounding (tests/test_fastpath.py compares values and gradients with the
-eager modules). Modules they do not recognise, 4-bit kernels, LoRA variants (DoRA), dropout on the
-LoRA input and autocast keep the library's own forward, so anything unusual stays correct and merely
-runs at the old speed.
+eager modules). Under bfloat16 or float16 autocast (--compute_dtype bfloat16: accelerate's autocast, on a
+GPU or a CPU) they compute what autocast computes: matmuls in its dtype, the norm's statistics and the
+head's logsumexp in float32, to that dtype's rounding. Modules they do not recognise, 4-bit kernels, LoRA
+variants (DoRA) and dropout on the LoRA input keep the library's own forward, so anything unusual stays
+correct and merely runs at the old speed. The prompt-sharing forwards (dpo_logps) also register one
+attention function with transformers, for the completion pass (_lower_right_sdpa).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -494,19 +498,29 @@ def shared_prompt_layout(input_ids, attention_mask, completion_mask):
     return prompt[:b].tolist(), comp.tolist()
 
 
-def attention_work(prompts: list[int], completions: list[int], width: int, lin: float, att: float) -> tuple[float, float]:
+def attention_work(prompts: list[int], completions: list[int], width: int, lin: float, att: float,
+                   lower_right_skips: bool = False) -> tuple[float, float]:
     """Matmul work of one forward (per layer, in units the caller picks): TRL's layout (2B rows of
     `width` tokens) against the shared-prompt one (B prompt rows, then 2B completion rows attending to
     the prompt cache). lin = work per token through the linear layers; att = work per query-key pair.
-    Causal attention over rows without padding skips about half the scores (SDPA's is_causal); with
-    padding, or with queries offset against a cache, the kernels compute the whole rectangle."""
+
+    The kernels' rule, the same for SDPA on a CPU and on CUDA: causal attention without a mask tensor
+    (is_causal) skips about half the scores; with a mask tensor they compute the whole rectangle. TRL's
+    rows need a mask unless none is padded. The shared prompt pass never does (right padding sits after
+    every real token). The completion pass is causal aligned to the lower right when every prompt of the
+    batch has one length: lower_right_skips says the kernels skip its masked triangle (CUDA's flash and
+    memory-efficient kernels, through CausalBias: _lower_right_sdpa), otherwise they compute the rectangle
+    (a CPU: the same mask as a tensor; prompts of different lengths: holes in every shorter row's keys).
+    All work counts at one rate: memory traffic and kernel launches are left out. A GPU's attention kernels
+    run near its matmul rate; a CPU's run slower than its GEMMs, so on a CPU sharing pays a little less
+    than counted where the completion pass's attention is large (long completions)."""
     b = len(prompts)
     p_max, c_max = max(prompts), max(completions)
     full_rows = all(p + c == width for p, c in zip(prompts * 2, completions))
     trl = 2 * b * width * lin + 2 * b * width * width * att * (0.5 if full_rows else 1.0)
-    same_prompts = len(set(prompts)) == 1
-    shared = (b * p_max * lin + b * p_max * p_max * att * (0.5 if same_prompts else 1.0)
-              + 2 * b * c_max * lin + 2 * b * c_max * (p_max + c_max) * att)
+    causal = lower_right_skips and len(set(prompts)) == 1
+    completion_keys = c_max * p_max + c_max * c_max * (0.5 if causal else 1.0)  # per completion row
+    shared = b * p_max * lin + b * p_max * p_max * att * 0.5 + 2 * b * c_max * lin + 2 * b * completion_keys * att
     return trl, shared
 
 
@@ -520,10 +534,58 @@ def _prefix_sharing_applies(trainer, inner, model_kwargs) -> bool:
             and trainer.ld_alpha is None)
 
 
+LOWER_RIGHT_ATTENTION = "dpo_kit_lower_right_sdpa"  # its name in transformers' AttentionInterface
+
+
+def _lower_right_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' sdpa attention for a completion pass whose rows all read a prompt cache of one length:
+    query i of q attends to keys 0 .. s - q + i (causal, aligned to the lower right; transformers builds no
+    mask for it), as torch's CausalBias. On CUDA that runs flash or memory-efficient attention with the
+    masked blocks skipped (not run here: the kit's tests run on a CPU); elsewhere it materialises the
+    [q, s] mask once, broadcast over batch and heads (the CPU kernel then computes the rectangle)."""
+    import torch
+    from torch.nn.attention.bias import causal_lower_right
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # CausalBias's flash call takes equal heads
+    mask = causal_lower_right(query.shape[2], key.shape[2])
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
+                                                           scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def _attention_implementation(config, name: str | None):
+    """config's attention implementation set to name (registered with transformers) while the block runs."""
+    if name is None:
+        yield
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(LOWER_RIGHT_ATTENTION, _lower_right_sdpa)
+    old = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = old
+
+
 def _shared_prompt_forward(backbone, input_ids, prompts: list[int], completions: list[int]):
     """The backbone over each prompt once and each completion against that prompt's keys and values.
     Returns the hidden states that predict every completion token, [tokens, hidden], in TRL's order
-    (chosen rows, then rejected rows; each completion in order), and the completion pass's outputs."""
+    (chosen rows, then rejected rows; each completion in order), and the completion pass's outputs.
+
+    Attention layout (attention_work's costs follow it): prompts stay left-aligned, so a prompt row's padding
+    comes after all its real tokens and the prompt pass needs no mask (is_causal: flash on CUDA, the
+    upper triangle skipped on a CPU); what the padding positions compute is never read. Right-aligning them
+    would put the padding first, where every query sees it, and cost the prompt pass its is_causal. In
+    the completion pass a completion's own padding again comes last; only a prompt shorter than the
+    batch's longest leaves a hole among its row's keys. Without holes (every prompt of one length) the
+    pass is causal aligned to the lower right (_lower_right_sdpa); with them, transformers' 4-D mask
+    (memory-efficient attention on CUDA). Grouping rows by prompt length would give every group the
+    lower-right kernel, at one attention call per length per layer; not measured on a GPU, not done."""
     import torch
     from transformers import DynamicCache
 
@@ -532,20 +594,23 @@ def _shared_prompt_forward(backbone, input_ids, prompts: list[int], completions:
     p = torch.tensor(prompts, device=device)
     c = torch.tensor(completions, device=device)
     p_max, c_max = max(prompts), max(completions)
-    # Prompt rows: row i's first p_i tokens; what follows p_i is masked out (and never read).
-    prompt_mask = (torch.arange(p_max, device=device) < p[:, None]).long()
     cache = DynamicCache(config=backbone.config)
-    prompt_out = backbone(input_ids=input_ids[:b, :p_max], attention_mask=prompt_mask, past_key_values=cache,
-                          use_cache=True)
+    prompt_out = backbone(input_ids=input_ids[:b, :p_max], past_key_values=cache, use_cache=True)
     for layer in cache.layers:  # both completions of pair i read pair i's prompt: the cache twice over
         layer.keys, layer.values = torch.cat([layer.keys, layer.keys]), torch.cat([layer.values, layer.values])
     pp = torch.cat([p, p])
     steps = torch.arange(c_max, device=device)
     comp_ids = input_ids.gather(1, (pp[:, None] + steps).clamp(max=input_ids.shape[1] - 1))
     comp_mask = steps < c[:, None]
-    kv_mask = torch.cat([torch.cat([prompt_mask, prompt_mask]), comp_mask.long()], 1)  # [2B, p_max + c_max]
-    out = backbone(input_ids=comp_ids, attention_mask=kv_mask, position_ids=pp[:, None] + steps,
-                   past_key_values=cache, use_cache=True)
+    kv_mask, attention = None, None
+    if len(set(prompts)) > 1:
+        prompt_mask = (torch.arange(p_max, device=device) < p[:, None]).long()
+        kv_mask = torch.cat([torch.cat([prompt_mask, prompt_mask]), comp_mask.long()], 1)  # [2B, p_max + c_max]
+    elif backbone.config._attn_implementation == "sdpa":
+        attention = LOWER_RIGHT_ATTENTION
+    with _attention_implementation(backbone.config, attention):
+        out = backbone(input_ids=comp_ids, attention_mask=kv_mask, position_ids=pp[:, None] + steps,
+                       past_key_values=cache, use_cache=True)
     last_prompt = prompt_out.last_hidden_state[torch.arange(b, device=device), p - 1]  # predicts token 0
     predictors = torch.cat([torch.cat([last_prompt, last_prompt])[:, None], out.last_hidden_state[:, :-1]], 1)
     return predictors[comp_mask], comp_ids[comp_mask], out
