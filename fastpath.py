@@ -1,4 +1,4 @@
-"""Leaner DPO training in float32: fused LoRA, RMSNorm, SiLU-gate and log-prob-head kernels, and each prompt run once.
+"""Leaner DPO training: fused LoRA, RMSNorm, SiLU-gate and log-prob-head kernels, and each prompt run once.
 
     import fastpath; counts = fastpath.enable(model)   # train_dpo.py does this; --no_fused_ops turns it off
 
@@ -59,7 +59,8 @@ class Compute:
     matmuls: str = ""  # e.g. "NF4 weights dequantised once to float32 (cpu), float32 matmuls"
     logps: str = "full logits (--no_chunked_logps)"
     chunked: bool = False  # completion tokens only, through the head in chunks
-    fused: dict | None = None  # {"lora_linear": n, "rms_norm": n, "mlp": n, "chunked_head": bool}; None = off
+    # {"lora_linear": n, "rms_norm": n, "mlp": n, "chunked_head": bool, "dtype": "bfloat16"}; None = off
+    fused: dict | None = None
 
 
 def version_problem(versions: dict[str, str] | None = None) -> str | None:
@@ -620,15 +621,16 @@ def dpo_logps(trainer, model, model_kwargs: dict, input_ids, completion_mask):
     """What DPOTrainer._get_per_token_logps_and_entropies returns (per-token log-probs and entropies of
     the completion tokens, zeros elsewhere, and the backbone's outputs), through ChunkedLogps and, when
     each pair's rows share their prompt and that saves work (attention_work), with the prompt run
-    once for both completions; None where this path does not apply (mixed precision, a biased,
-    scaled, soft-capped, sharded or trainable head, a vision model), and TRL's own path runs instead."""
+    once for both completions. Under the trainer's autocast (bf16 / fp16: accelerate's, as TRL runs its own
+    path), so the fused forwards and the head run in its dtype. None where this path does not apply (a
+    biased, scaled, soft-capped, sharded or trainable head, a vision model), and TRL's own path runs instead."""
     import torch
 
     unwrapped = trainer.accelerator.unwrap_model(model)
     inner = unwrapped.base_model.model if hasattr(unwrapped, "peft_config") else unwrapped
     head = inner.get_output_embeddings()
     text = inner.config.get_text_config()
-    if (trainer.args.bf16 or trainer.args.fp16 or getattr(trainer, "_is_vlm", False) or head is None
+    if (getattr(trainer, "_is_vlm", False) or head is None
             or getattr(head, "bias", None) is not None or type(head.weight) is not torch.nn.Parameter
             or head.weight.requires_grad or getattr(text, "final_logit_softcapping", None) is not None
             or getattr(text, "logit_scale", None) not in (None, 1.0)
@@ -640,17 +642,21 @@ def dpo_logps(trainer, model, model_kwargs: dict, input_ids, completion_mask):
         layout = shared_prompt_layout(input_ids, model_kwargs["attention_mask"], completion_mask)
     if layout is not None:
         width = input_ids.shape[1]
-        trl, shared = attention_work(*layout, width, lin=1.0, att=attention_per_token_pair(text))
+        skips = input_ids.device.type == "cuda" and inner.config._attn_implementation == "sdpa"
+        trl, shared = attention_work(*layout, width, lin=1.0, att=attention_per_token_pair(text),
+                                     lower_right_skips=skips)
         if shared > 0.97 * trl:  # not worth a second pass
             layout = None
-    if layout is not None:
-        predictors, labels, outputs = _shared_prompt_forward(inner.base_model, input_ids, *layout)
-        trainer.kit_shared_batches += 1
-    else:
-        outputs = inner.base_model(**model_kwargs)
-        predictors, labels = outputs.last_hidden_state[:, :-1][mask], input_ids[:, 1:][mask]
-    logps, entropy = chunked_logps(predictors, head.weight, labels,
-                                   with_entropy=not _is_reference_pass(trainer, model))
+    with trainer.accelerator.autocast():
+        if layout is not None:
+            predictors, labels, outputs = _shared_prompt_forward(inner.base_model, input_ids, *layout)
+            trainer.kit_shared_batches += 1
+        else:
+            outputs = inner.base_model(**model_kwargs)
+            predictors, labels = outputs.last_hidden_state[:, :-1][mask], input_ids[:, 1:][mask]
+        logps, entropy = chunked_logps(predictors, head.weight, labels,
+                                       with_entropy=not _is_reference_pass(trainer, model))
+    trainer.kit_lean_batches += 1
     per_token_logps = logps.new_zeros(mask.shape).masked_scatter(mask, logps)
     per_token_entropy = logps.new_zeros(mask.shape)
     if entropy.numel():
@@ -714,7 +720,8 @@ def dpo_trainer_class(cache_dir: Path | None, keys: dict, record: dict):
     class KitDPOTrainer(DPOTrainer):
         kit_fused_logps = False  # the chunked head through dpo_logps
         kit_share_prompts = False  # and each prompt once, where attention_work says it pays
-        kit_shared_batches = 0  # forward passes that shared their prompts (counted by dpo_logps)
+        kit_lean_batches = 0  # forward passes whose log-probs went through the lean head (counted by dpo_logps)
+        kit_shared_batches = 0  # of those, the ones that shared their prompts
 
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
             key = keys.get(dataset_name)
