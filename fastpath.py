@@ -1,4 +1,4 @@
-"""Leaner DPO training in float32: fused LoRA, RMSNorm, SiLU-gate and log-prob-head kernels, and each prompt run once.
+"""Leaner DPO training: fused LoRA, RMSNorm, SiLU-gate and log-prob-head kernels, and each prompt run once.
 
     import fastpath; counts = fastpath.enable(model)   # train_dpo.py does this; --no_fused_ops turns it off
 
@@ -25,16 +25,21 @@ chunked-log-prob switch, the attributes dpo_logps reads), behind one check of th
 for (`version_problem`): another TRL gets one sentence, and --no_fused_ops trains through TRL's public API.
 
 They are exact up to float rounding (tests/test_fastpath.py compares values and gradients with the
-eager modules). A class name only makes a module a candidate: enable() swaps a kernel onto a module
-after it has reproduced that module's own forward and gradients on a probe input (agrees_with_own;
-that is how the (1 + w) norms of Gemma, Qwen3.5 and Qwen3-Next get the kernel in that form, and how
-look-alikes with another function keep theirs). Modules that fail the probe, 4-bit kernels, LoRA
-variants (DoRA), dropout on the LoRA input and autocast keep the library's own forward, so anything
-unusual stays correct and merely runs at the old speed; the run lists what kept its own forward.
+eager modules). Under bfloat16 or float16 autocast (--compute_dtype bfloat16: accelerate's autocast, on a
+GPU or a CPU) they compute what autocast computes: matmuls in its dtype, the norm's statistics and the
+head's logsumexp in float32, to that dtype's rounding. A class name only makes a module a candidate:
+enable() swaps a kernel onto a module after it has reproduced that module's own forward and gradients on a
+probe input (agrees_with_own; that is how the (1 + w) norms of Gemma, Qwen3.5 and Qwen3-Next get the
+kernel in that form, and how look-alikes with another function keep theirs). Modules that fail the probe,
+4-bit kernels, LoRA variants (DoRA) and dropout on the LoRA input keep the library's own forward, so
+anything unusual stays correct and merely runs at the old speed; the run lists what kept its own forward.
+The prompt-sharing forwards (dpo_logps) also register one attention function with transformers, for the
+completion pass (_lower_right_sdpa).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -58,8 +63,9 @@ class Compute:
     matmuls: str = ""  # e.g. "NF4 weights dequantised once to float32 (cpu), float32 matmuls"
     logps: str = "full logits (--no_chunked_logps)"
     chunked: bool = False  # completion tokens only, through the head in chunks
-    fused: dict | None = None  # {"lora_linear": n, "rms_norm": n, "mlp": n, "chunked_head": bool}; None = off
-    liger: int = 0  # modules running Liger's Triton kernels (CUDA, use_liger_kernel), each checked on a probe
+    # {"lora_linear": n, "rms_norm": n, "mlp": n, "own_forward": {class: n}, "chunked_head": bool, "dtype": "bfloat16"}
+    fused: dict | None = None  # None = off
+    liger: int = 0  # modules running Liger's Triton kernels (CUDA), each checked on a probe
 
 
 def version_problem(versions: dict[str, str] | None = None) -> str | None:
@@ -85,15 +91,23 @@ def version_problem(versions: dict[str, str] | None = None) -> str | None:
 def _functions():
     import torch
 
+    def no_autocast(t):
+        """Autocast off inside a kernel: each op's dtype is written out (autocast would run the float32
+        statistics' vecdot, or the logits' logsumexp inputs, in bfloat16)."""
+        return torch.autocast(t.device.type, enabled=False)
+
     class LoraDelta(torch.autograd.Function):
         """y = y_base + s (x A^T) B^T for 2-D x, accumulated into y_base in place (one GEMM with beta = 1):
         no scaled copy, no add pass. The base layer (dense, or bitsandbytes 4-bit) ran before, under its own
-        autograd, so a dequantised base and the 4-bit kernels still train exactly alike."""
+        autograd, so a dequantised base and the 4-bit kernels still train exactly alike. All four tensors in
+        one dtype (under autocast, autocast's: the caller casts A and B, and autograd casts their gradients
+        back to the float32 weights)."""
 
         @staticmethod
         def forward(ctx, y_base, x, lora_a, lora_b, scaling):
-            h = x @ lora_a.t()  # [N, r]
-            y_base.addmm_(h, lora_b.t(), alpha=scaling)
+            with no_autocast(x):
+                h = x @ lora_a.t()  # [N, r]
+                y_base.addmm_(h, lora_b.t(), alpha=scaling)
             ctx.mark_dirty(y_base)
             ctx.save_for_backward(x, lora_a, lora_b, h)
             ctx.scaling = scaling
@@ -104,20 +118,26 @@ def _functions():
             x, lora_a, lora_b, h = ctx.saved_tensors
             s = ctx.scaling
             _, need_x, need_a, need_b = ctx.needs_input_grad[:4]
-            gh = (gy @ lora_b).mul_(s)  # [N, r]
-            gx = gh @ lora_a if need_x else None  # autograd adds the base layer's part
-            ga = gh.t() @ x if need_a else None
-            gb = (gy.t() @ h).mul_(s) if need_b else None
+            with no_autocast(x):
+                gh = (gy @ lora_b).mul_(s)  # [N, r]
+                gx = gh @ lora_a if need_x else None  # autograd adds the base layer's part
+                ga = gh.t() @ x if need_a else None
+                gb = (gy.t() @ h).mul_(s) if need_b else None
             return gy, gx, ga, gb, None
 
     class RMSNorm(torch.autograd.Function):
-        """y = w * x * rsqrt(mean(x^2, last dim) + eps), in float32."""
+        """y = w * x * rsqrt(mean(x^2, last dim) + eps), the statistics in float32 (or wider). A bfloat16 or
+        float16 x is normalised in float32 and rounded back to its dtype before the weight, as transformers'
+        Llama norm does; the backward works in float32 and returns x's dtype."""
 
         @staticmethod
         def forward(ctx, x, weight, eps):
             d = x.shape[-1]
-            rstd = torch.rsqrt(torch.linalg.vecdot(x, x).unsqueeze(-1).div_(d).add_(eps))
-            y = (x * rstd).mul_(weight)
+            with no_autocast(x):
+                xf = x.float() if x.element_size() < 4 else x
+                rstd = torch.rsqrt(torch.linalg.vecdot(xf, xf).unsqueeze(-1).div_(d).add_(eps))
+                y = (xf * rstd).to(x.dtype)
+                y = y.mul_(weight) if torch.result_type(y, weight) == y.dtype else y * weight
             ctx.save_for_backward(x, weight, rstd)
             return y
 
@@ -125,18 +145,21 @@ def _functions():
         def backward(ctx, gy):
             x, weight, rstd = ctx.saved_tensors
             d = x.shape[-1]
-            gxw = gy * weight  # dL/d(x * rstd)
-            # d/dx of x * rstd: rstd * g - x * rstd^3 * (g . x) / d
-            coef = torch.linalg.vecdot(gxw, x).unsqueeze(-1).mul_(rstd.pow(3)).div_(d)
-            gx = gxw.mul_(rstd).addcmul_(x, coef, value=-1.0) if ctx.needs_input_grad[0] else None
-            gw = None
-            if ctx.needs_input_grad[1]:
-                gw = (gy * x * rstd).reshape(-1, d).sum(0)
+            with no_autocast(x):
+                xf = x.float() if x.element_size() < 4 else x
+                gxw = (gy * weight).to(xf.dtype)  # dL/d(x * rstd)
+                # d/dx of x * rstd: rstd * g - x * rstd^3 * (g . x) / d
+                coef = torch.linalg.vecdot(gxw, xf).unsqueeze(-1).mul_(rstd.pow(3)).div_(d)
+                gx = gxw.mul_(rstd).addcmul_(xf, coef, value=-1.0).to(x.dtype) if ctx.needs_input_grad[0] else None
+                gw = None
+                if ctx.needs_input_grad[1]:
+                    gw = (gy.to(xf.dtype) * (xf * rstd).to(x.dtype)).reshape(-1, d).sum(0).to(weight.dtype)
             return gx, gw, None
 
     class SiluMul(torch.autograd.Function):
         """silu(gate) * up, the gated MLP's middle; keeps gate and up only (eager autograd also keeps
-        silu(gate), a third [tokens x intermediate] tensor) and recomputes silu in the backward."""
+        silu(gate), a third [tokens x intermediate] tensor) and recomputes silu in the backward. The same ops
+        in the same dtype as the eager module (under autocast too: silu and mul are not autocast ops)."""
 
         @staticmethod
         def forward(ctx, gate, up):
@@ -155,42 +178,55 @@ def _functions():
         gradient), the logits computed in [1,024 x 2,048] tiles (8 MB: the elementwise passes over a tile
         find it in cache). When h needs a gradient and all its logits fit in LOGP_KEEP_BYTES, they are
         written tile by tile into one buffer kept for the backward (which then needs one head matmul, not
-        two); otherwise two tile buffers are reused and the backward recomputes each tile. (A fresh 8-32 MB
-        tensor per tile page-faults all its memory in: the head ran at 130 GFLOP/s instead of 170.)"""
+        two); otherwise the tile buffers are reused and the backward recomputes each tile. (A fresh 8-32 MB
+        tensor per tile page-faults all its memory in: the head ran at 130 GFLOP/s instead of 170.)
+
+        The head's matmuls run in `dtype`: autocast's bfloat16 or float16 (what autocast would run the head
+        in), else the hidden's. In a 16-bit dtype each logits tile is copied to float32 for the logsumexp and
+        the entropy, the target's logit is rounded as the tile's are (so a log-prob stays <= 0), and the
+        backward's softmax tile is rounded to `dtype` for its matmul and summed into a float32 gradient,
+        returned in the hidden's dtype."""
 
         @staticmethod
-        def forward(ctx, hidden, weight, targets, with_entropy):
-            n, acc = hidden.shape[0], torch.promote_types(hidden.dtype, torch.float32)
-            lse = hidden.new_empty(n, dtype=acc)
-            entropy = hidden.new_empty(n, dtype=acc) if with_entropy else hidden.new_zeros(0)
-            keep = hidden.requires_grad and n * weight.shape[0] * hidden.element_size() <= LOGP_KEEP_BYTES
-            kept = hidden.new_empty(n * weight.shape[0]) if keep else None
-            tiles = _tiles(hidden, weight, 1 if keep else 2)
-            for t0, t1 in _token_chunks(n):
-                h = hidden[t0:t1]
-                big_m = big_s = big_x = None  # running max, sum of exp(logit - max), sum of exp(...) * logit
-                for v0 in range(0, weight.shape[0], LOGP_VOCAB_CHUNK):
-                    w = weight[v0:v0 + LOGP_VOCAB_CHUNK]
-                    out = _kept_tile(kept, n, t0, t1, v0, len(w)) if keep else _tile(tiles[1], len(h), len(w))
-                    logits = torch.mm(h, w.t(), out=out)
-                    m = logits.amax(-1)
-                    e = torch.sub(logits, m.unsqueeze(-1), out=_tile(tiles[0], len(h), len(w))).exp_()
-                    s = e.sum(-1)
-                    x = torch.linalg.vecdot(e, logits) if with_entropy else None
-                    if big_m is None:
-                        big_m, big_s, big_x = m, s, x
-                        continue
-                    new_m = torch.maximum(big_m, m)
-                    old_w, w_new = (big_m - new_m).exp_(), (m - new_m).exp_()
-                    big_s = big_s * old_w + s * w_new
-                    big_x = big_x * old_w + x * w_new if with_entropy else None
-                    big_m = new_m
-                lse[t0:t1] = big_m + big_s.log()
-                if with_entropy:
-                    entropy[t0:t1] = lse[t0:t1] - big_x / big_s  # H = lse - E_p[logit]
-            target_logit = torch.linalg.vecdot(hidden, weight[targets]).to(lse.dtype)  # one dot per row
+        def forward(ctx, hidden, weight, targets, with_entropy, dtype):
+            n, acc = hidden.shape[0], torch.promote_types(dtype, torch.float32)
+            low = dtype != acc
+            with no_autocast(hidden):
+                hd, w = hidden.to(dtype), weight.to(dtype)  # one cast of each, not one per tile
+                lse = hidden.new_empty(n, dtype=acc)
+                entropy = hidden.new_empty(n, dtype=acc) if with_entropy else hidden.new_zeros(0)
+                keep = hidden.requires_grad and n * w.shape[0] * w.element_size() <= LOGP_KEEP_BYTES
+                kept = w.new_empty(n * w.shape[0]) if keep else None
+                exps, logit_tile = _tiles(n, w, acc, 2 if low or not keep else 1)
+                mm_tile = _tiles(n, w, dtype, 1)[0] if low and not keep else logit_tile
+                for t0, t1 in _token_chunks(n):
+                    h = hd[t0:t1]
+                    big_m = big_s = big_x = None  # running max, sum of exp(logit - max), sum of exp(...) * logit
+                    for v0 in range(0, w.shape[0], LOGP_VOCAB_CHUNK):
+                        wv = w[v0:v0 + LOGP_VOCAB_CHUNK]
+                        out = _kept_tile(kept, n, t0, t1, v0, len(wv)) if keep else _tile(mm_tile, len(h), len(wv))
+                        logits = torch.mm(h, wv.t(), out=out)
+                        if low:
+                            logits = _tile(logit_tile, len(h), len(wv)).copy_(logits)
+                        m = logits.amax(-1)
+                        e = torch.sub(logits, m.unsqueeze(-1), out=_tile(exps, len(h), len(wv))).exp_()
+                        s = e.sum(-1)
+                        x = torch.linalg.vecdot(e, logits) if with_entropy else None
+                        if big_m is None:
+                            big_m, big_s, big_x = m, s, x
+                            continue
+                        new_m = torch.maximum(big_m, m)
+                        old_w, w_new = (big_m - new_m).exp_(), (m - new_m).exp_()
+                        big_s = big_s * old_w + s * w_new
+                        big_x = big_x * old_w + x * w_new if with_entropy else None
+                        big_m = new_m
+                    lse[t0:t1] = big_m + big_s.log()
+                    if with_entropy:
+                        entropy[t0:t1] = lse[t0:t1] - big_x / big_s  # H = lse - E_p[logit]
+                # one dot per row, rounded to dtype as the GEMM rounds the tiles' logits
+                target_logit = torch.linalg.vecdot(hd.to(acc), w[targets].to(acc)).to(dtype).to(acc)
             ctx.save_for_backward(hidden, weight, targets, lse)
-            ctx.kept = kept
+            ctx.kept, ctx.dtype = kept, dtype
             ctx.mark_non_differentiable(entropy)
             return target_logit - lse, entropy
 
@@ -198,21 +234,37 @@ def _functions():
         def backward(ctx, g, _g_entropy):
             hidden, weight, targets, lse = ctx.saved_tensors
             kept, ctx.kept = ctx.kept, None
+            dtype, acc = ctx.dtype, lse.dtype
+            low = dtype != acc
             n = hidden.shape[0]
-            grad_hidden = weight[targets] * g.unsqueeze(-1)  # d(label logit)/dh, times g
-            tiles = _tiles(hidden, weight, 1) if kept is None else None
-            for t0, t1 in _token_chunks(n):
-                h, gc, lc = hidden[t0:t1], g[t0:t1].unsqueeze(-1), lse[t0:t1].unsqueeze(-1)
-                out = grad_hidden[t0:t1]
-                for v0 in range(0, weight.shape[0], LOGP_VOCAB_CHUNK):
-                    w = weight[v0:v0 + LOGP_VOCAB_CHUNK]
-                    if kept is None:
-                        p = torch.mm(h, w.t(), out=_tile(tiles[0], len(h), len(w)))
-                    else:
-                        p = _kept_tile(kept, n, t0, t1, v0, len(w))
-                    p.sub_(lc).exp_().mul_(gc)  # g * softmax
-                    out.addmm_(p, w, alpha=-1.0)
-            return grad_hidden.to(hidden.dtype), None, None, None
+            with no_autocast(hidden):
+                hd, w = hidden.to(dtype), weight.to(dtype)
+                g = g.to(acc)
+                grad_hidden = w[targets].to(acc) * g.unsqueeze(-1)  # d(label logit)/dh, times g
+                exps = _tiles(n, w, acc, 1)[0] if low or kept is None else None
+                mm_tile = _tiles(n, w, dtype, 1)[0] if kept is None and low else exps
+                rows = max((t1 - t0 for t0, t1 in _token_chunks(n)), default=0)
+                part = hd.new_empty(rows, w.shape[1]) if low else None  # one tile's share of the gradient
+                for t0, t1 in _token_chunks(n):
+                    h, gc, lc = hd[t0:t1], g[t0:t1].unsqueeze(-1), lse[t0:t1].unsqueeze(-1)
+                    out = grad_hidden[t0:t1]
+                    for v0 in range(0, w.shape[0], LOGP_VOCAB_CHUNK):
+                        wv = w[v0:v0 + LOGP_VOCAB_CHUNK]
+                        if kept is None:
+                            logits = torch.mm(h, wv.t(), out=_tile(mm_tile, len(h), len(wv)))
+                        else:
+                            logits = _kept_tile(kept, n, t0, t1, v0, len(wv))
+                        if not low:
+                            out.addmm_(logits.sub_(lc).exp_().mul_(gc), wv, alpha=-1.0)  # g * softmax
+                            continue
+                        p = torch.sub(logits, lc, out=_tile(exps, len(h), len(wv))).exp_().mul_(gc)
+                        # p rounded to dtype for the GEMM, written transposed into the logits' tile: p^T^T W is
+                        # the layout a CPU without bfloat16 GEMMs runs fastest (AVX2: 18 GFLOP/s against 2 for
+                        # p W, one core); cuBLAS takes either alike
+                        pt = logits.view(len(wv), len(h)).copy_(p.t())
+                        torch.mm(pt.t(), wv, out=part[:len(h)])
+                        out.sub_(part[:len(h)])
+            return grad_hidden.to(hidden.dtype), None, None, None, None
 
     def _token_chunks(n):
         """Token ranges of at most LOGP_TOKEN_CHUNK, equal in size (1,536 -> 768 + 768, not 1,024 + 512:
@@ -227,9 +279,12 @@ def _functions():
         base = v0 * n + t0 * cols
         return kept[base:base + (t1 - t0) * cols].view(t1 - t0, cols)
 
-    def _tiles(hidden, weight, count):
-        rows = max((t1 - t0 for t0, t1 in _token_chunks(hidden.shape[0])), default=0)
-        return [hidden.new_empty(rows * min(weight.shape[0], LOGP_VOCAB_CHUNK)) for _ in range(count)]
+    def _tiles(n, weight, dtype, count):
+        """count flat buffers for one [token range x vocabulary tile] tile each, in dtype; None for the rest
+        of two."""
+        rows = max((t1 - t0 for t0, t1 in _token_chunks(n)), default=0)
+        size = rows * min(weight.shape[0], LOGP_VOCAB_CHUNK)
+        return [weight.new_empty(size, dtype=dtype) for _ in range(count)] + [None] * (2 - count)
 
     def _tile(buffer, rows, cols):
         return buffer[:rows * cols].view(rows, cols)  # contiguous for any tile size, the ragged last ones too
@@ -298,37 +353,59 @@ def lora_fusable(layer, adapter_names=None) -> str | None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _lora_forward(self, x, *args, **kwargs):
+def autocast_dtype(device_type: str):
+    """The dtype autocast runs matmuls in on this device type, or None where autocast is off."""
     import torch
 
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def _lora_forward(self, x, *args, **kwargs):
+    """Under autocast the base and LoRA matmuls run in autocast's dtype, as peft's forward runs them there,
+    with x cast once for both (autocast casts it for each linear) and the bfloat16 copy of x kept for the
+    backward instead of float32."""
     a = lora_fusable(self, kwargs.get("adapter_names")) if not args else None
-    if a is None or torch.is_autocast_enabled(x.device.type) or x.dtype != self.lora_A[a].weight.dtype:
+    low = autocast_dtype(x.device.type)
+    if a is None or (low is None and x.dtype != self.lora_A[a].weight.dtype):
         return type(self).forward(self, x, *args, **kwargs)
+    dtype = low or x.dtype
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
+    x2 = x.reshape(-1, shape[-1]).to(dtype)
     y = self.get_base_layer()(x2)
-    if y.dim() != 2 or y.dtype != x.dtype or y._base is not None:  # not a fresh [N, out] tensor: leave it be
-        y = y.clone()
-    y = fn().LoraDelta.apply(y, x2, self.lora_A[a].weight, self.lora_B[a].weight, float(self.scaling[a]))
+    if y.dim() != 2 or y.dtype != dtype or y._base is not None:  # not a fresh [N, out] tensor: leave it be
+        y = y.to(dtype, copy=True)
+    y = fn().LoraDelta.apply(y, x2, self.lora_A[a].weight.to(dtype), self.lora_B[a].weight.to(dtype),
+                             float(self.scaling[a]))
     return y.view(*shape[:-1], y.shape[-1])
 
 
 def _rms_norm_forward(self, hidden_states):
+    """Any float32, bfloat16 or float16 input and weight, under autocast or not (the norm has no autocast
+    ops: the module computes the same either way)."""
     import torch
 
-    if hidden_states.dtype != torch.float32 or self.weight.dtype != torch.float32 or \
-            torch.is_autocast_enabled(hidden_states.device.type):
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    if hidden_states.dtype not in dtypes or self.weight.dtype not in dtypes:
         return type(self).forward(self, hidden_states)
     eps = getattr(self, "variance_epsilon", getattr(self, "eps", None))
     offset = vars(self).get("_kit_weight_offset", 0.0)  # 1.0 for the (1 + w) norms (the probe found which)
     return fn().RMSNorm.apply(hidden_states, self.weight + offset if offset else self.weight, float(eps))
 
 
-def _mlp_forward(self, x):
+def silu_mul_applies(dtype, device_type: str) -> bool:
+    """Whether SiluMul runs for a gate of this dtype on this device: in float32; in bfloat16 or float16
+    (autocast) on a GPU, for the [tokens x intermediate] tensor per layer it does not keep (its speed there
+    not measured); not on a CPU, where the 16-bit silu it recomputes in the backward made the gate's
+    forward + backward slower than the module's (0.8x, bfloat16, AVX2, one core)."""
     import torch
 
+    half = dtype in (torch.bfloat16, torch.float16)
+    return dtype in (torch.float32, torch.float64) or (half and device_type != "cpu")
+
+
+def _mlp_forward(self, x):
     gate, up = self.gate_proj(x), self.up_proj(x)
-    if gate.dtype != torch.float32 or torch.is_autocast_enabled(x.device.type):
+    if gate.dtype != up.dtype or not silu_mul_applies(gate.dtype, gate.device.type):
         return self.down_proj(self.act_fn(gate) * up)
     return self.down_proj(fn().SiluMul.apply(gate, up))
 
@@ -521,8 +598,13 @@ def keep_freed_memory() -> bool:
 
 def chunked_logps(hidden, weight, targets, with_entropy: bool = False):
     """Per-row log-prob of targets under softmax(hidden @ weight^T), never the full logits; and the
-    entropy of each row's softmax (no gradient) when with_entropy, else an empty tensor."""
-    return fn().ChunkedLogps.apply(hidden, weight, targets, with_entropy)
+    entropy of each row's softmax (no gradient) when with_entropy, else an empty tensor. The head's matmuls
+    run in autocast's dtype where autocast is on (the log-probs in float32), else in the wider of the
+    hidden's and the weight's dtypes."""
+    import torch
+
+    dtype = autocast_dtype(hidden.device.type) or torch.promote_types(hidden.dtype, weight.dtype)
+    return fn().ChunkedLogps.apply(hidden, weight, targets, with_entropy, dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -567,19 +649,29 @@ def shared_prompt_layout(input_ids, attention_mask, completion_mask):
     return prompt[:b].tolist(), comp.tolist()
 
 
-def attention_work(prompts: list[int], completions: list[int], width: int, lin: float, att: float) -> tuple[float, float]:
+def attention_work(prompts: list[int], completions: list[int], width: int, lin: float, att: float,
+                   lower_right_skips: bool = False) -> tuple[float, float]:
     """Matmul work of one forward (per layer, in units the caller picks): TRL's layout (2B rows of
     `width` tokens) against the shared-prompt one (B prompt rows, then 2B completion rows attending to
     the prompt cache). lin = work per token through the linear layers; att = work per query-key pair.
-    Causal attention over rows without padding skips about half the scores (SDPA's is_causal); with
-    padding, or with queries offset against a cache, the kernels compute the whole rectangle."""
+
+    The kernels' rule, the same for SDPA on a CPU and on CUDA: causal attention without a mask tensor
+    (is_causal) skips about half the scores; with a mask tensor they compute the whole rectangle. TRL's
+    rows need a mask unless none is padded. The shared prompt pass never does (right padding sits after
+    every real token). The completion pass is causal aligned to the lower right when every prompt of the
+    batch has one length: lower_right_skips says the kernels skip its masked triangle (CUDA's flash and
+    memory-efficient kernels, through CausalBias: _lower_right_sdpa), otherwise they compute the rectangle
+    (a CPU: the same mask as a tensor; prompts of different lengths: holes in every shorter row's keys).
+    All work counts at one rate: memory traffic and kernel launches are left out. A GPU's attention kernels
+    run near its matmul rate; a CPU's run slower than its GEMMs, so on a CPU sharing pays a little less
+    than counted where the completion pass's attention is large (long completions)."""
     b = len(prompts)
     p_max, c_max = max(prompts), max(completions)
     full_rows = all(p + c == width for p, c in zip(prompts * 2, completions))
     trl = 2 * b * width * lin + 2 * b * width * width * att * (0.5 if full_rows else 1.0)
-    same_prompts = len(set(prompts)) == 1
-    shared = (b * p_max * lin + b * p_max * p_max * att * (0.5 if same_prompts else 1.0)
-              + 2 * b * c_max * lin + 2 * b * c_max * (p_max + c_max) * att)
+    causal = lower_right_skips and len(set(prompts)) == 1
+    completion_keys = c_max * p_max + c_max * c_max * (0.5 if causal else 1.0)  # per completion row
+    shared = b * p_max * lin + b * p_max * p_max * att * 0.5 + 2 * b * c_max * lin + 2 * b * completion_keys * att
     return trl, shared
 
 
@@ -593,10 +685,58 @@ def _prefix_sharing_applies(trainer, inner, model_kwargs) -> bool:
             and trainer.ld_alpha is None)
 
 
+LOWER_RIGHT_ATTENTION = "dpo_kit_lower_right_sdpa"  # its name in transformers' AttentionInterface
+
+
+def _lower_right_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' sdpa attention for a completion pass whose rows all read a prompt cache of one length:
+    query i of q attends to keys 0 .. s - q + i (causal, aligned to the lower right; transformers builds no
+    mask for it), as torch's CausalBias. On CUDA that runs flash or memory-efficient attention with the
+    masked blocks skipped (not run here: the kit's tests run on a CPU); elsewhere it materialises the
+    [q, s] mask once, broadcast over batch and heads (the CPU kernel then computes the rectangle)."""
+    import torch
+    from torch.nn.attention.bias import causal_lower_right
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # CausalBias's flash call takes equal heads
+    mask = causal_lower_right(query.shape[2], key.shape[2])
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
+                                                           scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def _attention_implementation(config, name: str | None):
+    """config's attention implementation set to name (registered with transformers) while the block runs."""
+    if name is None:
+        yield
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(LOWER_RIGHT_ATTENTION, _lower_right_sdpa)
+    old = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = old
+
+
 def _shared_prompt_forward(backbone, input_ids, prompts: list[int], completions: list[int]):
     """The backbone over each prompt once and each completion against that prompt's keys and values.
     Returns the hidden states that predict every completion token, [tokens, hidden], in TRL's order
-    (chosen rows, then rejected rows; each completion in order), and the completion pass's outputs."""
+    (chosen rows, then rejected rows; each completion in order), and the completion pass's outputs.
+
+    Attention layout (attention_work's costs follow it): prompts stay left-aligned, so a prompt row's padding
+    comes after all its real tokens and the prompt pass needs no mask (is_causal: flash on CUDA, the
+    upper triangle skipped on a CPU); what the padding positions compute is never read. Right-aligning them
+    would put the padding first, where every query sees it, and cost the prompt pass its is_causal. In
+    the completion pass a completion's own padding again comes last; only a prompt shorter than the
+    batch's longest leaves a hole among its row's keys. Without holes (every prompt of one length) the
+    pass is causal aligned to the lower right (_lower_right_sdpa); with them, transformers' 4-D mask
+    (memory-efficient attention on CUDA). Grouping rows by prompt length would give every group the
+    lower-right kernel, at one attention call per length per layer; not measured on a GPU, not done."""
     import torch
     from transformers import DynamicCache
 
@@ -605,20 +745,23 @@ def _shared_prompt_forward(backbone, input_ids, prompts: list[int], completions:
     p = torch.tensor(prompts, device=device)
     c = torch.tensor(completions, device=device)
     p_max, c_max = max(prompts), max(completions)
-    # Prompt rows: row i's first p_i tokens; what follows p_i is masked out (and never read).
-    prompt_mask = (torch.arange(p_max, device=device) < p[:, None]).long()
     cache = DynamicCache(config=backbone.config)
-    prompt_out = backbone(input_ids=input_ids[:b, :p_max], attention_mask=prompt_mask, past_key_values=cache,
-                          use_cache=True)
+    prompt_out = backbone(input_ids=input_ids[:b, :p_max], past_key_values=cache, use_cache=True)
     for layer in cache.layers:  # both completions of pair i read pair i's prompt: the cache twice over
         layer.keys, layer.values = torch.cat([layer.keys, layer.keys]), torch.cat([layer.values, layer.values])
     pp = torch.cat([p, p])
     steps = torch.arange(c_max, device=device)
     comp_ids = input_ids.gather(1, (pp[:, None] + steps).clamp(max=input_ids.shape[1] - 1))
     comp_mask = steps < c[:, None]
-    kv_mask = torch.cat([torch.cat([prompt_mask, prompt_mask]), comp_mask.long()], 1)  # [2B, p_max + c_max]
-    out = backbone(input_ids=comp_ids, attention_mask=kv_mask, position_ids=pp[:, None] + steps,
-                   past_key_values=cache, use_cache=True)
+    kv_mask, attention = None, None
+    if len(set(prompts)) > 1:
+        prompt_mask = (torch.arange(p_max, device=device) < p[:, None]).long()
+        kv_mask = torch.cat([torch.cat([prompt_mask, prompt_mask]), comp_mask.long()], 1)  # [2B, p_max + c_max]
+    elif backbone.config._attn_implementation == "sdpa":
+        attention = LOWER_RIGHT_ATTENTION
+    with _attention_implementation(backbone.config, attention):
+        out = backbone(input_ids=comp_ids, attention_mask=kv_mask, position_ids=pp[:, None] + steps,
+                       past_key_values=cache, use_cache=True)
     last_prompt = prompt_out.last_hidden_state[torch.arange(b, device=device), p - 1]  # predicts token 0
     predictors = torch.cat([torch.cat([last_prompt, last_prompt])[:, None], out.last_hidden_state[:, :-1]], 1)
     return predictors[comp_mask], comp_ids[comp_mask], out
@@ -628,15 +771,16 @@ def dpo_logps(trainer, model, model_kwargs: dict, input_ids, completion_mask):
     """What DPOTrainer._get_per_token_logps_and_entropies returns (per-token log-probs and entropies of
     the completion tokens, zeros elsewhere, and the backbone's outputs), through ChunkedLogps and, when
     each pair's rows share their prompt and that saves work (attention_work), with the prompt run
-    once for both completions; None where this path does not apply (mixed precision, a biased,
-    scaled, soft-capped, sharded or trainable head, a vision model), and TRL's own path runs instead."""
+    once for both completions. Under the trainer's autocast (bf16 / fp16: accelerate's, as TRL runs its own
+    path), so the fused forwards and the head run in its dtype. None where this path does not apply (a
+    biased, scaled, soft-capped, sharded or trainable head, a vision model), and TRL's own path runs instead."""
     import torch
 
     unwrapped = trainer.accelerator.unwrap_model(model)
     inner = unwrapped.base_model.model if hasattr(unwrapped, "peft_config") else unwrapped
     head = inner.get_output_embeddings()
     text = inner.config.get_text_config()
-    if (trainer.args.bf16 or trainer.args.fp16 or getattr(trainer, "_is_vlm", False) or head is None
+    if (getattr(trainer, "_is_vlm", False) or head is None
             or getattr(head, "bias", None) is not None or type(head.weight) is not torch.nn.Parameter
             or head.weight.requires_grad or getattr(text, "final_logit_softcapping", None) is not None
             or getattr(text, "logit_scale", None) not in (None, 1.0)
@@ -648,17 +792,21 @@ def dpo_logps(trainer, model, model_kwargs: dict, input_ids, completion_mask):
         layout = shared_prompt_layout(input_ids, model_kwargs["attention_mask"], completion_mask)
     if layout is not None:
         width = input_ids.shape[1]
-        trl, shared = attention_work(*layout, width, lin=1.0, att=attention_per_token_pair(text))
+        skips = input_ids.device.type == "cuda" and inner.config._attn_implementation == "sdpa"
+        trl, shared = attention_work(*layout, width, lin=1.0, att=attention_per_token_pair(text),
+                                     lower_right_skips=skips)
         if shared > 0.97 * trl:  # not worth a second pass
             layout = None
-    if layout is not None:
-        predictors, labels, outputs = _shared_prompt_forward(inner.base_model, input_ids, *layout)
-        trainer.kit_shared_batches += 1
-    else:
-        outputs = inner.base_model(**model_kwargs)
-        predictors, labels = outputs.last_hidden_state[:, :-1][mask], input_ids[:, 1:][mask]
-    logps, entropy = chunked_logps(predictors, head.weight, labels,
-                                   with_entropy=not _is_reference_pass(trainer, model))
+    with trainer.accelerator.autocast():
+        if layout is not None:
+            predictors, labels, outputs = _shared_prompt_forward(inner.base_model, input_ids, *layout)
+            trainer.kit_shared_batches += 1
+        else:
+            outputs = inner.base_model(**model_kwargs)
+            predictors, labels = outputs.last_hidden_state[:, :-1][mask], input_ids[:, 1:][mask]
+        logps, entropy = chunked_logps(predictors, head.weight, labels,
+                                       with_entropy=not _is_reference_pass(trainer, model))
+    trainer.kit_lean_batches += 1
     per_token_logps = logps.new_zeros(mask.shape).masked_scatter(mask, logps)
     per_token_entropy = logps.new_zeros(mask.shape)
     if entropy.numel():
@@ -722,7 +870,8 @@ def dpo_trainer_class(cache_dir: Path | None, keys: dict, record: dict):
     class KitDPOTrainer(DPOTrainer):
         kit_fused_logps = False  # the chunked head through dpo_logps
         kit_share_prompts = False  # and each prompt once, where attention_work says it pays
-        kit_shared_batches = 0  # forward passes that shared their prompts (counted by dpo_logps)
+        kit_lean_batches = 0  # forward passes whose log-probs went through the lean head (counted by dpo_logps)
+        kit_shared_batches = 0  # of those, the ones that shared their prompts
 
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
             key = keys.get(dataset_name)

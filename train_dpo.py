@@ -79,8 +79,9 @@ class TrainConfig:
                                    "(needs the liger-kernel package and a GPU, and --no_fused_ops)")
     chunked_logps: bool = field(True, "log-probs of the completion tokens only, through the output head in chunks: "
                                 "never the [tokens x vocabulary] logits (false = TRL's full-logits path)")
-    fused_ops: bool = field(True, "float32 training (the CPU default): LoRA layers, RMSNorm, the SiLU gate and the "
-                            "chunked head through fastpath.py's fused kernels (the same values to float rounding, "
+    fused_ops: bool = field(True, "LoRA layers, RMSNorm, the SiLU gate and the chunked head through fastpath.py's "
+                            "fused kernels, in float32 or under bfloat16/float16 autocast (the same values to that "
+                            "dtype's rounding, "
                             "fewer memory passes and saved tensors), and on a CPU malloc keeping freed memory for "
                             "reuse; false = the libraries' own modules and allocator settings")
     share_prompts: bool = field(True, "with --fused_ops: run each pair's prompt once for both completions (its "
@@ -464,12 +465,12 @@ def tokenized_cache(cfg: TrainConfig, tokenizer, args, pairs: list[dict], held: 
 
 def arm_fast_path(cfg: TrainConfig, built: Built) -> None:
     """Chunked log-probs (TRL's path behind its Liger switch), and the kit's fused kernels and shared prompts."""
+    import torch
+
     trainer, compute = built.trainer, built.compute
     if cfg.chunked_logps:
         compute.logps, compute.chunked = fastpath.enable_chunked_logps(trainer, built.targets)
     if cfg.fused_ops:
-        import torch
-
         autocast = torch.bfloat16 if trainer.args.bf16 else torch.float16 if trainer.args.fp16 else None
         if fastpath.liger_applies(built.on_gpu, built.targets):  # CUDA: Liger's norms and MLPs, not the kit's
             liger = fastpath.apply_liger(trainer.model, autocast)
@@ -479,10 +480,14 @@ def arm_fast_path(cfg: TrainConfig, built: Built) -> None:
         fused = fastpath.enable(trainer.model, autocast_dtype=autocast)  # each kernel checked on a probe first
         trainer.kit_fused_logps = compute.chunked
         trainer.kit_share_prompts = cfg.share_prompts
-        compute.fused = fused | {"chunked_head": compute.chunked}
+        args = trainer.args  # bf16 / fp16: accelerate's autocast, on a CPU too
+        dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
+        if not fastpath.silu_mul_applies(getattr(torch, dtype), "cuda" if built.on_gpu else "cpu"):
+            fused["mlp"] = 0  # swapped on, but they run the module's own product in this dtype on this device
+        compute.fused = fused | {"chunked_head": compute.chunked, "dtype": dtype}
         print(f"[model] fused ops (fastpath.py): {fused['lora_linear']} LoRA layers, {fused['rms_norm']} RMSNorms, "
-              f"{fused['mlp']} SiLU gates{', the chunked head' if compute.chunked else ''} (float32, no autocast; "
-              "--no_fused_ops: off)")
+              f"{fused['mlp']} SiLU gates{', the chunked head' if compute.chunked else ''} "
+              f"({dtype if dtype == 'float32' else dtype + ' autocast'}; --no_fused_ops: off)")
         if fused["own_forward"]:
             print("[model] kept their own forward (a fused kernel did not reproduce them on a probe input): "
                   + ", ".join(f"{n} x{k}" for n, k in sorted(fused["own_forward"].items())))
@@ -523,6 +528,8 @@ def train(run: runs.Run, trainer, resume_from: str, interrupt: Interrupt) -> Non
     interrupt.training = True
     trainer.train(resume_from_checkpoint=resume_from or None)
     interrupt.training = False
+    if getattr(trainer, "kit_lean_batches", 0):
+        print(f"[model] {trainer.kit_lean_batches} forward passes took their log-probs through the lean head")
     if getattr(trainer, "kit_shared_batches", 0):
         print(f"[model] {trainer.kit_shared_batches} forward passes ran each prompt once for both completions")
     if interrupt.signum is not None:

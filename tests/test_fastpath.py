@@ -1,6 +1,8 @@
 """fastpath.py: each fused kernel against the eager computation it replaces (values and gradients, in
 float64 where gradcheck needs it), the recognisers on real modules, and a tiny real Llama with LoRA
-giving the same outputs and gradients with the fused forwards swapped on as without."""
+giving the same outputs and gradients with the fused forwards swapped on as without; under CPU bfloat16
+autocast, the same to bfloat16 rounding (compared with float32: the fast path's error no larger than the
+eager modules')."""
 
 import pytest
 
@@ -35,6 +37,15 @@ def test_rms_norm_matches_the_llama_module_and_its_gradients():
     x64 = x.double().requires_grad_()
     w64 = norm.weight.detach().double().requires_grad_()
     assert torch.autograd.gradcheck(lambda x, w: fastpath.fn().RMSNorm.apply(x, w, 1e-5), (x64, w64))
+    # bfloat16 (a bfloat16 model under autocast): normalised in float32, rounded before the weight, as the module
+    norm16, x16 = norm.bfloat16(), x.bfloat16().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, expected = fastpath.fn().RMSNorm.apply(x16, norm16.weight, 1e-5), norm16(x16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+    gy = torch.randn(3, 4, 8, generator=g).bfloat16()
+    got_grads = torch.autograd.grad(got, (x16, norm16.weight), gy)
+    for a, b in zip(got_grads, torch.autograd.grad(expected, (x16, norm16.weight), gy)):
+        assert a.dtype == torch.bfloat16 and torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("keep_bytes", [0, 1 << 30])  # the backward recomputes the logits / reads the kept ones
@@ -56,11 +67,44 @@ def test_chunked_logps_and_entropy_match_log_softmax(monkeypatch, vocab_chunk, k
     assert torch.autograd.gradcheck(lambda h: fastpath.chunked_logps(h, weight, targets)[0], (hidden,))
 
 
+@pytest.mark.parametrize("keep_bytes", [0, 1 << 30])
+@pytest.mark.parametrize("hidden_dtype", [torch.float32, torch.bfloat16])
+def test_chunked_logps_under_bfloat16_autocast_round_logits_once_and_sum_in_float32(monkeypatch, keep_bytes,
+                                                                                      hidden_dtype):
+    """The head in bfloat16 as a bfloat16 GEMM computes it (products summed in float32, each logit rounded
+    once); the logsumexp in float32 over those logits; the gradient in the hidden's dtype."""
+    monkeypatch.setattr(fastpath, "LOGP_VOCAB_CHUNK", 7)
+    monkeypatch.setattr(fastpath, "LOGP_TOKEN_CHUNK", 4)
+    monkeypatch.setattr(fastpath, "LOGP_KEEP_BYTES", keep_bytes)
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(10, 6, generator=g).to(hidden_dtype).requires_grad_()
+    weight = 3 * torch.randn(30, 6, generator=g)
+    targets = torch.randint(0, 30, (10,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logps, entropy = fastpath.chunked_logps(hidden, weight, targets, with_entropy=True)
+    assert logps.dtype == entropy.dtype == torch.float32
+    h, w = hidden.detach().bfloat16().float().requires_grad_(), weight.bfloat16().float()
+    full = torch.log_softmax((h @ w.t()).bfloat16().float(), -1)
+    expected = full.gather(1, targets[:, None])[:, 0]
+    assert torch.allclose(logps, expected, atol=1e-5)
+    assert torch.allclose(entropy, -(full.exp() * full).sum(-1), atol=1e-5)
+    (grad,) = torch.autograd.grad(logps.sum(), hidden)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), h)
+    assert grad.dtype == hidden_dtype
+    assert torch.allclose(grad.float(), expected_grad, rtol=2e-2, atol=2e-2)  # softmax tiles rounded to bfloat16
+
+
 def test_silu_mul_matches_and_its_gradients():
     g = torch.Generator().manual_seed(5)
     gate, up = (torch.randn(4, 6, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(2))
     assert torch.allclose(fastpath.fn().SiluMul.apply(gate, up), torch.nn.functional.silu(gate) * up, atol=1e-12)
     assert torch.autograd.gradcheck(fastpath.fn().SiluMul.apply, (gate, up))
+    gate16, up16 = (t.detach().bfloat16().requires_grad_() for t in (gate, up))  # the module's ops, in bfloat16
+    got, expected = fastpath.fn().SiluMul.apply(gate16, up16), torch.nn.functional.silu(gate16) * up16
+    assert torch.equal(got, expected)
+    g = torch.randn(4, 6, generator=g).bfloat16()
+    for a, b in zip(torch.autograd.grad(got, (gate16, up16), g), torch.autograd.grad(expected, (gate16, up16), g)):
+        assert torch.equal(a, b)
 
 
 def test_recognisers_on_real_modules():
@@ -164,6 +208,14 @@ def test_attention_work_by_hand():
     # One pair, prompt 2, completions 2 and 2, rows of 4 tokens without padding: TRL computes 2 rows x 4 tokens
     # and half of 2 x 4 x 4 scores; shared: 2 prompt tokens (half of 2 x 2 scores), 4 completion tokens x 4 keys.
     assert fastpath.attention_work([2], [2, 2], 4, lin=1.0, att=1.0) == (8 + 16, 2 + 2 + 4 + 16)
+    # Kernels that skip the lower-right causal mask's blocks (CUDA): each completion token's 2 prompt keys,
+    # and half of the completion's 2 x 2 square.
+    assert fastpath.attention_work([2], [2, 2], 4, lin=1.0, att=1.0, lower_right_skips=True) == (24, 2 + 2 + 4 + 12)
+    # Prompts of different lengths leave holes in the shorter rows' keys: a mask, the rectangle again (4 rows
+    # x 3 x 6). The prompt pass stays causal (right padding): half of 2 x 3 x 3. TRL's rows hold no padding
+    # here: half of 4 x 4 x 4.
+    trl, shared = fastpath.attention_work([3, 1], [1, 3, 1, 3], 4, lin=0.0, att=1.0, lower_right_skips=True)
+    assert (trl, shared) == (32, 9 + 4 * 3 * (3 + 3))
     # Long prompts make sharing pay; long completions against a short prompt do not (the rectangle).
     trl, shared = fastpath.attention_work([900], [100, 100], 1000, lin=1.0, att=0.01)
     assert shared < 0.6 * trl
@@ -459,3 +511,65 @@ def test_a_dpo_loss_on_tiny_families_matches_the_plain_path(family):
 def test_liger_only_on_cuda_with_the_package_and_without_lora_on_the_head():
     assert not fastpath.liger_applies(False, ["q_proj"])  # a CPU: the kit's own kernels
     assert not fastpath.liger_applies(True, ["q_proj", "lm_head"])  # TRL refuses Liger with LoRA on the head
+
+
+def test_lower_right_attention_sees_the_prompt_cache_and_the_causal_part():
+    """_lower_right_sdpa (CausalBias, lower right): query i of q sees keys 0 .. s - q + i; the key and value
+    heads repeated for grouped-query attention."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    g = torch.Generator().manual_seed(6)
+    module = LlamaAttention(LlamaConfig(hidden_size=16, num_attention_heads=4, num_key_value_heads=2), 0)
+    q = torch.randn(2, 4, 3, 4, generator=g)
+    k, v = torch.randn(2, 2, 7, 4, generator=g), torch.randn(2, 2, 7, 4, generator=g)
+    out, _ = fastpath._lower_right_sdpa(module, q, k, v, None, scaling=0.5)
+    k4, v4 = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    scores = (q @ k4.transpose(-1, -2)) * 0.5
+    scores[..., 0, 5:] = scores[..., 1, 6:] = float("-inf")  # 7 keys, 3 queries: the last query sees all
+    assert torch.allclose(out, (scores.softmax(-1) @ v4).transpose(1, 2), atol=1e-6)
+
+
+@pytest.mark.parametrize("prompt_lengths", [(6, 6, 6), (5, 9, 3)])  # the lower-right kernel; holes and a mask
+def test_shared_prompts_and_lean_head_under_bfloat16_autocast_give_the_eager_values_and_gradients(prompt_lengths):
+    """Under CPU bfloat16 autocast, the fast path (fused forwards, each prompt once, the lean head) against
+    the eager model's own logits: within bfloat16 rounding, and no further from float32 than eager is."""
+    model = tiny_llama_with_lora()
+    inner = model.base_model.model
+    params = [p for p in model.parameters() if p.requires_grad]
+    g = torch.Generator().manual_seed(4)
+
+    def toks(n):
+        return torch.randint(1, 64, (n,), generator=g).tolist()
+
+    ids, att, comp = trl_batch([toks(n) for n in prompt_lengths], [toks(n) for n in (4, 7, 6, 2, 5, 8)])
+    mask = comp[:, 1:].bool()
+    labels = ids[:, 1:][mask]
+
+    def eager(autocast):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(input_ids=ids, attention_mask=att).logits[:, :-1][mask]
+            logps = torch.log_softmax(logits.float(), -1).gather(1, labels[:, None])[:, 0]
+        return logps.detach(), torch.autograd.grad(logps.sum(), params)
+
+    def fast():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            predictors, got_labels, _ = fastpath._shared_prompt_forward(
+                inner.model, ids, *fastpath.shared_prompt_layout(ids, att, comp))
+            logps = fastpath.chunked_logps(predictors, inner.lm_head.weight, got_labels)[0]
+        assert torch.equal(got_labels, labels)
+        return logps.detach(), torch.autograd.grad(logps.sum(), params)
+
+    exact, exact_grads = eager(autocast=False)
+    bf16, bf16_grads = eager(autocast=True)
+    assert fastpath.enable(model, autocast_dtype=torch.bfloat16) == {"lora_linear": 14, "rms_norm": 5, "mlp": 2, "own_forward": {}}
+    got, got_grads = fast()
+    assert got.dtype == torch.float32 and all(g.dtype == torch.float32 for g in got_grads)  # LoRA weights' dtype
+    assert torch.allclose(got, bf16, atol=1e-2)
+    assert (got - exact).abs().max() <= 2 * (bf16 - exact).abs().max() + 1e-3
+
+    def rel(a, b):
+        return max(((x - y).norm() / y.norm()).item() for x, y in zip(a, b))
+
+    assert rel(got_grads, bf16_grads) < 5e-2
+    assert rel(got_grads, exact_grads) <= 2 * rel(bf16_grads, exact_grads) + 1e-3

@@ -604,6 +604,24 @@ def test_tokenizer_digest_sees_the_chat_template():
 
 @needs_model
 @pytest.mark.integration
+def test_bfloat16_on_a_cpu_trains_through_the_fast_path(tmp_path):
+    """--compute_dtype bfloat16 on a CPU (accelerate's autocast): the fused kernels, each prompt once and the lean
+    head run under autocast, and the run says which (its log and data.json). One step: bfloat16 matmuls are
+    slow on a CPU without native bfloat16 (AVX2 only)."""
+    run_dir, out = small_run(tmp_path, "trl_conversational", "bf16", "--compute_dtype", "bfloat16", "--max_steps", 1)
+    # the SiLU gates run the module's own product in bfloat16 on a CPU (fastpath.silu_mul_applies)
+    assert ("fused ops (fastpath.py): 210 LoRA layers, 61 RMSNorms, 0 SiLU gates, the chunked head "
+            "(bfloat16 autocast;") in out
+    assert "[model] 2 forward passes took their log-probs through the lean head" in out  # the policy and the reference
+    assert "[model] 2 forward passes ran each prompt once for both completions" in out
+    fused = json.loads((run_dir / "data.json").read_text())["fused_ops"]
+    assert fused == {"lora_linear": 210, "rms_norm": 61, "mlp": 0, "chunked_head": True, "dtype": "bfloat16"}
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in rows if "loss" in r] == [pytest.approx(0.6931, abs=1e-3)]  # step 1: policy = reference
+
+
+@needs_model
+@pytest.mark.integration
 def test_cpu_matmul_precision_bf16_is_recorded_close_to_float32_and_undone(tmp_path, trained):
     """The opt-in CPU 'TF32': the same training to bfloat16 rounding, recorded, and torch's global
     setting put back afterwards (the other in-process tests stay exact float32)."""
