@@ -448,7 +448,7 @@ def enable(model, autocast_dtype=None) -> dict:
 
 # Probe tolerances, relative to the largest magnitude of the module's own output (values) and gradients:
 # float32 kernels differ from eager by rounding only; under bfloat16 autocast both round to 8 bits of mantissa.
-PROBE_RTOL = {"float32": (1e-4, 1e-3), "bfloat16": (3e-2, 6e-2), "float16": (4e-3, 8e-3)}
+PROBE_RTOL = {"float64": (1e-4, 1e-3), "float32": (1e-4, 1e-3), "bfloat16": (3e-2, 6e-2), "float16": (4e-3, 8e-3)}
 
 
 def agrees_with_own(module, forward, kind: str, autocast_dtype=None) -> bool:
@@ -457,7 +457,8 @@ def agrees_with_own(module, forward, kind: str, autocast_dtype=None) -> bool:
     module's trainable weights. The weights a kernel multiplies by are made random for the probe (a norm's
     scale, LoRA's B, which start as ones and zeros and would hide a wrong form) and restored after; the
     module's .grad fields are not touched. A forward that takes more than the one input, raises, or returns
-    something else is not reproduced. In float32, and also under autocast_dtype when training autocasts."""
+    something else is not reproduced. In float32 (or the dtype of the module's weights), and under
+    autocast_dtype when training autocasts (then only there, for a module holding 16-bit weights)."""
     import inspect
 
     import torch
@@ -475,7 +476,14 @@ def agrees_with_own(module, forward, kind: str, autocast_dtype=None) -> bool:
     ref = next(module.parameters(), None)
     if not width or ref is None or any(p.is_meta for p in module.parameters()):
         return False
-    dtypes = [None] + ([autocast_dtype] if autocast_dtype is not None else [])
+    # float32 first where the module computes in float32 (the strictest check of the kernel's form); a module
+    # holding 16-bit weights (a base dequantised to bfloat16) only ever runs under autocast or on 16-bit inputs
+    floats = {p.dtype for p in module.parameters() if p.is_floating_point()}
+    if autocast_dtype is not None:
+        dtypes = ([None] if floats == {torch.float32} else []) + [autocast_dtype]
+    else:
+        dtypes = [None]
+    x_dtype = floats.pop() if autocast_dtype is None and len(floats) == 1 else torch.float32
     saved = [(p, p.detach().clone(), p.requires_grad) for p in probed]
     try:
         gen = torch.Generator(device=ref.device).manual_seed(0)
@@ -483,7 +491,7 @@ def agrees_with_own(module, forward, kind: str, autocast_dtype=None) -> bool:
             for p, _, _ in saved:
                 p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32).to(p.dtype))
                 p.requires_grad_(p.is_floating_point())
-        x = torch.randn(2, 3, width, generator=gen, device=ref.device, dtype=torch.float32)
+        x = torch.randn(2, 3, width, generator=gen, device=ref.device, dtype=torch.float32).to(x_dtype)
         return all(_probe_agrees(module, forward, x, dtype) for dtype in dtypes)
     except Exception:  # noqa: BLE001 - a probe that cannot run means the kernel is not shown to apply
         return False
@@ -511,7 +519,7 @@ def _probe_agrees(module, forward, x, autocast_dtype) -> bool:
         grads = torch.autograd.grad((y.float() * cotangent).sum(), [xi] + leaves[1:], allow_unused=True)
         results.append((y.detach().float(), [None if g is None else g.float() for g in grads]))
     (y0, g0), (y1, g1) = results
-    rtol_v, rtol_g = PROBE_RTOL[str(autocast_dtype or torch.float32).removeprefix("torch.")]
+    rtol_v, rtol_g = PROBE_RTOL[str(autocast_dtype or x.dtype).removeprefix("torch.")]
     if y0.shape != y1.shape or not _close(y1, y0, rtol_v):
         return False
     return all(_close(b if b is not None else torch.zeros_like(a), a, rtol_g) if a is not None else b is None or not b.any()

@@ -171,6 +171,18 @@ def test_enable_gives_the_same_outputs_and_gradients_on_a_tiny_llama_and_disable
     assert not any("forward" in vars(m) for m in model.modules())
 
 
+def test_lora_on_a_16_bit_base_takes_the_kernel_under_autocast():
+    """A base dequantised to bfloat16 (the CPU 4-bit path) with float32 LoRA weights cannot run a float32
+    input at all; under the trainer's bfloat16 autocast the kernel is probed, and taken, there."""
+    model = tiny_llama_with_lora()
+    for name, module in model.named_modules():
+        if name.endswith("base_layer"):
+            module.to(torch.bfloat16)
+    assert fastpath.enable(model, autocast_dtype=torch.bfloat16)["lora_linear"] == 14
+    fastpath.disable(model)
+    assert fastpath.enable(model)["lora_linear"] == 0  # without autocast its own forward raises: nothing to match
+
+
 def trl_batch(prompts, completions):
     """A DPO batch laid out as TRL's collator does: [prompt + chosen] rows, then [prompt + rejected] rows,
     right-padded with 0; completions[i] and completions[B + i] are pair i's two completions."""

@@ -615,7 +615,8 @@ def test_bfloat16_on_a_cpu_trains_through_the_fast_path(tmp_path):
     assert "[model] 2 forward passes took their log-probs through the lean head" in out  # the policy and the reference
     assert "[model] 2 forward passes ran each prompt once for both completions" in out
     fused = json.loads((run_dir / "data.json").read_text())["fused_ops"]
-    assert fused == {"lora_linear": 210, "rms_norm": 61, "mlp": 0, "chunked_head": True, "dtype": "bfloat16"}
+    assert fused == {"lora_linear": 210, "rms_norm": 61, "mlp": 0, "own_forward": {}, "chunked_head": True,
+                     "dtype": "bfloat16"}
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in rows if "loss" in r] == [pytest.approx(0.6931, abs=1e-3)]  # step 1: policy = reference
 
