@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import kit  # noqa: E402
+import runs  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -38,7 +39,8 @@ class PrecisionConfig:
     eval_fraction: float = kit.field(0.4, "share of pairs held out (by a hash of each pair, the same for every run)")
     data: str = kit.field("", "pairs file (default: build_pairs.py on data/runs.jsonl, plus data/general.jsonl)")
     out: str = kit.field("bench/precision", "writes OUT.md, OUT.json and OUT.png")
-    work: str = kit.field("", "where the runs go (default: a temporary directory, removed after)")
+    work: str = kit.field("", "where the runs go, kept (default: a temporary directory, removed after); run again "
+                                  "with the same --work to keep the runs that finished")
 
 
 def verdict(rows: list[dict], base: str, other: str, held: int) -> dict:
@@ -86,13 +88,16 @@ def one_run(cfg: PrecisionConfig, data: Path, work: Path, seed: int, dtype: str,
     cmd = [sys.executable, str(ROOT / "train_dpo.py"), "--data", str(data), "--output_dir", str(work),
            "--run_name", name, "--seed", str(seed), "--compute_dtype", dtype, "--eval_fraction", str(cfg.eval_fraction),
            "--probes=", *extra]
-    log = work / f"{name}.log"
-    with open(log, "w") as f:
-        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
-    if code:
-        raise SystemExit(f"{log}: train_dpo.py exited {code}")
-    seconds = time.time() - t0
-    run_dir = work / name
+    log, run_dir, timing = work / f"{name}.log", work / name, work / f"{name}.seconds"
+    if runs.read_json(run_dir / "status.json").get("state") == "succeeded" and timing.exists():
+        seconds = float(timing.read_text())  # finished by an earlier, interrupted `--work DIR` invocation
+    else:
+        with open(log, "w") as f:
+            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+        if code:
+            raise SystemExit(f"{log}: train_dpo.py exited {code}")
+        seconds = time.time() - t0
+        kit.atomic_write_text(timing, f"{seconds:.1f}\n")
     losses = [m["loss"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
               if "loss" in m]
     held = evaluate_in_float32(run_dir)
@@ -169,7 +174,8 @@ def main(argv=None) -> int:
         work = Path(cfg.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
         data = Path(cfg.data) if cfg.data else default_pairs(work)
-        rows = [one_run(cfg, data, work, seed, dtype, extra) for seed in seeds for dtype in dtypes]
+        # every float32 run first: the fast arm's spread is known early (bfloat16 is slow on a CPU without it)
+        rows = [one_run(cfg, data, work, seed, dtype, extra) for dtype in dtypes for seed in seeds]
     held = rows[0]["held_out_pairs"]
     result = {"machine": machine(), "data": cfg.data or "data/runs.jsonl pairs + data/general.jsonl",
               "seeds": seeds, "dtypes": dtypes, "eval_fraction": cfg.eval_fraction, "train_flags": extra, "runs": rows,
