@@ -40,6 +40,9 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
 
 import kit
 import models
@@ -275,6 +278,101 @@ def metrics_event(row: dict) -> tuple[str, dict]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Request shapes (pydantic): the openai SDK's field names, nip's LmTrainingConfig; unknown fields are 400s.
+# ---------------------------------------------------------------------------------------------
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+Auto = Union[Literal["auto"], None]
+
+
+class Hyper(Strict):
+    beta: Union[Auto, float] = Field(None, gt=0)
+    batch_size: Union[Auto, int] = Field(None, ge=1)
+    n_epochs: Union[Auto, int] = Field(None, ge=1)
+    learning_rate_multiplier: Union[Auto, float] = Field(None, gt=0)
+
+
+class MethodBody(Strict):
+    hyperparameters: Optional[Hyper] = None
+
+
+class Method(Strict):
+    type: Literal["dpo", "supervised"]
+    dpo: Optional[MethodBody] = None
+    supervised: Optional[MethodBody] = None
+
+
+class JobCreate(Strict):
+    model: str
+    training_file: str
+    validation_file: Optional[str] = None
+    method: Optional[Method] = None
+    hyperparameters: Optional[Hyper] = None  # OpenAI's older place for them (supervised)
+    suffix: Optional[str] = Field(None, pattern=SUFFIX.pattern)
+    seed: Optional[int] = None
+    metadata: Optional[dict[str, str]] = None
+    integrations: Optional[list] = Field(None, max_length=0)
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Union[str, list, None] = None
+
+
+class ChatRequest(Strict):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1, le=4096)
+    max_completion_tokens: Optional[int] = Field(None, ge=1, le=4096)
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    seed: Optional[int] = None
+    n: Optional[int] = Field(None, ge=1, le=1)
+    stream: Optional[bool] = None
+    stream_options: Optional[dict] = None
+    stop: Union[str, list[str], None] = None
+    user: Optional[str] = None
+
+
+class NipDpo(Strict):
+    beta: float = Field(gt=0)
+    learning_rate: float = Field(gt=0)
+    max_prompt_length: Optional[int] = Field(None, ge=1)
+    max_completion_length: Optional[int] = Field(None, ge=1)
+    max_length: Optional[int] = Field(None, ge=1)
+
+
+class NipLora(Strict):
+    r: int = Field(ge=1)
+    lora_alpha: int = Field(ge=1)
+    lora_dropout: float = Field(ge=0, lt=1)
+
+
+class NipConfig(Strict):
+    model_name: str
+    method: Literal["dpo"]
+    dpo_config: NipDpo
+    training_lora_config: Optional[NipLora] = None
+    seed: int = 6198
+    per_device_train_batch_size: int = Field(2, ge=1)
+    model_already_lora_strategy: Literal["reuse", "stack"] = "reuse"
+    mixed_precision: Literal["fp16", "bf16", "no"] = "fp16"
+    gradient_checkpointing: bool = True
+
+
+class NipCreate(Strict):
+    config: NipConfig
+    dataset: list[dict[str, Any]] = Field(min_length=1)
+    job_name: Optional[str] = Field(None, pattern=SUFFIX.pattern)
+    job_id_suffix: Optional[str] = Field(None, pattern=SUFFIX.pattern)
+
+
+# ---------------------------------------------------------------------------------------------
 # The store: files, jobs and events in one SQLite file (WAL: readers never wait on the writer).
 # ---------------------------------------------------------------------------------------------
 
@@ -341,6 +439,14 @@ class Store:
     def update_job(self, job_id: str, **values) -> None:
         values = {k: json.dumps(v) if k in JSON_COLUMNS and v is not None else v for k, v in values.items()}
         self.execute(f"UPDATE jobs SET {', '.join(f'{k} = ?' for k in values)} WHERE id = ?", *values.values(), job_id)
+
+    def move(self, job_id: str, from_statuses: tuple, **values) -> bool:
+        """update_job only while the job is still in one of from_statuses (a cancel that came in between wins)."""
+        values = {k: json.dumps(v) if k in JSON_COLUMNS and v is not None else v for k, v in values.items()}
+        with self.connect() as db:
+            cursor = db.execute(f"UPDATE jobs SET {', '.join(f'{k} = ?' for k in values)} WHERE id = ? AND status IN "
+                                f"({', '.join('?' * len(from_statuses))})", (*values.values(), job_id, *from_statuses))
+            return cursor.rowcount == 1
 
     def job(self, job_id: str) -> dict | None:
         rows = self.query("SELECT * FROM jobs WHERE id = ?", job_id)
@@ -420,9 +526,8 @@ class Scheduler(threading.Thread):
                 proc.send_signal(signal.SIGTERM)  # train_dpo.py saves a checkpoint at the end of the step
                 proc.signalled = True
         for job in self.store.query("SELECT * FROM jobs WHERE status = 'queued' ORDER BY seq"):
-            if len(self.procs) >= self.cfg.max_jobs:
-                break
-            self.launch(job)
+            if len(self.procs) >= self.cfg.max_jobs or not self.launch(job):
+                break  # first come, first trained: a job waiting on its lock keeps its place
 
     # -- validation: the whole file checked before the job is queued ------------------------------------
     def validate(self, job: dict) -> None:
@@ -432,8 +537,8 @@ class Scheduler(threading.Thread):
             param = getattr(e, "param", "training_file")
             self.fail(job, "invalid_file", user_error_message(e, getattr(e, "filename", "training_file")), param)
             return
-        self.store.update_job(job["id"], status="queued", data=data)
-        self.store.event(job["id"], "Files validated; the job is queued")
+        if self.store.move(job["id"], ("validating_files",), status="queued", data=data):
+            self.store.event(job["id"], "Files validated; the job is queued")
 
     def prepare_data(self, job: dict) -> str:
         """The training file validated in full (pairs), turned into pairs by the retraining rules (run logs) or
@@ -503,13 +608,17 @@ class Scheduler(threading.Thread):
         return str(out)
 
     # -- processes --------------------------------------------------------------------------------
-    def launch(self, job: dict) -> None:
+    def launch(self, job: dict) -> bool:
+        """Start the job's training; False when a process (the last service's training, still saving) holds the
+        run's lock."""
         holder = runs.lock_holder(self.out, job["id"])
         if holder is not None:  # an earlier training of this run (the last service's) is still saving
             if job["waiting_on"] != holder:
                 self.store.update_job(job["id"], waiting_on=holder)
                 self.store.event(job["id"], f"Waiting for pid {holder}, which holds the run's lock")
-            return
+            return False
+        if not self.store.move(job["id"], ("queued",), status="running", waiting_on=None):
+            return True  # cancelled or paused a moment ago
         last = runs.last_checkpoint(runs.Run(self.out, job["id"]).checkpoints)
         command = train_command(self.cfg, job_flags(self.cfg, job))
         log = open(self.store.jobs_dir / job["id"] / "train.log", "ab")
@@ -519,9 +628,10 @@ class Scheduler(threading.Thread):
                                 start_new_session=True, preexec_fn=_die_with_parent)
         log.close()
         self.procs[job["id"]] = proc
-        self.store.update_job(job["id"], status="running", pid=proc.pid, waiting_on=None)
+        self.store.update_job(job["id"], pid=proc.pid)
         self.store.event(job["id"], f"Resuming from {last.name}" if last else "Fine-tuning job started",
                          data={"pid": proc.pid})
+        return True
 
     def follow_metrics(self, job: dict) -> None:
         """New metrics.jsonl rows (steps not yet reported) as metrics events."""
@@ -667,96 +777,15 @@ class Chat:
 
 def create_app(cfg: ServeConfig):
     """The FastAPI application: the store, the scheduler thread (started and stopped with the app) and routes."""
-    from typing import Any, Literal, Optional, Union
-
     from fastapi import FastAPI, File, Form, Request, UploadFile
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
-    from pydantic import BaseModel, ConfigDict, Field
     from starlette.exceptions import HTTPException
 
     out = Path(cfg.output_dir)
     store = Store(out / "serve")
     chat = Chat(cfg)
     api_key = os.environ.get("DPO_KIT_API_KEY", "")
-
-    class Strict(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-
-    Auto = Union[Literal["auto"], None]
-
-    class Hyper(Strict):
-        beta: Union[Auto, float] = Field(None, gt=0)
-        batch_size: Union[Auto, int] = Field(None, ge=1)
-        n_epochs: Union[Auto, int] = Field(None, ge=1)
-        learning_rate_multiplier: Union[Auto, float] = Field(None, gt=0)
-
-    class MethodBody(Strict):
-        hyperparameters: Optional[Hyper] = None
-
-    class Method(Strict):
-        type: Literal["dpo", "supervised"]
-        dpo: Optional[MethodBody] = None
-        supervised: Optional[MethodBody] = None
-
-    class JobCreate(Strict):
-        model: str
-        training_file: str
-        validation_file: Optional[str] = None
-        method: Optional[Method] = None
-        hyperparameters: Optional[Hyper] = None  # OpenAI's older place for them (supervised)
-        suffix: Optional[str] = Field(None, pattern=SUFFIX.pattern)
-        seed: Optional[int] = None
-        metadata: Optional[dict[str, str]] = None
-        integrations: Optional[list] = Field(None, max_length=0)
-
-    class Message(BaseModel):
-        model_config = ConfigDict(extra="allow")
-        role: Literal["system", "user", "assistant", "developer", "tool"]
-        content: Union[str, list, None] = None
-
-    class ChatRequest(Strict):
-        model: str
-        messages: list[Message] = Field(min_length=1)
-        max_tokens: Optional[int] = Field(None, ge=1, le=4096)
-        max_completion_tokens: Optional[int] = Field(None, ge=1, le=4096)
-        temperature: Optional[float] = Field(None, ge=0, le=2)
-        top_p: Optional[float] = Field(None, gt=0, le=1)
-        seed: Optional[int] = None
-        n: Optional[int] = Field(None, ge=1, le=1)
-        stream: Optional[bool] = None
-        stream_options: Optional[dict] = None
-        stop: Union[str, list[str], None] = None
-        user: Optional[str] = None
-
-    class NipDpo(Strict):
-        beta: float = Field(gt=0)
-        learning_rate: float = Field(gt=0)
-        max_prompt_length: Optional[int] = Field(None, ge=1)
-        max_completion_length: Optional[int] = Field(None, ge=1)
-        max_length: Optional[int] = Field(None, ge=1)
-
-    class NipLora(Strict):
-        r: int = Field(ge=1)
-        lora_alpha: int = Field(ge=1)
-        lora_dropout: float = Field(ge=0, lt=1)
-
-    class NipConfig(Strict):
-        model_name: str
-        method: Literal["dpo"]
-        dpo_config: NipDpo
-        training_lora_config: Optional[NipLora] = None
-        seed: int = 6198
-        per_device_train_batch_size: int = Field(2, ge=1)
-        model_already_lora_strategy: Literal["reuse", "stack"] = "reuse"
-        mixed_precision: Literal["fp16", "bf16", "no"] = "fp16"
-        gradient_checkpointing: bool = True
-
-    class NipCreate(Strict):
-        config: NipConfig
-        dataset: list[dict[str, Any]] = Field(min_length=1)
-        job_name: Optional[str] = Field(None, pattern=SUFFIX.pattern)
-        job_id_suffix: Optional[str] = Field(None, pattern=SUFFIX.pattern)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -893,16 +922,14 @@ def create_app(cfg: ServeConfig):
     def request_stop(job: dict, kind: str) -> dict:
         """cancel / pause: a job with no process stops at once; a running one is signalled by the scheduler
         (its training saves a checkpoint at the end of the step)."""
-        if job["status"] == "running":
-            store.update_job(job["id"], stop_request=kind)
+        waiting = ("validating_files", "queued", "paused") if kind == "cancel" else ("validating_files", "queued")
+        if store.move(job["id"], ("running",), stop_request=kind):
             store.event(job["id"], f"{kind.capitalize()} requested; the training saves a checkpoint and stops")
-        elif kind == "cancel" and job["status"] in ("validating_files", "queued", "paused"):
-            store.update_job(job["id"], status="cancelled", finished_at=now())
-            store.event(job["id"], "Job cancelled")
-        elif kind == "pause" and job["status"] in ("validating_files", "queued"):
-            store.update_job(job["id"], status="paused")
-            store.event(job["id"], "Job paused before it started")
+        elif store.move(job["id"], waiting, **({"status": "cancelled", "finished_at": now()} if kind == "cancel"
+                                               else {"status": "paused"})):
+            store.event(job["id"], "Job cancelled" if kind == "cancel" else "Job paused before it started")
         else:
+            job = store.job(job["id"])
             raise ApiError(400, f"cannot {kind} a job that is {job['status']}", "fine_tuning_job_id")
         return store.job(job["id"])
 
@@ -1010,7 +1037,8 @@ def create_app(cfg: ServeConfig):
         job = job_or_404(job_id)
         if job["status"] != "paused":
             raise ApiError(400, f"only a paused job resumes; this one is {job['status']}", "fine_tuning_job_id")
-        store.update_job(job_id, status="queued" if job["data"] else "validating_files")
+        if not store.move(job_id, ("paused",), status="queued" if job["data"] else "validating_files"):
+            raise ApiError(400, "the job is no longer paused", "fine_tuning_job_id")
         store.event(job_id, "Job resumed; it continues from its checkpoint")
         return job_view(store.job(job_id))
 

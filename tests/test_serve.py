@@ -173,7 +173,7 @@ def job_log(out: Path, job_id: str) -> str:
 def service(tmp_path_factory):
     if not (MODEL / "config.json").exists():
         pytest.skip("bundled model not converted (make model)")
-    svc = Service(tmp_path_factory.mktemp("serve") / "art", None, "--max_file_mb", "0.05")
+    svc = Service(tmp_path_factory.mktemp("serve") / "art", None, "--max_file_mb", "0.1")  # data/runs.jsonl: 72 KB
     yield svc
     svc.stop()
 
@@ -256,7 +256,7 @@ def test_a_bad_line_fails_the_job_naming_the_line_and_http_errors_are_openai_sha
     with pytest.raises(openai.NotFoundError):
         client.fine_tuning.jobs.retrieve("ftjob-nope")
     big = tmp_path / "big.jsonl"
-    big.write_text(openai_pairs(400))  # over the fixture's --max_file_mb 0.05
+    big.write_text(openai_pairs(800))  # over the fixture's --max_file_mb 0.1
     with pytest.raises(openai.APIStatusError) as e:
         client.files.create(file=open(big, "rb"), purpose="fine-tune")
     assert e.value.status_code == 413
@@ -270,7 +270,7 @@ def test_a_bad_line_fails_the_job_naming_the_line_and_http_errors_are_openai_sha
 
 @needs_model
 @pytest.mark.integration
-def test_nip_endpoints_create_list_get_and_cancel_a_running_job(service):
+def test_nip_endpoints_create_list_get_and_cancel_a_running_job_paused_and_resumed_on_the_way(service):
     import httpx
 
     assert httpx.get(f"{service.url}/version").json()["version"].split(".")[0].isdigit()
@@ -288,6 +288,16 @@ def test_nip_endpoints_create_list_get_and_cancel_a_running_job(service):
     assert job_id in [j["job_id"] for j in httpx.get(f"{service.url}/training/jobs").json()]
     get = lambda: httpx.get(f"{service.url}/training/jobs/{job_id}").json()  # noqa: E731
     wait_for(get, lambda j: j["status"] == "running", what="the nip job's first step")
+    # The SDK's pause saves a checkpoint and frees the machine; resume continues from it.
+    openai_job = f"{service.url}/v1/fine_tuning/jobs/{job_id}"
+    assert httpx.post(f"{openai_job}/pause").status_code == 200
+    wait_for(get, lambda j: j["status"] == "interrupted", what="the pause")
+    paused_at = httpx.get(f"{openai_job}/checkpoints").json()["data"][0]["step_number"]
+    assert httpx.post(f"{openai_job}/resume").json()["status"] == "queued"
+    steps = lambda: [e["data"]["step"] for e in httpx.get(f"{openai_job}/events?limit=100").json()["data"]  # noqa: E731
+                     if e["type"] == "metrics"]
+    wait_for(steps, lambda s: max(s) > paused_at, what="a step after the resume")
+    assert "[run] resuming" in job_log(service.out, job_id)
     cancelled = httpx.delete(f"{service.url}/training/jobs/{job_id}")
     assert cancelled.status_code == 200
     info = wait_for(get, lambda j: j["status"] not in ("running", "starting"))
@@ -329,6 +339,9 @@ def test_the_service_stopped_mid_job_by_sigterm_and_kill_9_resumes_it_to_succeed
         wait_for(steps, lambda s: max(s) > before, what="a step after the restart")
         svc.stop(signal.SIGKILL)  # the kernel sends the training SIGTERM (PR_SET_PDEATHSIG)
         svc.start()
+        wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id).status, lambda s: s == "running",
+                 what="the job to take its place again (its old training saves first, holding the lock)")
+        assert client.fine_tuning.jobs.retrieve(queued_behind.id).status == "queued"  # first come, first trained
         job = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in serve.TERMINAL)
         assert job.status == "succeeded", (job.error, job_log(out, job.id)[-3000:])
     finally:
@@ -350,3 +363,28 @@ def client_events(out: Path, job_id: str) -> list:
             self.data = json.loads(row["data"])
 
     return [Event(r) for r in store.query("SELECT * FROM events WHERE job_id = ? AND type = 'metrics'", job_id)]
+
+
+@needs_model
+@pytest.mark.integration
+def test_raw_run_logs_become_pairs_by_the_rules_and_sft_files_become_a_supervised_job(service, client, tmp_path):
+    jobs = {}
+    for name, method in (("runs.jsonl", "dpo"), ("sft.jsonl", "supervised")):
+        f = client.files.create(file=open(ROOT / "data" / name, "rb"), purpose="fine-tune")
+        job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f.id,
+                                             method={"type": method})
+        wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id).status, lambda s: s != "validating_files")
+        client.fine_tuning.jobs.cancel(job.id)  # only the validation is under test here
+        jobs[name] = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in serve.TERMINAL)
+    events = list(client.fine_tuning.jobs.list_events(jobs["runs.jsonl"].id, limit=100))
+    (built,) = [e for e in events if e.data and "pairs_by_rule" in e.data]
+    subprocess.run([sys.executable, "build_pairs.py", "data/runs.jsonl", "-o", tmp_path / "p.jsonl", "--report",
+                    tmp_path / "r.json"], cwd=ROOT, check=True, capture_output=True)
+    report = json.loads((tmp_path / "r.json").read_text())  # the CLI's own counts on the same file
+    assert built.data["pairs_written"] == report["pairs_written"] > 0
+    assert built.data["pairs_by_rule"] == report["pairs_by_rule"] and built.data["runs_dropped"] == report["runs_dropped"]
+    assert "dropped" in built.message
+    assert jobs["runs.jsonl"].status == jobs["sft.jsonl"].status == "cancelled"
+    sft_events = [e.message for e in client.fine_tuning.jobs.list_events(jobs["sft.jsonl"].id, limit=100)]
+    assert any(m.startswith("6 SFT examples read from sft.jsonl") for m in sft_events)
+    assert jobs["sft.jsonl"].method.type == "supervised"
