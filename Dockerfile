@@ -79,5 +79,8 @@ COPY . .
 # Tokenised pairs kept between runs, beside the HF cache the launcher mounts from the host
 ENV DPO_KIT_CACHE=/cache/huggingface/dpo-kit
 USER kit
+# `serve` (the fine-tuning jobs service) listens here; outside loopback it needs DPO_KIT_API_KEY:
+#   docker run -p 8000:8000 -e DPO_KIT_API_KEY -v "$PWD/artifacts:/artifacts" dpo-kit serve --host 0.0.0.0 --output_dir /artifacts
+EXPOSE 8000
 ENTRYPOINT ["python", "/opt/kit/entrypoint.py"]
 CMD ["check"]

@@ -202,6 +202,10 @@ eval: $(STAMP) ## re-evaluate RUN=name (or TARBALL=) on its held-out pairs, or o
 	@test -n "$(RUN_OR_TARBALL)" || { echo "usage: make eval RUN=<name> | TARBALL=x.tar.gz [DATA=pairs.jsonl]" >&2; exit 2; }
 	$(PY) entrypoint.py eval $(RUN_OR_TARBALL) $(DATA)
 
+.PHONY: serve
+serve: $(STAMP) $(BUNDLED_MODEL)/config.json ## fine-tuning jobs over HTTP (OpenAI + nip APIs) on 127.0.0.1:8000: ARGS="--port 8001 --max_jobs 2"; RUNNER=docker, GPUS=
+	$(PY) serve.py --output_dir $(OUT) $(if $(filter docker,$(RUNNER)),--runner docker) $(if $(GPUS),--gpus $(GPUS)) $(ARGS)
+
 .PHONY: runs
 runs: ## list the runs in artifacts/: status, data, steps, held-out accuracy before -> after, size
 	@$(PYTHON) entrypoint.py runs $(OUT)
@@ -222,6 +226,10 @@ precision: $(STAMP) $(BUNDLED_MODEL)/config.json ## bfloat16 against float32 ove
 bench: $(STAMP) $(if $(filter-out random:%,$(MODEL)),,$(BUNDLED_MODEL)/config.json) ## measure training modes: bench/results*.{md,json,png} (QUICK=1, DEVICE=cuda, MODEL=random:<shape>)
 	$(PY) bench/bench.py $(if $(filter 1,$(QUICK)),--quick) $(if $(DEVICE),--device $(DEVICE)) \
 	  $(if $(MODEL),--model $(MODEL)) $(ARGS)
+
+.PHONY: bench-serve
+bench-serve: $(STAMP) $(BUNDLED_MODEL)/config.json ## status polling while a job trains: 50 clients for 30 s, p50/p99/errors -> bench/results-serve.md
+	$(PY) bench/serve_bench.py $(ARGS)
 
 # A lent GPU machine (bench/gpu.sh) has torch, transformers, peft and accelerate but none of these, and no network:
 # their wheels (the lock's pins; liger-kernel for TRL's best switches) and the bundled tokenizer go in .whl/.

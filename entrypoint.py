@@ -11,6 +11,7 @@
     python entrypoint.py eval RUN_DIR|RUN.tar.gz [PAIRS.jsonl]   # held-out accuracy, probes -> <run>-eval/report.md
     python entrypoint.py runs [ARTIFACTS_DIR]   # every run: status, data, steps, held-out accuracy, size
     python entrypoint.py iterate [PLAN.yaml] [--output_dir DIR]   # rounds: SPIN / self-reward / DPO / SFT stages
+    python entrypoint.py serve [--host 0.0.0.0 --port 8000] [serve options]   # the fine-tuning jobs service (HTTP)
 
 No logic of its own: each subcommand hands its arguments to one script's `main`.
 """
@@ -123,6 +124,10 @@ def main(argv=None) -> int:
         import iterate
 
         return iterate.main(rest)
+    if command == "serve":
+        import serve
+
+        return serve.main(rest)
     commands = {"model": model, "check": check, "verify": verify, "chat": chat, "merge": merge, "eval": eval_run,
                 "runs": list_runs, "launch": launch}
     if command in commands:
@@ -130,7 +135,7 @@ def main(argv=None) -> int:
             print("\n".join(line for line in USAGE.splitlines() if f"entrypoint.py {command} " in line + " "))
             return 0
         return commands[command](rest)
-    raise kit.UserError(f"unknown command {command!r}; expected one of: train, pairs, iterate, {', '.join(commands)}")
+    raise kit.UserError(f"unknown command {command!r}; expected one of: train, pairs, iterate, serve, {', '.join(commands)}")
 
 
 if __name__ == "__main__":

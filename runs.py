@@ -130,6 +130,24 @@ class RunLock:
         self.fd = None
 
 
+def lock_holder(output_dir: str | os.PathLike, name: str) -> int | None:
+    """The pid of the process that holds <run>'s RunLock (-1 when it has not written its pid yet), or None when
+    no process does. Looks without keeping the lock (serve.py asks before it starts a training)."""
+    try:
+        fd = os.open(Path(output_dir) / f".{name}.lock", os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        return int(text) if text.isdigit() else -1
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+    return None
+
+
 class Run:
     """Where a run lives: <output_dir>/<name>.partial while training, <name> when complete, <name>.tar.gz."""
 

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_help_lists_every_subcommand(capsys):
     assert entrypoint.main(["--help"]) == 0
     out = capsys.readouterr().out
-    for command in ("model", "pairs", "train", "check"):
+    for command in ("model", "pairs", "train", "check", "serve"):
         assert f"entrypoint.py {command}" in out
 
 
@@ -29,7 +29,7 @@ def test_no_command_is_a_usage_error(capsys):
 def test_unknown_command_is_one_line_and_exit_2():
     out = subprocess.run([sys.executable, str(ROOT / "entrypoint.py"), "fit"], capture_output=True, text=True)
     assert out.returncode == 2
-    assert out.stderr.strip() == "error: unknown command 'fit'; expected one of: train, pairs, iterate, model, check, verify, chat, merge, eval, runs, launch"
+    assert out.stderr.strip() == "error: unknown command 'fit'; expected one of: train, pairs, iterate, serve, model, check, verify, chat, merge, eval, runs, launch"
 
 
 def test_train_validates_the_data_before_anything_loads(tmp_path):

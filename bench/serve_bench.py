@@ -1,0 +1,152 @@
+"""Measure serve.py's status polling while a job trains: many clients poll GET /v1/fine_tuning/jobs/{id} at once.
+
+    make bench-serve [ARGS="--clients 50 --seconds 30"]
+    .venv/bin/python bench/serve_bench.py [--clients 50] [--seconds 30] [--port 0]
+
+Starts the service (a subprocess on a free port, its own output directory under a temporary folder), uploads
+generated pairs and starts a DPO job on the bundled model long enough to outlast the measurement, waits until its
+training process runs, then has --clients concurrent clients (asyncio + httpx, each with its own connection) poll
+the job's status as fast as they can for --seconds. Writes bench/results-serve.md and .json: requests, requests/s,
+p50 / p99 / max latency, errors (any status but 200, any transport error); then cancels the job and stops the
+service. The clients share the machine with the training (and on a small CPU with each other), so the latency is
+what an agent sees on a busy box, not the service alone.
+"""
+
+import asyncio
+import dataclasses
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import kit  # noqa: E402
+from kit import field  # noqa: E402
+
+TRAIN_ARGS = "--max_length 64 --lora_r 4 --lora_alpha 8 --lora_target_modules q_proj,v_proj --probes= --eval_fraction 0"
+
+
+@dataclasses.dataclass
+class ServeBenchConfig:
+    clients: int = field(50, "concurrent clients polling the job's status")
+    seconds: float = field(30.0, "how long they poll")
+    pairs: int = field(200, "pairs in the job (batch 1: one step each), enough to outlast the polling")
+    port: int = field(0, "the service's port (0: a free one)")
+    out: str = field("bench/results-serve", "results: OUT.md and OUT.json")
+
+    def problems(self) -> list[str]:
+        return [f"--{k} must be positive" for k in ("clients", "seconds", "pairs") if getattr(self, k) <= 0]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) by the nearest rank: the smallest value with at least q% of values at or below it."""
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))  # ceil(n * q / 100), at least the first
+    return ordered[int(rank) - 1]
+
+
+def summarize(latencies: list[float], errors: int, seconds: float, clients: int) -> dict:
+    """Latencies in seconds -> milliseconds at p50 / p99 / max, requests per second, errors."""
+    ms = [x * 1000 for x in latencies]
+    return {"clients": clients, "seconds": round(seconds, 1), "requests": len(ms) + errors, "errors": errors,
+            "requests_per_s": round((len(ms) + errors) / seconds, 1),
+            "p50_ms": round(percentile(ms, 50), 1) if ms else None,
+            "p99_ms": round(percentile(ms, 99), 1) if ms else None, "max_ms": round(max(ms), 1) if ms else None}
+
+
+def markdown(r: dict) -> str:
+    return (f"# serve.py: status polling while a job trains\n\n"
+            f"{r['clients']} concurrent clients polled `GET /v1/fine_tuning/jobs/{{id}}` for {r['seconds']} s while "
+            f"the job's training process ran (the bundled model, {r['job_state']}), on {r['machine']}.\n\n"
+            "| requests | requests/s | p50 | p99 | max | errors |\n| --- | --- | --- | --- | --- | --- |\n"
+            f"| {r['requests']:,} | {r['requests_per_s']} | {r['p50_ms']} ms | {r['p99_ms']} ms | {r['max_ms']} ms "
+            f"| {r['errors']} |\n\n`make bench-serve` ({time.strftime('%Y-%m-%d', time.gmtime())}); "
+            "bench/serve_bench.py says how.\n")
+
+
+async def poll(url: str, clients: int, seconds: float) -> tuple[list[float], int]:
+    import httpx
+
+    latencies, errors = [], 0
+    stop_at = time.perf_counter() + seconds
+
+    async def client():
+        nonlocal errors
+        async with httpx.AsyncClient(timeout=30) as http:
+            while time.perf_counter() < stop_at:
+                t0 = time.perf_counter()
+                try:
+                    ok = (await http.get(url)).status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                if ok:
+                    latencies.append(time.perf_counter() - t0)
+                else:
+                    errors += 1
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return latencies, errors
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None) -> int:
+    import httpx
+
+    cfg = kit.parse_config(ServeBenchConfig, argv, __doc__)
+    port = cfg.port or free_port()
+    base = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp:
+        log = open(Path(tmp) / "serve.log", "w")
+        service = subprocess.Popen([sys.executable, "serve.py", "--port", str(port), "--output_dir", f"{tmp}/art",
+                                    f"--train_args={TRAIN_ARGS}"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            for _ in range(120):
+                try:
+                    httpx.get(f"{base}/version", timeout=2)
+                    break
+                except httpx.TransportError:
+                    time.sleep(0.5)
+            pairs = "".join(json.dumps({"prompt": f"What is {i} + {i}?", "chosen": f" {2 * i}.",
+                                        "rejected": f" I think {2 * i + 1}."}) + "\n" for i in range(cfg.pairs))
+            f = httpx.post(f"{base}/v1/files", files={"file": ("pairs.jsonl", pairs)}, data={"purpose": "fine-tune"})
+            job = httpx.post(f"{base}/v1/fine_tuning/jobs", json={
+                "model": "SmolLM2-135M-Instruct", "training_file": f.json()["id"],
+                "method": {"type": "dpo", "dpo": {"hyperparameters": {"batch_size": 1}}}}).json()
+            url = f"{base}/v1/fine_tuning/jobs/{job['id']}"
+            while httpx.get(url).json()["status"] != "running":
+                time.sleep(0.5)
+            print(f"[bench] {cfg.clients} clients polling {url} for {cfg.seconds:g} s while it trains", flush=True)
+            t0 = time.perf_counter()
+            latencies, errors = asyncio.run(poll(url, cfg.clients, cfg.seconds))
+            result = summarize(latencies, errors, time.perf_counter() - t0, cfg.clients)
+            steps = [e["data"]["step"] for e in httpx.get(f"{url}/events?limit=1000").json()["data"]
+                     if e["type"] == "metrics"]
+            result |= {"job_state": f"{len(steps)} steps trained during the run" if steps else
+                       "loading and starting to train", "machine": f"{os.cpu_count()} CPU cores, "
+                       f"{platform.processor() or platform.machine()}, Python {platform.python_version()}"}
+            httpx.post(f"{url}/cancel")
+        finally:
+            service.send_signal(signal.SIGTERM)
+            service.wait(timeout=300)
+            log.close()
+    kit.atomic_write_json(ROOT / f"{cfg.out}.json", result)
+    kit.atomic_write_text(ROOT / f"{cfg.out}.md", markdown(result))
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(kit.run_cli(main))

@@ -1,0 +1,390 @@
+"""serve.py: the pure mappings, then a real service (uvicorn in a subprocess on a free port) driven by the official
+openai SDK and by nip's JSON shapes over httpx, training the bundled model for a few steps per job."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import models
+import runs
+import serve
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ROOT / models.BUNDLED_MODEL_DIR
+# Every job of these tests: tiny sequences, a rank-4 adapter on two projections, no probes, no held-out share,
+# a checkpoint at every step (what a restart resumes from).
+TRAIN_ARGS = ("--max_length 64 --lora_r 4 --lora_alpha 8 --lora_target_modules q_proj,v_proj --probes= "
+              "--eval_fraction 0 --save_steps 1")
+needs_model = pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="bundled model not converted (make model)")
+
+
+# ------------------------------------------------------------------ pure helpers
+
+def test_openai_hyperparameters_become_train_dpo_flags_and_auto_adds_none():
+    assert serve.hyperparameter_flags("dpo", {"beta": "auto", "batch_size": None}) == []
+    flags = serve.hyperparameter_flags("dpo", {"beta": 0.2, "batch_size": 1, "n_epochs": 3,
+                                               "learning_rate_multiplier": 0.5})
+    assert flags == ["--beta", "0.2", "--per_device_train_batch_size", "1", "--num_train_epochs", "3",
+                     "--learning_rate", "0.0001"]  # half the kit's 2e-4
+    assert serve.hyperparameter_flags("supervised", {"beta": 0.2}) == ["--loss_type", "sft"]
+    assert serve.resolved_hyperparameters("dpo", {"beta": "auto", "n_epochs": 2}) == {
+        "batch_size": 2, "learning_rate_multiplier": 1.0, "n_epochs": 2, "beta": 0.1}
+
+
+def test_nip_config_becomes_train_dpo_flags():
+    config = {"model_name": "m", "method": "dpo", "dpo_config": {"beta": 0.2, "learning_rate": 1e-5,
+                                                                 "max_prompt_length": 32, "max_completion_length": 16},
+              "training_lora_config": {"r": 8, "lora_alpha": 16, "lora_dropout": 0.1}, "seed": 3,
+              "per_device_train_batch_size": 1, "mixed_precision": "no", "gradient_checkpointing": False}
+    assert serve.nip_flags(config) == [
+        "--beta", "0.2", "--learning_rate", "1e-05", "--seed", "3", "--per_device_train_batch_size", "1",
+        "--gradient_checkpointing", "false", "--max_length", "48", "--lora_r", "8", "--lora_alpha", "16",
+        "--lora_dropout", "0.1", "--compute_dtype", "float32"]
+
+
+@pytest.mark.parametrize("status, step, nip", [("validating_files", 0, "pending"), ("queued", 0, "pending"),
+                                               ("running", 0, "starting"), ("running", 3, "running"),
+                                               ("succeeded", 3, "succeeded"), ("failed", 0, "crashed"),
+                                               ("paused", 2, "interrupted"), ("cancelled", 2, "cancelled")])
+def test_nip_statuses_come_from_the_same_job_record(status, step, nip):
+    assert serve.nip_status({"status": status, "metrics_step": step}) == nip
+
+
+def test_names_commands_and_pages():
+    assert serve.fine_tuned_name("models/SmolLM2-135M-Instruct", None, "ftjob-abc") == \
+        "ft:SmolLM2-135M-Instruct:dpo-kit:abc"
+    cfg = serve.ServeConfig(output_dir="out")
+    flags = ["--data", "d.jsonl", "--output_dir", "out", "--run_name", "ftjob-1", "--beta", "0.2"]
+    assert serve.train_command(cfg, flags, "py")[1:] == [str(ROOT / "train_dpo.py"), *flags]
+    assert serve.train_command(serve.ServeConfig(gpus="2"), flags, "py")[1:4] == [str(ROOT / "scaleout.py"),
+                                                                                  "--gpus", "2"]
+    docker = serve.train_command(serve.ServeConfig(runner="docker", gpus="all"), flags, "py")
+    assert docker[1:] == [str(ROOT / "launcher.py"), "train", "--data", "d.jsonl", "--output_dir", "out",
+                          "--run_name", "ftjob-1", "--gpus", "all", "--", "--beta", "0.2"]
+    assert serve.page([1, 2, 3], 2) == {"object": "list", "data": [1, 2], "has_more": True}
+    assert serve.new_id("file") != serve.new_id("file")
+
+
+def test_input_kind_tells_run_logs_sft_and_pairs_apart(tmp_path):
+    for name, record, kind in (("runs", {"run_id": 1, "strategy": "s", "attempts": []}, "run_log"),
+                               ("sft", {"messages": [{"role": "user", "content": "hi"}]}, "sft"),
+                               ("pairs", {"prompt": "a", "chosen": "b", "rejected": "c"}, "pairs")):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("\n" + json.dumps(record) + "\n")
+        assert serve.input_kind(path) == kind
+
+
+def test_service_refuses_bad_options_and_an_open_host_without_a_key(monkeypatch):
+    monkeypatch.delenv("DPO_KIT_API_KEY", raising=False)
+    problems = serve.ServeConfig(host="0.0.0.0", train_args="--no_such_flag 1").problems()
+    assert any("DPO_KIT_API_KEY" in p for p in problems)
+    assert any("--train_args" in p and "no_such_flag" in p for p in problems)
+    monkeypatch.setenv("DPO_KIT_API_KEY", "k")
+    assert serve.ServeConfig(host="0.0.0.0", train_args=TRAIN_ARGS).problems() == []
+
+
+def test_lock_holder_names_the_pid_that_trains_a_run(tmp_path):
+    assert runs.lock_holder(tmp_path, "r") is None
+    with runs.RunLock(tmp_path, "r"):
+        assert runs.lock_holder(tmp_path, "r") == os.getpid()
+    assert runs.lock_holder(tmp_path, "r") is None
+
+
+def test_serve_bench_summary_on_worked_numbers():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import serve_bench
+
+    assert serve_bench.percentile([5, 1, 4, 2, 3], 50) == 3 and serve_bench.percentile(list(range(1, 101)), 99) == 99
+    r = serve_bench.summarize([0.001, 0.002, 0.003, 0.010], errors=1, seconds=2.0, clients=2)
+    assert r == {"clients": 2, "seconds": 2.0, "requests": 5, "errors": 1, "requests_per_s": 2.5, "p50_ms": 2.0,
+                 "p99_ms": 10.0, "max_ms": 10.0}
+
+
+# ------------------------------------------------------------------ a real service
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Service:
+    """serve.py in a subprocess (its own session, as a user would start it), on a free port."""
+
+    def __init__(self, out: Path, port: int | None = None, *extra):
+        self.out, self.port, self.extra = out, port or free_port(), extra
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.start()
+
+    def start(self):
+        import httpx
+
+        self.log = open(self.out.parent / f"{self.out.name}-serve.log", "a")
+        self.proc = subprocess.Popen([sys.executable, "serve.py", "--port", str(self.port), "--output_dir",
+                                      str(self.out), f"--train_args={TRAIN_ARGS}", "--poll_seconds", "0.2",
+                                      *self.extra], cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{self.url}/version", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.3)
+        raise AssertionError(f"the service did not start: {self.tail()}")
+
+    def stop(self, sig=signal.SIGTERM, timeout=180):
+        self.proc.send_signal(sig)
+        self.proc.wait(timeout=timeout)
+        self.log.close()
+
+    def tail(self) -> str:
+        return (self.out.parent / f"{self.out.name}-serve.log").read_text()[-3000:]
+
+
+def openai_pairs(n: int) -> str:
+    return "".join(json.dumps({"input": {"messages": [{"role": "user", "content": f"What is {i} + {i}?"}]},
+                               "preferred_output": [{"role": "assistant", "content": f"{2 * i}."}],
+                               "non_preferred_output": [{"role": "assistant", "content": f"I think {2 * i + 1}."}]})
+                   + "\n" for i in range(n))
+
+
+def wait_for(get, done, timeout=600, what="the job"):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = get()
+        if done(value):
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}: {value}")
+
+
+def job_log(out: Path, job_id: str) -> str:
+    return (out / "serve" / "jobs" / job_id / "train.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    if not (MODEL / "config.json").exists():
+        pytest.skip("bundled model not converted (make model)")
+    svc = Service(tmp_path_factory.mktemp("serve") / "art", None, "--max_file_mb", "0.1")  # data/runs.jsonl: 72 KB
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{service.url}/v1", api_key="unused", max_retries=0)
+
+
+@needs_model
+@pytest.mark.integration
+def test_openai_sdk_uploads_trains_polls_reads_events_and_chats_then_continues(service, client, tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(openai_pairs(4))
+    f = client.files.create(file=open(path, "rb"), purpose="fine-tune")
+    assert (f.filename, f.bytes, f.purpose) == ("pairs.jsonl", path.stat().st_size, "fine-tune")
+    assert not (service.out / "serve" / "files" / "pairs.jsonl").exists()  # stored by id
+    assert client.files.content(f.id).read() == path.read_bytes()
+    job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f.id, suffix="first",
+                                         method={"type": "dpo", "dpo": {"hyperparameters": {
+                                             "beta": 0.2, "batch_size": 2, "n_epochs": 1}}})
+    assert job.status == "validating_files" and job.fine_tuned_model is None
+    job = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in serve.TERMINAL)
+    assert job.status == "succeeded", (job.error, job_log(service.out, job.id)[-2000:])
+    assert job.fine_tuned_model.startswith("ft:SmolLM2-135M-Instruct:first:") and job.trained_tokens > 0
+    assert job.method.dpo.hyperparameters.beta == 0.2 and job.finished_at >= job.created_at
+    assert json.loads((service.out / job.id / "config.json").read_text())["beta"] == 0.2  # the run trained with it
+    metrics_file, tarball = job.result_files
+    assert [json.loads(r)["step"] for r in client.files.content(metrics_file).text.splitlines()][:2] == [1, 2]
+    assert client.files.content(tarball).read() == (service.out / f"{job.id}.tar.gz").read_bytes()
+
+    events = list(client.fine_tuning.jobs.list_events(job.id, limit=100))
+    assert [e.data["step"] for e in events if e.type == "metrics"] == [2, 1]  # newest first
+    assert "successfully completed" in events[0].message and events[-1].message.startswith("Created")
+    assert {"train_loss", "train_reward_margin"} <= set(events[0 + 1].data)
+    page = client.fine_tuning.jobs.list_events(job.id, limit=2)
+    assert len(page.data) == 2 and page.has_more
+    (checkpoint,) = client.fine_tuning.jobs.checkpoints.list(job.id)
+    assert checkpoint.step_number == 2 and checkpoint.metrics.train_loss == events[1].data["train_loss"]
+
+    assert job.fine_tuned_model in [m.id for m in client.models.list()]
+    reply = client.chat.completions.create(model=job.fine_tuned_model, temperature=0, max_tokens=6,
+                                           messages=[{"role": "user", "content": "What is 2 + 2?"}])
+    answer = reply.choices[0].message.content
+    assert answer and reply.usage.completion_tokens <= 6 and reply.choices[0].finish_reason in ("stop", "length")
+    chunks = list(client.chat.completions.create(model=job.fine_tuned_model, temperature=0, max_tokens=6, stream=True,
+                                                 messages=[{"role": "user", "content": "What is 2 + 2?"}]))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks).strip() == answer  # greedy: the same words
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+    second = client.fine_tuning.jobs.create(model=job.fine_tuned_model, training_file=f.id,
+                                            method={"type": "dpo", "dpo": {"hyperparameters": {"batch_size": 2}}})
+    second = wait_for(lambda: client.fine_tuning.jobs.retrieve(second.id), lambda j: j.status in serve.TERMINAL)
+    assert second.status == "succeeded", (second.error, job_log(service.out, second.id)[-2000:])
+    manifest = json.loads((service.out / second.id / "manifest.json").read_text())
+    assert manifest["init_adapter"]["run_name"] == job.id  # continued from the first job's adapter
+    listed = client.fine_tuning.jobs.list(limit=1)
+    assert [j.id for j in listed.data] == [second.id] and listed.has_more
+
+
+@needs_model
+@pytest.mark.integration
+def test_a_bad_line_fails_the_job_naming_the_line_and_http_errors_are_openai_shaped(service, client, tmp_path):
+    import httpx
+    import openai
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text(openai_pairs(2) + '{"input": {"messages": []}, "preferred_output": \n')
+    f = client.files.create(file=open(path, "rb"), purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f.id, method={"type": "dpo"})
+    job = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in serve.TERMINAL)
+    assert job.status == "failed" and job.error.param == "training_file"
+    assert job.error.message.startswith("bad.jsonl:3: malformed JSON"), job.error.message
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.fine_tuning.jobs.create(model="no-such-model", training_file=f.id)
+    assert e.value.body["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.fine_tuning.jobs.retrieve("ftjob-nope")
+    big = tmp_path / "big.jsonl"
+    big.write_text(openai_pairs(800))  # over the fixture's --max_file_mb 0.1
+    with pytest.raises(openai.APIStatusError) as e:
+        client.files.create(file=open(big, "rb"), purpose="fine-tune")
+    assert e.value.status_code == 413
+    for body, message in (("{not json", "malformed JSON"), ('{"model": "m", "training_file": "f", "x": 1}',
+                                                             "unknown field 'x'")):
+        r = httpx.post(f"{service.url}/v1/fine_tuning/jobs", content=body,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+@needs_model
+@pytest.mark.integration
+def test_nip_endpoints_create_list_get_and_cancel_a_running_job_paused_and_resumed_on_the_way(service):
+    import httpx
+
+    assert httpx.get(f"{service.url}/version").json()["version"].split(".")[0].isdigit()
+    request = {"config": {"model_name": "SmolLM2-135M-Instruct", "method": "dpo",
+                          "dpo_config": {"beta": 0.1, "learning_rate": 1e-4, "max_length": 64},
+                          "training_lora_config": {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0},
+                          "per_device_train_batch_size": 1, "mixed_precision": "no", "gradient_checkpointing": False},
+               "dataset": [json.loads(r) for r in openai_pairs(8).splitlines()], "job_name": "nip-round"}
+    created = httpx.post(f"{service.url}/training/jobs", json=request)
+    assert created.status_code == 200, created.text
+    info = created.json()
+    assert set(info) == {"job_id", "status", "config", "new_model_name", "error_message"}
+    assert info["status"] == "pending" and info["config"]["dpo_config"]["beta"] == 0.1
+    job_id = info["job_id"]
+    assert job_id in [j["job_id"] for j in httpx.get(f"{service.url}/training/jobs").json()]
+    get = lambda: httpx.get(f"{service.url}/training/jobs/{job_id}").json()  # noqa: E731
+    wait_for(get, lambda j: j["status"] == "running", what="the nip job's first step")
+    # The SDK's pause saves a checkpoint and frees the machine; resume continues from it.
+    openai_job = f"{service.url}/v1/fine_tuning/jobs/{job_id}"
+    assert httpx.post(f"{openai_job}/pause").status_code == 200
+    wait_for(get, lambda j: j["status"] == "interrupted", what="the pause")
+    paused_at = httpx.get(f"{openai_job}/checkpoints").json()["data"][0]["step_number"]
+    assert httpx.post(f"{openai_job}/resume").json()["status"] == "queued"
+    steps = lambda: [e["data"]["step"] for e in httpx.get(f"{openai_job}/events?limit=100").json()["data"]  # noqa: E731
+                     if e["type"] == "metrics"]
+    wait_for(steps, lambda s: max(s) > paused_at, what="a step after the resume")
+    assert "[run] resuming" in job_log(service.out, job_id)
+    cancelled = httpx.delete(f"{service.url}/training/jobs/{job_id}")
+    assert cancelled.status_code == 200
+    info = wait_for(get, lambda j: j["status"] not in ("running", "starting"))
+    assert info["status"] == "cancelled", info
+    checkpoints = httpx.get(f"{service.url}/v1/fine_tuning/jobs/{job_id}/checkpoints").json()["data"]
+    assert checkpoints and checkpoints[0]["step_number"] >= 1  # a cancelled job keeps its checkpoint
+    assert (service.out / f"{job_id}.partial" / "status.json").exists()
+    config = json.loads((service.out / f"{job_id}.partial" / "config.json").read_text())
+    assert (config["learning_rate"], config["per_device_train_batch_size"], config["compute_dtype"]) == \
+        (1e-4, 1, "float32")
+    missing = httpx.get(f"{service.url}/training/jobs/ftjob-nope")
+    assert missing.status_code == 404 and "error" in missing.json()
+
+
+@needs_model
+@pytest.mark.integration
+def test_the_service_stopped_mid_job_by_sigterm_and_kill_9_resumes_it_to_succeeded(tmp_path):
+    from openai import OpenAI
+
+    out = tmp_path / "art"
+    svc = Service(out)
+    client = OpenAI(base_url=f"{svc.url}/v1", api_key="unused", max_retries=0)
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(openai_pairs(6))
+    f = client.files.create(file=open(path, "rb"), purpose="fine-tune")
+    queued_behind = None
+    try:
+        job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f.id,
+                                             method={"type": "dpo", "dpo": {"hyperparameters": {"batch_size": 1}}})
+        queued_behind = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f.id)
+        steps = lambda: [e.data["step"] for e in client.fine_tuning.jobs.list_events(job.id, limit=100)  # noqa: E731
+                         if e.type == "metrics"]
+        wait_for(steps, lambda s: len(s) >= 1, what="a first step")
+        svc.stop(signal.SIGTERM)  # the training saves a checkpoint, the job goes back to the queue
+        svc.start()
+        assert client.fine_tuning.jobs.retrieve(queued_behind.id).status == "queued"
+        before = max(steps())
+        wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id).status, lambda s: s == "running")
+        wait_for(steps, lambda s: max(s) > before, what="a step after the restart")
+        svc.stop(signal.SIGKILL)  # the kernel sends the training SIGTERM (PR_SET_PDEATHSIG)
+        svc.start()
+        wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id).status, lambda s: s == "running",
+                 what="the job to take its place again (its old training saves first, holding the lock)")
+        assert client.fine_tuning.jobs.retrieve(queued_behind.id).status == "queued"  # first come, first trained
+        job = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in serve.TERMINAL)
+        assert job.status == "succeeded", (job.error, job_log(out, job.id)[-3000:])
+    finally:
+        if queued_behind is not None:
+            client.fine_tuning.jobs.cancel(queued_behind.id)
+        svc.stop()
+    log = job_log(out, job.id)
+    assert log.count("[run] resuming") >= 2, log[-3000:]
+    assert [r["step"] for r in runs.read_metrics(out / job.id) if "loss" in r] == [1, 2, 3, 4, 5, 6]  # nothing lost
+    assert sorted(e.data["step"] for e in client_events(out, job.id)) == [1, 2, 3, 4, 5, 6]
+
+
+def client_events(out: Path, job_id: str) -> list:
+    """The job's metrics events, read from the service's store after it stopped."""
+    store = serve.Store(out / "serve")
+
+    class Event:
+        def __init__(self, row):
+            self.data = json.loads(row["data"])
+
+    return [Event(r) for r in store.query("SELECT * FROM events WHERE job_id = ? AND type = 'metrics'", job_id)]
+
+
+@needs_model
+@pytest.mark.integration
+def test_raw_run_logs_become_pairs_by_the_rules_and_sft_files_become_a_supervised_job(service, client, tmp_path):
+    jobs = {}
+    for name, method in (("runs.jsonl", "dpo"), ("sft.jsonl", "supervised")):
+        f = client.files.create(file=open(ROOT / "data" / name, "rb"), purpose="fine-tune")
+        job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f.id,
+                                             method={"type": method})
+        wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id).status, lambda s: s != "validating_files")
+        client.fine_tuning.jobs.cancel(job.id)  # only the validation is under test here
+        jobs[name] = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in serve.TERMINAL)
+    events = list(client.fine_tuning.jobs.list_events(jobs["runs.jsonl"].id, limit=100))
+    (built,) = [e for e in events if e.data and "pairs_by_rule" in e.data]
+    subprocess.run([sys.executable, "build_pairs.py", "data/runs.jsonl", "-o", tmp_path / "p.jsonl", "--report",
+                    tmp_path / "r.json"], cwd=ROOT, check=True, capture_output=True)
+    report = json.loads((tmp_path / "r.json").read_text())  # the CLI's own counts on the same file
+    assert built.data["pairs_written"] == report["pairs_written"] > 0
+    assert built.data["pairs_by_rule"] == report["pairs_by_rule"] and built.data["runs_dropped"] == report["runs_dropped"]
+    assert "dropped" in built.message
+    assert jobs["runs.jsonl"].status == jobs["sft.jsonl"].status == "cancelled"
+    sft_events = [e.message for e in client.fine_tuning.jobs.list_events(jobs["sft.jsonl"].id, limit=100)]
+    assert any(m.startswith("6 SFT examples read from sft.jsonl") for m in sft_events)
+    assert jobs["sft.jsonl"].method.type == "supervised"
