@@ -69,6 +69,20 @@ def detect_format(record: dict) -> str | None:
     return None
 
 
+def short(value, limit: int = 60) -> str:
+    """repr(value), cut to `limit` characters: an error message quotes a bad value, not a megabyte of it."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def decode_json(text: str):
+    """json.loads, with nesting too deep for the parser (RecursionError) reported as malformed JSON."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deep", text, 0) from None
+
+
 def _text(content, what: str) -> str:
     """Message content as text: a string, or OpenAI's list of {"type": "text", "text": ...} parts."""
     if isinstance(content, str):
@@ -88,8 +102,8 @@ def messages(value, what: str) -> list[dict]:
     for i, m in enumerate(value):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f"{what}[{i}] must be an object with 'role' and 'content'")
-        if m["role"] not in ROLES:
-            raise ValueError(f"{what}[{i}]: unknown role {m['role']!r} (expected one of {', '.join(sorted(ROLES))})")
+        if not isinstance(m["role"], str) or m["role"] not in ROLES:  # a list or object role is not hashable
+            raise ValueError(f"{what}[{i}]: unknown role {short(m['role'])} (expected one of {', '.join(sorted(ROLES))})")
         out.append({"role": m["role"], "content": _text(m["content"], f"{what}[{i}]")})
     return out
 
@@ -194,8 +208,10 @@ def load_pairs(path: str, skip_invalid: bool = False) -> tuple[list[dict], dict]
         except UnicodeDecodeError as e:
             bad(line_no, f"not UTF-8 (byte {line[e.start]:#04x} at column {e.start + 1})", "not_utf8")
             continue
+        if line_no == 1:
+            text = text.removeprefix("\ufeff")  # a byte-order mark, as Windows tools write
         try:
-            record = json.loads(text)
+            record = decode_json(text)
         except json.JSONDecodeError as e:
             bad(line_no, f"malformed JSON: {e.msg} at column {e.colno}", "malformed_json")
             continue

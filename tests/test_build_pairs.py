@@ -323,6 +323,11 @@ BAD_LINES = {
     "no prompt": (json.dumps(run(prompt=None)).encode(), "prompt must be a non-empty list of messages"),
     "bad role": (json.dumps(run(prompt=[{"role": "robot", "content": "x"}])).encode(),
                  "prompt[0]: role must be one of"),
+    "list role": (json.dumps(run(prompt=[{"role": ["user"], "content": "x"}])).encode(),
+                  "prompt[0]: role must be one of assistant, system, tool, user, got ['user']"),  # was a TypeError
+    "object role": (json.dumps(run(prompt=[{"role": {"a": 1}, "content": "x"}])).encode(),
+                    "prompt[0]: role must be one of assistant, system, tool, user, got {'a': 1}"),
+    "nested 5,000 deep": (b"[" * 5000 + b"]" * 5000, "malformed JSON: nested too deep"),  # was a RecursionError
     "bad pair": (json.dumps(run(prompt=[[{"role": "user", "content": "x"}]])).encode(),
                  "prompt[0]: a [message, tag] pair has 2 items, not 1"),
     "not UTF-8": (b'{"run_id": "caf\xe9"}', "not valid UTF-8 (byte 0xe9 at column 16)"),

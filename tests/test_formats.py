@@ -107,6 +107,10 @@ def test_conversational_formats_load_to_identical_records(tmp_path):
     ({"prompt": [{"role": "robot", "content": "q"}], "chosen": [A("x")], "rejected": [A("y")]}, "unknown role"),
     ({"chosen": "\n\nHuman: q\n\nAssistant: a", "rejected": "no turns here"}, "not in"),
     ({"chosen": "abc", "rejected": "xyz"}, "share no prompt"),
+    ({"prompt": [{"role": ["user"], "content": "q"}], "chosen": [A("x")], "rejected": [A("y")]},
+     r"unknown role \['user'\]"),  # a list or object role used to end in `TypeError: unhashable type`
+    ({"prompt": [{"role": {"r": 1}, "content": "q"}], "chosen": [A("x")], "rejected": [A("y")]}, "unknown role"),
+    (b"[" * 5000 + b"]" * 5000, "malformed JSON: nested too deep"),  # used to end in RecursionError
 ])
 def test_a_bad_line_is_reported_with_file_and_line(tmp_path, line, message):
     path = write(tmp_path, [EXAMPLES["trl_standard"], line, EXAMPLES["trl_standard"]])
@@ -118,6 +122,14 @@ def test_a_bad_line_is_reported_with_file_and_line(tmp_path, line, message):
     with pytest.raises(UserError, match=message) as e:
         formats.load_pairs(path)
     assert (e.value.path, e.value.line) == (path, expected_line)
+
+
+def test_a_byte_order_mark_is_read_past(tmp_path):
+    """Windows tools start UTF-8 files with EF BB BF; the first line is read after it."""
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(EXAMPLES["trl_standard"]).encode() + b"\n")
+    records, stats = formats.load_pairs(str(path))
+    assert records == [EXAMPLES["trl_standard"]] and stats["format"] == "trl_standard"
 
 
 def test_skip_invalid_skips_and_counts(tmp_path):

@@ -265,10 +265,34 @@ def test_verify_refuses_an_archive_without_a_run_directory(tmp_path):
     good = valid_tarball(tmp_path)
     with tarfile.open(good) as tar:
         empty = repack(good, tmp_path / "empty.tar.gz", drop=set(tar.getnames()))
+    assert refusal(empty) == "refused: the archive does not start with the run's directory"
+
+
+@pytest.mark.parametrize("arcname", [".", "./", ""])
+def test_a_tarball_packed_from_inside_its_folder_verifies(tmp_path, arcname):
+    """`tar -C run1 -czf dot.tar.gz .` (first member '.', then './manifest.json', ...): what a receiver who
+    unpacked and packed again hands on. The run's name comes from manifest.json."""
+    run = fake_run(tmp_path)
     with tarfile.open(tmp_path / "dot.tar.gz", "w:gz") as tar:
-        tar.add(tmp_path / "src" / "run1", arcname=".")  # what `tar -C run1 -czf dot.tar.gz .` makes
-    for t in (empty, tmp_path / "dot.tar.gz"):
-        assert refusal(t) == "refused: the archive does not start with the run's directory"
+        if arcname == "":  # no '.' member: the files alone, as `tar -czf x.tar.gz *` packs them
+            for f in sorted(run.iterdir()):
+                tar.add(f, arcname=f.name)
+        else:
+            tar.add(run, arcname=arcname)
+    manifest = verify_tarball(tmp_path / "dot.tar.gz", extract_to=tmp_path / "x")
+    assert manifest["run_name"] == "run1" and file_hashes(tmp_path / "x" / "run1") == manifest["files"]
+    (run / "README.md").write_text("changed\n")  # and its files are still checked against the manifest
+    with tarfile.open(tmp_path / "bad.tar.gz", "w:gz") as tar:
+        tar.add(run, arcname=".")
+    assert "README.md: sha256 differs from manifest.json" in refusal(tmp_path / "bad.tar.gz")
+
+
+@pytest.mark.parametrize("run_name", [None, "", "../up", ".hidden", "a/b", 7])
+def test_a_flat_tarball_needs_a_plain_run_name(tmp_path, run_name):
+    run = fake_run(tmp_path, run_name=run_name)
+    with tarfile.open(tmp_path / "dot.tar.gz", "w:gz") as tar:
+        tar.add(run, arcname=".")
+    assert "manifest.json names no run" in refusal(tmp_path / "dot.tar.gz")
 
 
 @pytest.mark.parametrize("name", ["run1/README.md/x", "run1"])
