@@ -342,6 +342,8 @@ def unsafe_member(member: tarfile.TarInfo, top: str | None) -> str | None:
         return f"absolute path {name!r}"
     if ".." in parts:
         return f"path with '..' {name!r}"
+    if "\0" in name:  # no file system takes it (open() raises ValueError)
+        return f"NUL byte in the name {name!r}"
     if member.issym() or member.islnk():
         return f"link {name!r} -> {member.linkname!r}"
     if not (member.isfile() or member.isdir()):
@@ -421,8 +423,8 @@ def verify_tarball(path: str | os.PathLike, extract_to: str | os.PathLike | None
                 raise UserError(f"refused: {m.name!r} clashes with an earlier member", path) from None
             except (tarfile.TarError, EOFError) as e:
                 raise UserError(f"not a readable .tar.gz: {e}", path) from None
-            except OSError as e:  # a name too long for this file system, a full disk
-                raise UserError(f"cannot extract {m.name!r}: {e.strerror or e}", path) from None
+            except (OSError, ValueError) as e:  # a name too long for this file system, a full disk
+                raise UserError(f"cannot extract {m.name!r}: {getattr(e, 'strerror', None) or e}", path) from None
         manifest = read_json_object(run_dir / "manifest.json", "no readable manifest.json in the run directory", path)
         listed, found = manifest.get("files", {}), file_hashes(run_dir)
         if not isinstance(listed, dict):

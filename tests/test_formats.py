@@ -1,5 +1,6 @@
 """formats.py: the accepted pair formats and file types, and every way an input can be wrong."""
 import json
+import os
 
 import pytest
 
@@ -332,3 +333,81 @@ def test_a_hub_id_that_cannot_be_loaded_is_a_user_error(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(UserError, match=r"cannot load the hub dataset 'org/prefs' \(split test\): offline"):
         formats.load_pairs("org/prefs:test")
+
+
+# ---------------------------------------------------------------------------------------------
+# No input ends in a traceback: random and mutated records, damaged bytes, every file type (hypothesis).
+# ---------------------------------------------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import fuzz  # noqa: E402
+
+VALID = [*EXAMPLES.values(), ORCA, ARGILLA]
+
+
+def check_loads_or_user_error(path: str, **options):
+    """load_pairs gives pairs or the kit's one error form: a UserError naming the file (and its line when a row
+    is at fault); nothing else escapes."""
+    try:
+        records, stats = formats.load_pairs(path, **options)
+    except UserError as e:
+        assert str(e.path) == path or str(e.path).startswith(path + os.sep)  # a directory: the file at fault
+        assert (e.line is None or e.line >= 1) and str(e).startswith(f"{e.path}:")
+        return
+    assert records and stats["pairs"] == len(records)
+    assert all(set(r) == {"prompt", "chosen", "rejected"} for r in records)
+
+
+@settings(max_examples=120)
+@given(data=fuzz.lines(VALID), skip=st.booleans(), suffix=st.sampled_from([".jsonl", ".json", ".jsonl.gz"]),
+       options=st.sampled_from([{}, {"min_score_gap": 1.0}, {"columns": {"prompt": "question"}},
+                                {"columns": {"chosen": "good", "score_chosen": "chosen"}}]))
+def test_no_pair_file_ends_in_a_traceback(data, skip, suffix, options):
+    import gzip
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/pairs{suffix}"
+        with open(path, "wb") as f:
+            f.write(gzip.compress(data) if suffix.endswith(".gz") else data)
+        check_loads_or_user_error(path, skip_invalid=skip, **options)
+        assert os.listdir(tmp) == [os.path.basename(path)]  # nothing written beside it
+
+
+@settings(max_examples=60)
+@given(rows=st.lists(fuzz.mutated(st.sampled_from(VALID)) | st.sampled_from(VALID), min_size=1, max_size=4),
+       cut=st.integers(0, 400), flip=st.integers(0, 1000), as_array=st.booleans())
+def test_no_json_array_parquet_or_gzip_ends_in_a_traceback(rows, cut, flip, as_array):
+    """JSON arrays of mutated records, Parquet of them (where pyarrow can hold them), and damaged copies."""
+    import gzip
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        text = json.dumps(rows, indent=1).encode() if as_array else fuzz.DEEP
+        gz, parquet = gzip.compress(text), parquet_bytes(rows)
+        for name, data in [("a.json", text), ("b.json", text[:len(text) - cut]),
+                           ("c.jsonl.gz", gz[:max(0, len(gz) - cut)]),
+                           ("d.parquet", parquet), ("e.parquet", parquet and parquet[:flip])]:
+            if data is None:
+                continue
+            path = f"{tmp}/{name}"
+            with open(path, "wb") as f:
+                f.write(data)
+            check_loads_or_user_error(path, skip_invalid=bool(cut % 2))
+        check_loads_or_user_error(tmp)  # the directory of them
+
+
+def parquet_bytes(rows):
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    try:
+        pq.write_table(pa.Table.from_pylist([r for r in rows if isinstance(r, dict)]), buf)
+    except (pa.ArrowException, OverflowError, TypeError, ValueError):  # mixed types in a column: no such file
+        return None
+    return buf.getvalue()
