@@ -336,7 +336,7 @@ def evaluate_run(path: str, data: str = "", out_dir: str | None = None) -> Path:
     with tempfile.TemporaryDirectory(prefix="eval-") as tmp:
         run_dir, cfg = runs.open_run(path, tmp)
         source = data or cfg["data"]
-        if not Path(source).exists() and not formats.HUB_ID.match(source):
+        if not Path(source).exists() and not formats.is_hub_id(source):
             raise UserError(f"the run's data file {source} is not here; pass another with DATA=")
         columns = {} if data else formats.parse_columns(cfg.get("columns", ""))  # another file: its own shape
         pairs, _ = formats.load_pairs(source, cfg["skip_invalid"], columns, 0.0 if data else cfg.get("min_score_gap", 0.0))

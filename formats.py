@@ -77,6 +77,10 @@ class TrainingData:
     dropped_too_long: int = 0
     truncated: int = 0  # pairs the collator cuts to max_length
     tokenized: dict = dataclasses.field(default_factory=dict)  # {split: "from cache (n pairs)" | "tokenised in ..."}
+    # Training pairs by where the completion's tokens start (fastpath.tokenize_pair): aligned (the joint
+    # tokenisation split at the prompt's end), continued (tokenised after the prompt's own tokens), not_exact
+    # (TRL's split: the prompt's last tokens left out). Empty: TRL's own tokenisation (another TRL version).
+    boundary: dict = dataclasses.field(default_factory=dict)
 
 
 def detect_format(record: dict) -> str | None:
@@ -399,6 +403,13 @@ def hub_rows(spec: str):
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.\[\]%:+-]+)?$")
 
 
+def is_hub_id(path: str) -> bool:
+    """org/name[:split] that is not a local path: a mistyped file name (one with a pair file's suffix) stays a
+    missing file, not a trip to the hub."""
+    return not os.path.exists(path) and bool(HUB_ID.match(path)) and not path.partition(":")[0].endswith(
+        (*SUFFIXES, ".gz"))
+
+
 def pair_files(path: str) -> list[str]:
     """The pair files a path names: itself, or a directory's files with SUFFIXES (recursively, sorted)."""
     if not os.path.isdir(path):
@@ -420,7 +431,7 @@ def load_pairs(path: str, skip_invalid: bool = False, columns: dict | None = Non
     pair, or one that mixes text and message-list pairs, is an error either way.
     """
     columns = columns or {}
-    if not os.path.exists(path) and HUB_ID.match(path):
+    if is_hub_id(path):
         digest = hashlib.sha256(path.encode()).hexdigest()  # of the id: the hub's data can change under it
         per_file = [load_rows(path, hub_rows(path), digest, skip_invalid, columns, min_score_gap)]
     else:

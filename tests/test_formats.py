@@ -333,6 +333,8 @@ def test_a_hub_id_that_cannot_be_loaded_is_a_user_error(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(UserError, match=r"cannot load the hub dataset 'org/prefs' \(split test\): offline"):
         formats.load_pairs("org/prefs:test")
+    with pytest.raises(UserError, match="cannot read pairs file: No such file"):  # a mistyped path stays a path
+        formats.load_pairs("data/pairs.jsonl.gz")
 
 
 # ---------------------------------------------------------------------------------------------
