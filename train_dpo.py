@@ -26,6 +26,7 @@ import platform
 import signal
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import evaluate
@@ -474,7 +475,7 @@ def tokenized_cache(cfg: TrainConfig, tokenizer, args, pairs: list[dict], held: 
     if cache_dir is None:
         return None, {}
     settings = {"max_length": cfg.max_length, "truncation_mode": args.truncation_mode, "trl": trl.__version__,
-                "kit_cache": 1}
+                "kit_cache": 2}  # 2: tokenize_pair
     digest = fastpath.tokenizer_digest(tokenizer)
     keys = {"train": fastpath.tokenized_cache_key(pairs, digest, settings | {"split": "train"})}
     if held:
@@ -519,6 +520,12 @@ def record_data(cfg: TrainConfig, run: runs.Run, built: Built, data: formats.Tra
     data.dropped_too_long = n_pairs - len(ds)  # TRL drops pairs whose prompt alone fills max_length
     data.truncated = truncation_stats(map(len, ds["prompt_ids"]), map(len, ds["chosen_ids"]),
                                       map(len, ds["rejected_ids"]), cfg.max_length)
+    if "boundary" in ds.column_names:  # fastpath.tokenize_pair's record of each pair
+        counts = Counter(ds["boundary"])
+        data.boundary = {k: counts[k] for k in fastpath.BOUNDARY}
+        print(f"[data] where completions start: {data.boundary['aligned']} pairs at the prompt's own end, "
+              f"{data.boundary['continued']} tokenised after the prompt's tokens (the two merged across it), "
+              f"{data.boundary['not_exact']} where the prompt's end merged and could not be kept (TRL's split)")
     print(f"[model] log-probs: {built.compute.logps}")
     if data.tokenized:
         print(f"[data] {'; '.join(f'{k}: {v}' for k, v in data.tokenized.items())} "

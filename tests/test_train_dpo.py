@@ -357,7 +357,7 @@ def public_set_rows(family: str) -> list[dict]:
             "ultrafeedback": {"prompt": q, "prompt_id": f"p{i}", "chosen": [u, a(good)], "rejected": [u, a(bad)],
                               "messages": [u, a(good)], "score_chosen": 8.0, "score_rejected": 2.0 + i},
             "orca": {"system": "You are a careful Linux admin." if i % 2 else "", "question": q, "chosen": good,
-                     "rejected": bad},
+                     "rejected": "    " + bad if i == 0 else bad},  # leading spaces merge with the prompt's last token
             "argilla": {"system": "", "input": q, "chosen": good, "rejected": bad, "generations": [good, bad],
                         "status": "unchanged", "chosen_score": 9.0},
             "custom": {"instruction": q, "good": good, "bad": bad, "sys": "Be brief.", "g": 9, "b": 9 - 2 * i},
@@ -390,6 +390,8 @@ def test_public_preference_sets_in_each_file_type_train_a_step(tmp_path):
         "ultrafeedback.parquet": ("ultrafeedback", {"messages": 4, "prompt_id": 4, "score_chosen": 4,
                                                     "score_rejected": 4})}
     assert data["ignored_columns"]["prompt_id"] == 4 and "columns ignored (rows):" in out
+    # the answer that starts with spaces is tokenised after the prompt's own tokens (fastpath.tokenize_pair)
+    assert data["boundary"] == {"aligned": 11, "continued": 1, "not_exact": 0}
 
 
 @needs_model
