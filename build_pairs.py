@@ -42,7 +42,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 import kit
-from formats import ROLES, Pair, PairWriter, digest_and_line
+from formats import ROLES, Pair, PairWriter, decode_json, digest_and_line, short
 
 RULES = ("mixed", "first_try_strategy", "first_try_code", "cross_run")
 SUBCOMMANDS = ("spin", "self-reward")  # anything else is the run-log file (the default, unchanged)
@@ -159,8 +159,8 @@ def _parse_prompt(prompt, bad, surrogates: bool = True) -> tuple[list, list | No
         if not isinstance(item, dict):
             raise bad(f"prompt[{i}]: expected a message object or a [message, tag] pair, got {_kind(item)}")
         role, content = item.get("role"), item.get("content")
-        if role not in ROLES:
-            raise bad(f"prompt[{i}]: role must be one of {', '.join(sorted(ROLES))}, got {role!r}")
+        if not isinstance(role, str) or role not in ROLES:  # a list or object role is not hashable
+            raise bad(f"prompt[{i}]: role must be one of {', '.join(sorted(ROLES))}, got {short(role)}")
         if not isinstance(content, str):
             raise bad(f"prompt[{i}]: content must be a string, got {_kind(content)}")
         if tag is not None and not isinstance(tag, str):
@@ -180,10 +180,10 @@ def _parse_attempt(a, i: int, score_key: str, bad, surrogates: bool = True) -> A
         raise bad(f"attempts[{i}]: code is missing or empty")
     ran = a.get("ran")
     if ran is not True and ran is not False:
-        raise bad(f"attempts[{i}]: ran must be true or false, got {'nothing' if ran is None else repr(ran)}")
+        raise bad(f"attempts[{i}]: ran must be true or false, got {'nothing' if ran is None else short(ran)}")
     score = a.get(score_key) if ran else None
     if score is not None and (type(score) is bool or not isinstance(score, (int, float)) or not math.isfinite(score)):
-        raise bad(f"attempts[{i}]: {score_key} must be a finite number, got {score!r}")
+        raise bad(f"attempts[{i}]: {score_key} must be a finite number, got {short(score)}")
     if surrogates:
         _checked(code, f"attempts[{i}].code", bad)
     return Attempt(code, ran, score)
@@ -200,7 +200,7 @@ def parse_run(obj, path, line: int, score_key: str = "space_freed", surrogates: 
         raise bad(f"expected a run (a JSON object), got {_kind(obj)}")
     run_id = obj.get("run_id", f"line-{line}")
     if isinstance(run_id, bool) or not isinstance(run_id, (str, int)) or run_id == "":
-        raise bad(f"run_id must be a non-empty string or an integer, got {run_id!r}")
+        raise bad(f"run_id must be a non-empty string or an integer, got {short(run_id)}")
     messages, tags = _parse_prompt(obj.get("prompt"), bad, surrogates)
     strategy = obj.get("strategy")
     if not isinstance(strategy, str) or _blank(strategy):
@@ -669,7 +669,7 @@ def _parse_line(raw: bytes, name: str, line_no: int, score_key: str) -> Run | No
     if _blank(text):
         return None
     try:
-        obj = json.loads(text)
+        obj = decode_json(text)
     except json.JSONDecodeError as e:
         raise kit.UserError(f"malformed JSON: {e.msg} at column {e.colno}", name, line_no) from None
     # The bytes are valid UTF-8, so an unpaired surrogate can only come from a \uDxxx escape: without one in

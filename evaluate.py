@@ -336,9 +336,10 @@ def evaluate_run(path: str, data: str = "", out_dir: str | None = None) -> Path:
     with tempfile.TemporaryDirectory(prefix="eval-") as tmp:
         run_dir, cfg = runs.open_run(path, tmp)
         source = data or cfg["data"]
-        if not Path(source).exists():
+        if not Path(source).exists() and not formats.is_hub_id(source):
             raise UserError(f"the run's data file {source} is not here; pass another with DATA=")
-        pairs, _ = formats.load_pairs(source, cfg["skip_invalid"])
+        columns = {} if data else formats.parse_columns(cfg.get("columns", ""))  # another file: its own shape
+        pairs, _ = formats.load_pairs(source, cfg["skip_invalid"], columns, 0.0 if data else cfg.get("min_score_gap", 0.0))
         held = pairs if data else [r for r in pairs if formats.held_out(r, cfg["eval_fraction"])]
         model, tokenizer = models.load_run(run_dir, cfg)
         evaluation = evaluate(model, tokenizer, held, load_probes(cfg["probes"]), cfg["max_length"], cfg["seed"])

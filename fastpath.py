@@ -864,9 +864,80 @@ def tokenized_cache_dir(setting: str) -> Path | None:
     return Path(setting or os.environ.get("DPO_KIT_CACHE") or Path.home() / ".cache" / "dpo-kit") / "tokenized"
 
 
+# ---------------------------------------------------------------------------------------------
+# Tokenising a pair: the prompt exactly as the model sees it when it answers, the completion its continuation.
+# ---------------------------------------------------------------------------------------------
+
+BOUNDARY = ("aligned", "continued", "not_exact")  # per pair, data.json's boundary counts
+
+
+def tokenize_pair(tokenizer, example: dict) -> dict:
+    """prompt_ids, chosen_ids, rejected_ids and `boundary` for one pair (TRL 1.14's tokenize_fn, one change).
+
+    TRL tokenises prompt+completion as one text and starts the completion where that and the prompt alone
+    diverge: where the completion's first characters merge with the end of the rendered prompt ('\\n' before
+    an answer that starts with spaces), the prompt loses its last token and the model is trained on a context
+    it never sees when it answers. Here the prompt keeps its tokens as rendered with the generation prompt, and
+    the rest of the text is tokenised on its own as their continuation:
+      aligned    the joint tokenisation already splits at the prompt's end (TRL's split, unchanged)
+      continued  a token straddled the end; the completion is the rest of the text tokenised alone
+      not_exact  the template renders the prompt otherwise before an answer, or the rest tokenised alone is
+                 other text (a tokenizer that adds a space at the start): TRL's split, counted
+    """
+    from trl.data_utils import _tokenize
+
+    prompt = example["prompt"]
+    conversational = isinstance(prompt, list)
+    if conversational:
+        prompt_ids = _tokenize(tokenizer, prompt, add_generation_prompt=True)["input_ids"]
+        prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    else:
+        prompt_ids, prompt_text = _tokenize(tokenizer, prompt)["input_ids"], prompt
+    out, boundary = {"prompt_ids": prompt_ids}, "aligned"
+    joint = {side: _tokenize(tokenizer, prompt + example[side])["input_ids"] for side in ("chosen", "rejected")}
+    for side in ("chosen", "rejected"):
+        whole = prompt + example[side]
+        if joint[side][:len(prompt_ids)] == prompt_ids:
+            out[f"{side}_ids"] = joint[side][len(prompt_ids):]
+            continue
+        text = tokenizer.apply_chat_template(whole, tokenize=False) if conversational else whole
+        rest = tokenizer(text[len(prompt_text):], add_special_tokens=False)["input_ids"] \
+            if text.startswith(prompt_text) else None
+        if rest is None or tokenizer.decode(prompt_ids + rest) != tokenizer.decode(joint[side]):
+            boundary = "not_exact"
+            break
+        out[f"{side}_ids"], boundary = rest, "continued"
+    if boundary == "not_exact":  # TRL's split: the completion starts where the tokenisations diverge
+        n = min(_common_prefix(prompt_ids, joint["chosen"]), _common_prefix(prompt_ids, joint["rejected"]))
+        out = {"prompt_ids": prompt_ids[:n], "chosen_ids": joint["chosen"][n:], "rejected_ids": joint["rejected"][n:]}
+    return out | {"boundary": boundary}
+
+
+def _common_prefix(a: list, b: list) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def prepare_pairs(dataset, tokenizer, args, name: str):
+    """TRL 1.14's _prepare_dataset for the kit's pairs (every record has a prompt; no tools, no images): EOS
+    after text completions, tokenize_pair, and the pairs whose prompt alone fills max_length dropped."""
+    kwargs = {"num_proc": args.dataset_num_proc}
+    if not isinstance(dataset[0]["prompt"], list):
+        eos = tokenizer.eos_token
+        dataset = dataset.map(lambda x: {s: x[s] if x[s].endswith(eos) else x[s] + eos for s in ("chosen", "rejected")},
+                              desc=f"Adding EOS to {name} dataset", **kwargs)
+    dataset = dataset.map(lambda x: tokenize_pair(tokenizer, x), desc=f"Tokenizing {name} dataset", **kwargs)
+    if args.max_length is not None and args.truncation_mode == "keep_start":
+        dataset = dataset.filter(lambda x: len(x["prompt_ids"]) < args.max_length,
+                                 desc=f"Dropping fully truncated examples from {name} dataset", **kwargs)
+    return dataset
+
+
 def dpo_trainer_class(cache_dir: Path | None, keys: dict, record: dict):
-    """DPOTrainer with two hooks into TRL 1.14's internals. Dataset preparation (prompt extraction, chat
-    template, tokenisation, dropping prompts that fill max_length) is read from cache_dir/<key> when an earlier
+    """DPOTrainer with two hooks into TRL 1.14's internals. Dataset preparation (prepare_pairs: chat template,
+    tokenisation at the prompt's own end, dropping prompts that fill max_length) is read from cache_dir/<key> when an earlier
     run of the same split, tokenizer and settings left it there, else done and saved (rank 0, renamed into
     place); what happened goes into record[split]. Per-token log-probs go through dpo_logps once
     kit_fused_logps is set (TRL's chunked path wherever that one does not apply)."""
@@ -884,7 +955,7 @@ def dpo_trainer_class(cache_dir: Path | None, keys: dict, record: dict):
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
             key = keys.get(dataset_name)
             if cache_dir is None or key is None:
-                return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+                return prepare_pairs(dataset, processing_class, args, dataset_name)
             path = cache_dir / key
             if (path / "state.json").exists():
                 try:
@@ -894,7 +965,7 @@ def dpo_trainer_class(cache_dir: Path | None, keys: dict, record: dict):
                 except Exception as e:  # a damaged entry: tokenise again and replace it
                     print(f"[data] ignoring damaged cache entry {path}: {e}")
             t0 = time.time()
-            out = super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+            out = prepare_pairs(dataset, processing_class, args, dataset_name)
             record[dataset_name] = f"tokenised in {time.time() - t0:.1f}s"
             if ranks.is_main_process():
                 tmp = cache_dir / f".{key}.{os.getpid()}.tmp"

@@ -1,19 +1,28 @@
-"""Preference-pair file formats: detect each file's format, validate every line, normalise to TRL's shape.
+"""Preference-pair file formats: detect each file's format, validate every row, normalise to TRL's shape.
 
-Not run on its own; train_dpo.py reads pairs through `load_pairs`. Five formats are accepted, one
-per file (detected from the first record, then every line must match it):
+Not run on its own; train_dpo.py reads pairs through `load_pairs`. Seven formats are accepted, one per file
+(detected from the first record, then every row must match it):
 
   trl_standard        {"prompt": "...", "chosen": "...", "rejected": "..."}
   trl_conversational  {"prompt": [msgs], "chosen": [msgs], "rejected": [msgs]}
   implicit_prompt     {"chosen": [msgs] | "...", "rejected": [msgs] | "..."}  (shared prefix = prompt)
   openai              {"input": {"messages": [msgs]}, "preferred_output": [msgs], "non_preferred_output": [msgs]}
   hh                  {"chosen": "\\n\\nHuman: ...\\n\\nAssistant: ...", "rejected": "..."}  (Anthropic HH-RLHF)
+  ultrafeedback       {"prompt": "...", "chosen": [msgs], "rejected": [msgs]}  (whole conversations that repeat
+                      the prompt, as HuggingFaceH4/ultrafeedback_binarized ships them)
+  system_question     {"system": "...", "question" | "input" | "prompt": "...", "chosen": "...", "rejected": "..."}
+                      (Intel/orca_dpo_pairs, argilla/distilabel-intel-orca-dpo-pairs)
+
+Other columns are ignored and counted; `--columns prompt=instruction,chosen=good` renames columns first
+(LLaMA-Factory's dataset_info.json mapping), and `--min_score_gap` drops pairs whose scores are too close.
+Inputs: .jsonl, .jsonl.gz, .json (an array, or JSON Lines), .parquet, a directory of those, or a hub dataset
+id (`org/name[:split]`). Errors name FILE:LINE (the row, in a Parquet file or hub dataset).
 
 Every record comes out as {"prompt", "chosen", "rejected"}: either all strings (trl_standard, and
 implicit_prompt over strings) or all message lists, which TRL renders with the chat template.
 Pairs are written here too (`PairWriter`: build_pairs.py and self_pairs.py), one canonical line each,
 duplicates dropped. Also here: which pairs a run trains on (the held-out share, other files mixed in) and the record of it
-(`TrainingData`, the run's data.json). Standard library only.
+(`TrainingData`, the run's data.json). Standard library only (pyarrow for Parquet, datasets for the hub).
 """
 
 from __future__ import annotations
@@ -31,7 +40,19 @@ from collections import Counter
 
 from kit import UserError
 
-FORMATS = ("trl_standard", "trl_conversational", "implicit_prompt", "openai", "hh")
+FORMATS = ("trl_standard", "trl_conversational", "implicit_prompt", "openai", "hh", "ultrafeedback",
+           "system_question")
+# What each format reads; any other column is ignored (and counted in data.json).
+FORMAT_COLUMNS = {"trl_standard": {"prompt", "chosen", "rejected"}, "trl_conversational": {"prompt", "chosen", "rejected"},
+                  "implicit_prompt": {"chosen", "rejected"}, "hh": {"chosen", "rejected"},
+                  "openai": {"input", "preferred_output", "non_preferred_output"},
+                  "ultrafeedback": {"prompt", "chosen", "rejected"},
+                  "system_question": {"system", "question", "input", "prompt", "chosen", "rejected"}}
+COLUMN_NAMES = ("prompt", "chosen", "rejected", "system", "score_chosen", "score_rejected")  # --columns targets
+# Score columns of the public sets, (chosen, rejected): read by --min_score_gap, ignored otherwise.
+SCORE_COLUMNS = (("score_chosen", "score_rejected"), ("chosen_score", "rejected_score"),
+                 ("chosen_rating", "rejected_rating"))
+SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")  # what a directory of pair files is read for
 ROLES = {"system", "user", "assistant", "tool"}
 _HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
 GENERAL_MIX = "data/general.jsonl"  # bundled general-purpose pairs: the default co-training source
@@ -42,31 +63,60 @@ class TrainingData:
     """What a run trained on (its data.json): the file, and what became of its pairs along the way."""
     path: str
     sha256: str
-    format: str
+    format: str  # one of FORMATS; a directory of several: them joined by '+', each named in files
     pairs: int  # usable pairs in the file
     skipped: dict  # {reason: lines} with --skip_invalid
+    ignored_columns: dict = dataclasses.field(default_factory=dict)  # {column: rows that had it}
+    columns: dict = dataclasses.field(default_factory=dict)  # --columns: {kit name: the data's column}
+    min_score_gap: float = 0.0
+    score_gap_dropped: int = 0  # pairs whose chosen score is less than min_score_gap above the rejected
+    files: list = dataclasses.field(default_factory=list)  # a directory: [{path, format, pairs, sha256, ...}]
     held_out: int = 0  # kept out of training for evaluation
     mix: list = dataclasses.field(default_factory=list)  # [{path, share, pairs_available, pairs_used, sha256}]
     pairs_trained: int = 0  # what TRL kept after tokenising (a prompt that fills max_length is dropped)
     dropped_too_long: int = 0
     truncated: int = 0  # pairs the collator cuts to max_length
     tokenized: dict = dataclasses.field(default_factory=dict)  # {split: "from cache (n pairs)" | "tokenised in ..."}
+    # Training pairs by where the completion's tokens start (fastpath.tokenize_pair): aligned (the joint
+    # tokenisation split at the prompt's end), continued (tokenised after the prompt's own tokens), not_exact
+    # (TRL's split: the prompt's last tokens left out). Empty: TRL's own tokenisation (another TRL version).
+    boundary: dict = dataclasses.field(default_factory=dict)
 
 
 def detect_format(record: dict) -> str | None:
-    """The format of one record by its keys and value types, or None if it is none of the five."""
+    """The format of one record by its keys and value types, or None if it is none of FORMATS."""
     if not isinstance(record, dict):
         return None
     if "preferred_output" in record or "non_preferred_output" in record:
         return "openai"
+    if "question" in record or isinstance(record.get("input"), str):
+        return "system_question"
     if "prompt" in record:
-        return "trl_conversational" if isinstance(record.get("prompt"), list) else "trl_standard"
+        if isinstance(record.get("prompt"), list):
+            return "trl_conversational"
+        if isinstance(record.get("chosen"), list):
+            return "ultrafeedback"
+        return "system_question" if "system" in record else "trl_standard"
     if "chosen" in record or "rejected" in record:
         chosen = record.get("chosen")
         if isinstance(chosen, str) and chosen.lstrip("\n").startswith("Human: ") and "\n\nAssistant: " in chosen:
             return "hh"
         return "implicit_prompt"
     return None
+
+
+def short(value, limit: int = 60) -> str:
+    """repr(value), cut to `limit` characters: an error message quotes a bad value, not a megabyte of it."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def decode_json(text: str):
+    """json.loads, with nesting too deep for the parser (RecursionError) reported as malformed JSON."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deep", text, 0) from None
 
 
 def _text(content, what: str) -> str:
@@ -88,8 +138,8 @@ def messages(value, what: str) -> list[dict]:
     for i, m in enumerate(value):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f"{what}[{i}] must be an object with 'role' and 'content'")
-        if m["role"] not in ROLES:
-            raise ValueError(f"{what}[{i}]: unknown role {m['role']!r} (expected one of {', '.join(sorted(ROLES))})")
+        if not isinstance(m["role"], str) or m["role"] not in ROLES:  # a list or object role is not hashable
+            raise ValueError(f"{what}[{i}]: unknown role {short(m['role'])} (expected one of {', '.join(sorted(ROLES))})")
         out.append({"role": m["role"], "content": _text(m["content"], f"{what}[{i}]")})
     return out
 
@@ -129,6 +179,24 @@ def split_shared_prefix(chosen, rejected):
     return chosen[:cut], chosen[cut:], rejected[cut:]
 
 
+def _from_conversations(record: dict) -> tuple[list, list, list]:
+    """UltraFeedback: chosen and rejected are whole conversations that repeat the prompt. The prompt is their
+    shared leading messages, checked against the prompt string (its last user turn must be that string); when
+    they hold the answers alone, the string is the prompt."""
+    text = _nonempty_str(record.get("prompt"), "prompt")
+    sides = [messages(record.get(k), k) for k in ("chosen", "rejected")]
+    prompt, chosen, rejected = split_shared_prefix(*sides)
+    if not prompt:
+        if sides[0][0]["role"] != "assistant" or sides[1][0]["role"] != "assistant":
+            raise ValueError("chosen and rejected share no leading messages, and do not start with the answer")
+        return [{"role": "user", "content": text}], chosen, rejected
+    user = [m["content"] for m in prompt if m["role"] == "user"]
+    if not user or user[-1].strip() != text.strip():
+        raise ValueError("prompt differs from the conversations' last user turn before the answers "
+                         f"({short(user[-1] if user else None)})")
+    return prompt, chosen, rejected
+
+
 def normalise(record: dict, fmt: str) -> dict:
     """One record in format `fmt` -> {"prompt", "chosen", "rejected"}; ValueError says what is wrong."""
     if fmt == "trl_standard":
@@ -142,6 +210,17 @@ def normalise(record: dict, fmt: str) -> dict:
         prompt = messages(inp.get("messages"), "input.messages")
         chosen = messages(record.get("preferred_output"), "preferred_output")
         rejected = messages(record.get("non_preferred_output"), "non_preferred_output")
+    elif fmt == "ultrafeedback":
+        prompt, chosen, rejected = _from_conversations(record)
+    elif fmt == "system_question":
+        key = next(k for k in ("question", "input", "prompt") if k in record)
+        system = record.get("system")
+        if system is not None and not isinstance(system, str):
+            raise ValueError(f"system must be a string, got {type(system).__name__}")
+        prompt = [{"role": "system", "content": system}] if system and system.strip() else []
+        prompt.append({"role": "user", "content": _nonempty_str(record.get(key), key)})
+        chosen, rejected = ([{"role": "assistant", "content": _nonempty_str(record.get(k), k)}]
+                            for k in ("chosen", "rejected"))
     elif fmt in ("implicit_prompt", "hh"):
         sides = []
         for k in ("chosen", "rejected"):
@@ -167,42 +246,241 @@ def normalise(record: dict, fmt: str) -> dict:
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
 
 
-def load_pairs(path: str, skip_invalid: bool = False) -> tuple[list[dict], dict]:
-    """Read and validate a whole pairs file before any model loads.
+def parse_columns(spec: str) -> dict:
+    """'prompt=instruction,chosen=good' -> {"prompt": "instruction", "chosen": "good"}; ValueError if malformed."""
+    out = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, eq, column = (x.strip() for x in item.partition("="))
+        if not eq or not column:
+            raise ValueError(f"{item!r} is not NAME=COLUMN (e.g. prompt=instruction)")
+        if name not in COLUMN_NAMES:
+            raise ValueError(f"{name!r} is not one of {', '.join(COLUMN_NAMES)}")
+        if name in out:
+            raise ValueError(f"{name} is mapped twice")
+        out[name] = column
+    return out
 
-    Returns (records, stats); stats = {"format", "lines", "pairs", "skipped": {reason: n}}.
-    Raises UserError(FILE:LINE) on the first bad line, unless skip_invalid (then counts it).
-    A file of mixed formats, or with no usable pair, is an error either way.
-    """
-    try:
-        raw = open(path, "rb").read()
-    except OSError as e:
-        raise UserError(f"cannot read pairs file: {e.strerror}", path) from None
-    records, skipped, fmt, fmt_line = [], {}, None, None
 
-    def bad(line_no: int, message: str, reason: str):
-        if not skip_invalid:
-            raise UserError(message, path, line_no)
-        skipped[reason] = skipped.get(reason, 0) + 1
+def remap(record: dict, columns: dict) -> dict:
+    """The record with the mapped columns under the kit's names (the others as they were); ValueError when a
+    mapped column is missing."""
+    if not columns:
+        return record
+    missing = [f"{column!r} (--columns {name}={column})" for name, column in columns.items() if column not in record]
+    if missing:
+        raise ValueError(f"no column {', '.join(missing)}; the row has {short(sorted(record), 200)}")
+    out = {k: v for k, v in record.items() if k not in columns.values()}
+    return out | {name: record[column] for name, column in columns.items()}
 
-    lines = raw.split(b"\n")
-    for line_no, line in enumerate(lines, start=1):
+
+def score_gap(record: dict) -> float | None:
+    """chosen score - rejected score from the first SCORE_COLUMNS pair the record has; None without one."""
+    for chosen, rejected in SCORE_COLUMNS:
+        if chosen in record and rejected in record:
+            a, b = record[chosen], record[rejected]
+            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x == x for x in (a, b)):
+                raise ValueError(f"{chosen} and {rejected} must be numbers, got {short(a)} and {short(b)}")
+            return a - b
+    return None
+
+
+class BadRow(Exception):
+    """A row that could not be read at all (not UTF-8, not JSON): `reason` is its --skip_invalid count; a fatal
+    one (a JSON array broken there) stops the file even when skipping."""
+
+    def __init__(self, message: str, reason: str, fatal: bool = False):
+        super().__init__(message)
+        self.reason, self.fatal = reason, fatal
+
+
+def jsonl_rows(raw: bytes):
+    """(line number, record or BadRow) for each non-blank line of JSON Lines bytes."""
+    for line_no, line in enumerate(raw.split(b"\n"), start=1):
         if not line.strip():
             continue
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as e:
-            bad(line_no, f"not UTF-8 (byte {line[e.start]:#04x} at column {e.start + 1})", "not_utf8")
+            yield line_no, BadRow(f"not UTF-8 (byte {line[e.start]:#04x} at column {e.start + 1})", "not_utf8")
+            continue
+        if line_no == 1:
+            text = text.removeprefix("\ufeff")  # a byte-order mark, as Windows tools write
+        try:
+            yield line_no, decode_json(text)
+        except json.JSONDecodeError as e:
+            yield line_no, BadRow(f"malformed JSON: {e.msg} at column {e.colno}", "malformed_json")
+
+
+_WS = re.compile(r"[ \t\n\r]*")
+
+
+def json_array_rows(text: str):
+    """(line number where the element starts, element) for each element of a JSON array. A syntax error ends
+    the array (nothing after it can be found again), so it is a BadRow that stops the file even when skipping."""
+    decoder, i, line, counted = json.JSONDecoder(), _WS.match(text, _WS.match(text).end() + 1).end(), 1, 0
+    if text[i:i + 1] == "]":
+        return
+    while True:
+        line += text.count("\n", counted, i)
+        counted = i
+        try:
+            obj, end = decoder.raw_decode(text, i)
+        except (json.JSONDecodeError, RecursionError) as e:
+            msg = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deep"
+            line += text.count("\n", counted, getattr(e, "pos", i))
+            yield line, BadRow(f"malformed JSON: {msg} (the array cannot be read past it)", "malformed_json", fatal=True)
+            return
+        yield line, obj
+        i = _WS.match(text, end).end()
+        if text[i:i + 1] == ",":
+            i = _WS.match(text, i + 1).end()
+            continue
+        rest = _WS.match(text, i + 1).end() if text[i:i + 1] == "]" else i
+        if rest < len(text) or text[i:i + 1] != "]":
+            line += text.count("\n", counted, i)
+            yield line, BadRow("malformed JSON: expected ',' or ']' after an array element, or the end after ']'",
+                               "malformed_json", fatal=True)
+        return
+
+
+def file_rows(path: str) -> tuple[object, str]:
+    """(rows, sha256 of the file) for one pair file: its (line or row number, record or BadRow), by suffix.
+    Raises UserError when the file as a whole cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise UserError(f"cannot read pairs file: {e.strerror or e}", path) from None
+    digest = hashlib.sha256(raw).hexdigest()
+    if path.endswith(".parquet"):
+        return parquet_rows(path), digest
+    if path.endswith(".gz"):
+        import gzip
+        import zlib
+
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as e:  # not gzip, cut off, a damaged stream
+            raise UserError(f"not a readable gzip file: {e}", path) from None
+    if path.endswith(".json") and raw.lstrip(b"\xef\xbb\xbf \t\r\n")[:1] == b"[":
+        try:
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            line = raw.count(b"\n", 0, e.start) + 1
+            raise UserError(f"not UTF-8 (byte {raw[e.start]:#04x})", path, line) from None
+        return json_array_rows(text), digest
+    return jsonl_rows(raw), digest  # .jsonl, .jsonl.gz, a .json of JSON Lines (datasets' to_json), anything else
+
+
+def parquet_rows(path: str):
+    """(row number from 1, record) for each row of a Parquet file (nested columns come out as lists and dicts)."""
+    try:
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+    except Exception as e:  # noqa: BLE001 - pyarrow's errors for a file that is not Parquet vary by version
+        raise UserError(f"not a readable Parquet file: {str(e)[:300]}", path) from None
+    for start in range(0, table.num_rows, 1000):
+        for i, row in enumerate(table.slice(start, 1000).to_pylist(), start=start + 1):
+            yield i, row
+
+
+def hub_rows(spec: str):
+    """(row number from 1, record) for a hub dataset `org/name[:split]` (split defaults to train), read with
+    datasets when the hub is reachable."""
+    name, _, split = spec.partition(":")
+    try:
+        from datasets import load_dataset
+
+        ds = load_dataset(name, split=split or "train")
+    except Exception as e:  # noqa: BLE001 - offline, no such dataset or split, a gated one
+        raise UserError(f"cannot load the hub dataset {name!r} (split {split or 'train'}): {str(e)[:300]}",
+                        spec) from None
+    for i, row in enumerate(ds, start=1):
+        yield i, row
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.\[\]%:+-]+)?$")
+
+
+def is_hub_id(path: str) -> bool:
+    """org/name[:split] that is not a local path: a mistyped file name (one with a pair file's suffix) stays a
+    missing file, not a trip to the hub."""
+    return not os.path.exists(path) and bool(HUB_ID.match(path)) and not path.partition(":")[0].endswith(
+        (*SUFFIXES, ".gz"))
+
+
+def pair_files(path: str) -> list[str]:
+    """The pair files a path names: itself, or a directory's files with SUFFIXES (recursively, sorted)."""
+    if not os.path.isdir(path):
+        return [path]
+    found = sorted(os.path.join(root, name) for root, dirs, names in os.walk(path)
+                   for name in names if name.endswith(SUFFIXES) and not name.startswith("."))
+    if not found:
+        raise UserError(f"no pair files ({', '.join(SUFFIXES)}) in the directory", path)
+    return found
+
+
+def load_pairs(path: str, skip_invalid: bool = False, columns: dict | None = None,
+               min_score_gap: float = 0.0) -> tuple[list[dict], dict]:
+    """Read and validate a whole pairs file (or a directory of them, or a hub dataset) before any model loads.
+
+    Returns (records, stats); stats = {"format", "lines", "pairs", "skipped": {reason: n}, "sha256",
+    "ignored_columns": {column: rows}, "score_gap_dropped", "files"}. Raises UserError(FILE:LINE) on the
+    first bad row, unless skip_invalid (then counts it). A file of mixed formats, an input with no usable
+    pair, or one that mixes text and message-list pairs, is an error either way.
+    """
+    columns = columns or {}
+    if is_hub_id(path):
+        digest = hashlib.sha256(path.encode()).hexdigest()  # of the id: the hub's data can change under it
+        per_file = [load_rows(path, hub_rows(path), digest, skip_invalid, columns, min_score_gap)]
+    else:
+        per_file = [load_rows(name, *file_rows(name), skip_invalid, columns, min_score_gap)
+                    for name in pair_files(path)]
+    records = [r for file_records, _ in per_file for r in file_records]
+    stats = [s for _, s in per_file]
+    kinds = {isinstance(r["prompt"], list) for r in records}
+    if len(kinds) > 1:
+        raise UserError("mixes text and message-list pairs; use one shape (text pairs have no chat template)", path)
+    if len(stats) == 1:
+        return records, stats[0] | {"files": []}
+    total = {"format": "+".join(sorted({s["format"] for s in stats})), "lines": sum(s["lines"] for s in stats),
+             "pairs": len(records), "skipped": dict(sum((Counter(s["skipped"]) for s in stats), Counter())),
+             "ignored_columns": dict(sum((Counter(s["ignored_columns"]) for s in stats), Counter())),
+             "score_gap_dropped": sum(s["score_gap_dropped"] for s in stats),
+             "sha256": hashlib.sha256("".join(f"{s['sha256']}  {os.path.relpath(s['path'], path)}\n"
+                                              for s in stats).encode()).hexdigest(),
+             "files": [s | {"path": os.path.relpath(s["path"], path)} for s in stats]}
+    return records, total
+
+
+def load_rows(path: str, rows, sha256: str, skip_invalid: bool, columns: dict,
+              min_score_gap: float) -> tuple[list[dict], dict]:
+    """load_pairs for one file's rows: (line or row number, record or BadRow)."""
+    records, skipped, ignored, fmt, fmt_line, n_rows, gap_dropped = [], Counter(), Counter(), None, None, 0, 0
+
+    def bad(line_no: int, message: str, reason: str):
+        if not skip_invalid:
+            raise UserError(message, path, line_no)
+        skipped[reason] += 1
+
+    for line_no, record in rows:
+        n_rows += 1
+        if isinstance(record, BadRow):
+            if record.fatal:
+                raise UserError(str(record), path, line_no)
+            bad(line_no, str(record), record.reason)
             continue
         try:
-            record = json.loads(text)
-        except json.JSONDecodeError as e:
-            bad(line_no, f"malformed JSON: {e.msg} at column {e.colno}", "malformed_json")
+            record = remap(record, columns) if isinstance(record, dict) else record
+        except ValueError as e:
+            bad(line_no, str(e), "missing_column")
             continue
         this = detect_format(record)
         if this is None:
-            keys = ", ".join(sorted(record)) if isinstance(record, dict) else type(record).__name__
-            bad(line_no, f"unknown format (keys: {keys}); expected one of: {', '.join(FORMATS)}", "unknown_format")
+            keys = short(sorted(record), 200)[1:-1] if isinstance(record, dict) else type(record).__name__
+            bad(line_no, f"unknown format (keys: {keys}); expected one of: {', '.join(FORMATS)} "
+                "(or name the columns with --columns)", "unknown_format")
             continue
         if fmt is None:
             fmt, fmt_line = this, line_no
@@ -210,18 +488,32 @@ def load_pairs(path: str, skip_invalid: bool = False) -> tuple[list[dict], dict]
             raise UserError(f"format {this} differs from the file's format {fmt} (detected at line {fmt_line})",
                             path, line_no)
         try:
-            records.append(normalise(record, fmt))
+            pair = normalise(record, fmt)
+            gap = score_gap(record) if min_score_gap else None
+            if min_score_gap and gap is None:
+                raise ValueError("--min_score_gap needs scores: no " + " / ".join(
+                    f"{a}, {b}" for a, b in SCORE_COLUMNS) + " columns (or map them with --columns)")
         except ValueError as e:
-            reason = "identical" if "identical" in str(e) else "invalid_pair"
+            reason = "identical" if "identical" in str(e) else "no_scores" if "needs scores" in str(e) \
+                else "invalid_pair"
             bad(line_no, str(e), reason)
-    nonblank = sum(1 for x in lines if x.strip())
+            continue
+        used = FORMAT_COLUMNS[fmt] | ({c for pair_ in SCORE_COLUMNS for c in pair_} if min_score_gap else set())
+        ignored.update(k for k in record if k not in used)
+        if gap is not None and gap < min_score_gap:
+            gap_dropped += 1
+            continue
+        records.append(pair)
     if not records:
-        raise UserError("no usable preference pair in the file" if nonblank else "the file is empty", path)
+        why = (f"every pair's score gap is below --min_score_gap {min_score_gap} ({gap_dropped} pairs)"
+               if gap_dropped else "no usable preference pair in the file" if n_rows else "the file is empty")
+        raise UserError(why, path)
     kinds = {isinstance(r["prompt"], list) for r in records}
     if len(kinds) > 1:
         raise UserError("mixes text and message-list pairs; use one shape per file", path)
-    return records, {"format": fmt, "lines": nonblank, "pairs": len(records), "skipped": skipped,
-                     "sha256": hashlib.sha256(raw).hexdigest()}
+    return records, {"path": path, "format": fmt, "lines": n_rows, "pairs": len(records), "skipped": dict(skipped),
+                     "sha256": sha256, "ignored_columns": dict(sorted(ignored.items())),
+                     "score_gap_dropped": gap_dropped}
 
 
 # ---------------------------------------------------------------------------------------------

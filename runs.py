@@ -360,10 +360,14 @@ def unsafe_member(member: tarfile.TarInfo, top: str | None) -> str | None:
         return f"absolute path {name!r}"
     if ".." in parts:
         return f"path with '..' {name!r}"
+    if "\0" in name:  # no file system takes it (open() raises ValueError)
+        return f"NUL byte in the name {name!r}"
     if member.issym() or member.islnk():
         return f"link {name!r} -> {member.linkname!r}"
     if not (member.isfile() or member.isdir()):
         return f"special file {name!r}"
+    if not parts and member.isdir():  # '.' or './': the archive's own top, as `tar -czf x.tar.gz .` writes it
+        return None
     if top is not None and (not parts or parts[0] != top):
         return f"{name!r} is outside the run directory {top!r}"
     return None
@@ -378,7 +382,7 @@ def serving_problems(adapter_config: dict) -> list[str]:
     targets = adapter_config.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else targets
     for t in targets:
-        if any(w in t for w in ("embed", "lm_head", "wte", "output")):
+        if any(w in str(t) for w in ("embed", "lm_head", "wte", "output")):
             problems.append(f"LoRA on {t!r} (embeddings or output head); vLLM does not serve that")
     if adapter_config.get("peft_type") != "LORA":
         problems.append(f"peft_type is {adapter_config.get('peft_type')!r}, not LORA")
@@ -397,8 +401,11 @@ def verify_tarball(path: str | os.PathLike, extract_to: str | os.PathLike | None
 
     path = Path(path)
     sidecar = Path(f"{path}.sha256")
-    if sidecar.exists() and sidecar.read_text().split()[:1] != [sha256_file(path)]:
-        raise UserError(f"tarball sha256 differs from {sidecar.name}", path)
+    try:
+        if sidecar.exists() and sidecar.read_bytes().split()[:1] != [sha256_file(path).encode()]:
+            raise UserError(f"tarball sha256 differs from {sidecar.name}", path)
+    except OSError as e:
+        raise UserError(f"cannot read the tarball or {sidecar.name}: {e.strerror or e}", path) from None
     try:
         with gzip.open(path) as gz:  # to the end: tarfile stops at the tar's last block, so it never
             while gz.read(1 << 20):  # reaches gzip's CRC and length, and a cut-off copy would pass
@@ -408,18 +415,21 @@ def verify_tarball(path: str | os.PathLike, extract_to: str | os.PathLike | None
     except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
         raise UserError(f"not a readable .tar.gz: {e}", path) from None
     with tar, tempfile.TemporaryDirectory(prefix="verify-") as tmp:
-        first = Path(members[0].name).parts if members else ()
-        if not first:  # empty, or packed from inside the run directory ('.')
+        parts = [Path(m.name).parts for m in members]  # './a' -> ('a',); '.' and './' -> ()
+        flat = ("manifest.json",) in parts  # packed from inside the run directory: `tar -czf x.tar.gz .`
+        top = flat_run_name(tar, members, parts, path) if flat else next((p[0] for p in parts if p), None)
+        if top is None:
             raise UserError("refused: the archive does not start with the run's directory", path)
-        top = first[0]
         for m in members:
-            if why := unsafe_member(m, top):
+            if why := unsafe_member(m, None if flat else top):
                 raise UserError(f"refused: {why}", path)
         dest = Path(extract_to) if extract_to else Path(tmp)
         if os.path.lexists(dest / top):  # its files would stand in for missing ones; a link would lead out
             raise UserError(f"{dest / top} already exists; extract into a new directory", path)
-        for m in members:  # every member was checked above; extract plain files by hand
-            target = dest / m.name
+        run_dir = dest / top
+        run_dir.mkdir(parents=True)
+        for m, p in zip(members, parts):  # every member was checked above; extract plain files by hand
+            target = (run_dir if flat else dest).joinpath(*p)
             try:
                 if m.isdir():
                     target.mkdir(parents=True, exist_ok=True)
@@ -429,12 +439,14 @@ def verify_tarball(path: str | os.PathLike, extract_to: str | os.PathLike | None
                     out.write(src.read())
             except (FileExistsError, IsADirectoryError, NotADirectoryError):  # a file over a directory, or back
                 raise UserError(f"refused: {m.name!r} clashes with an earlier member", path) from None
-        run_dir = dest / top
-        try:
-            manifest = json.loads((run_dir / "manifest.json").read_text())
-        except (OSError, ValueError) as e:
-            raise UserError(f"no readable manifest.json in the run directory ({e})", path) from None
+            except (tarfile.TarError, EOFError) as e:
+                raise UserError(f"not a readable .tar.gz: {e}", path) from None
+            except (OSError, ValueError) as e:  # a name too long for this file system, a full disk
+                raise UserError(f"cannot extract {m.name!r}: {getattr(e, 'strerror', None) or e}", path) from None
+        manifest = read_json_object(run_dir / "manifest.json", "no readable manifest.json in the run directory", path)
         listed, found = manifest.get("files", {}), file_hashes(run_dir)
+        if not isinstance(listed, dict):
+            raise UserError("refused: manifest.json's files is not a mapping of name to sha256", path)
         problems = [f"{name}: sha256 differs from manifest.json" for name in sorted(listed)
                     if name in found and found[name] != listed[name]]
         problems += [f"{name}: listed in manifest.json but missing" for name in sorted(set(listed) - set(found))]
@@ -445,12 +457,42 @@ def verify_tarball(path: str | os.PathLike, extract_to: str | os.PathLike | None
             problems.append(f"manifest.json names run {manifest.get('run_name')!r}, but the archive holds {top!r}")
         if problems:
             raise UserError("refused:\n  - " + "\n  - ".join(problems), path)
-        manifest["adapter_config"] = json.loads((run_dir / "adapter_config.json").read_text())
+        manifest["adapter_config"] = read_json_object(run_dir / "adapter_config.json", "adapter_config.json is "
+                                                      "not readable", path)
         serving = serving_problems(manifest["adapter_config"])
         if serving and manifest.get("lora_target_modules_requested", "auto") == "auto":
             raise UserError("refused (serving rules):\n  - " + "\n  - ".join(serving), path)
         manifest["serving_warnings"] = serving  # the trainer asked for these modules explicitly
         return manifest
+
+
+def read_json_object(file: Path, what: str, archive) -> dict:
+    """A JSON object from an unpacked archive; anything else is the archive's fault (UserError naming it)."""
+    try:
+        obj = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        raise UserError(f"{what} ({type(e).__name__}: {str(e)[:200]})", archive) from None
+    if not isinstance(obj, dict):
+        raise UserError(f"{what} (not a JSON object)", archive)
+    return obj
+
+
+def flat_run_name(tar: tarfile.TarFile, members: list, parts: list, path) -> str:
+    """The run's name for an archive packed from inside its directory (manifest.json at the top, as a receiver
+    who unpacked and packed again makes it): manifest.json's run_name, which must be a plain name."""
+    m = [m for m, p in zip(members, parts) if p == ("manifest.json",)][-1]  # tar extracts the last one
+    name = None
+    if m.isfile():
+        try:
+            with tar.extractfile(m) as f:
+                manifest = json.loads(f.read().decode("utf-8"))
+            name = manifest.get("run_name") if isinstance(manifest, dict) else None
+        except (tarfile.TarError, EOFError, OSError, ValueError, RecursionError):
+            pass
+    if not isinstance(name, str) or not name or name.startswith(".") or any(c in name for c in "/\\:\0"):
+        raise UserError("refused: packed from inside the run directory, and manifest.json names no run "
+                        "(a plain run_name) to unpack it as", path)
+    return name
 
 
 def describe_run(manifest: dict) -> str:

@@ -161,7 +161,7 @@ def run_dir_for(train_args: list[str], dist: str):
     if dist in SHARDED and cfg.load_in_4bit:
         raise UserError(f"DIST={dist} shards full-precision weights: add ARGS=--no_load_in_4bit "
                         "(a 4-bit base trains with DIST=ddp or zero2)")
-    _, data = formats.load_pairs(cfg.data, cfg.skip_invalid)
+    _, data = formats.load_pairs(cfg.data, cfg.skip_invalid, formats.parse_columns(cfg.columns), cfg.min_score_gap)
     if not cfg.run_name:
         cfg.run_name = runs.default_run_name(data["sha256"], dt.datetime.now(dt.timezone.utc))
         train_args = [*train_args, "--run_name", cfg.run_name]

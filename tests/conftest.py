@@ -1,5 +1,6 @@
 """Test set-up: the scripts live at the repository root, so put it on sys.path; the kit's
-tokenised-data cache goes to a directory of this test session, not the user's ~/.cache."""
+tokenised-data cache goes to a directory of this test session, not the user's ~/.cache; hypothesis's
+settings for the property tests (derandomized, the same cases every run, where CI is set)."""
 import os
 import sys
 import tempfile
@@ -7,6 +8,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("DPO_KIT_CACHE", tempfile.mkdtemp(prefix="dpo-kit-test-cache-"))
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# No example database (nothing written into the tree), no per-example deadline (2 busy cores vary a lot).
+# CI: a fixed seed, so a red build is the same cases again; locally each run tries new ones.
+settings.register_profile("kit", database=None, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+                          derandomize=bool(os.environ.get("CI")))
+settings.load_profile("kit")
 
 import atexit  # noqa: E402
 import shutil  # noqa: E402

@@ -323,6 +323,11 @@ BAD_LINES = {
     "no prompt": (json.dumps(run(prompt=None)).encode(), "prompt must be a non-empty list of messages"),
     "bad role": (json.dumps(run(prompt=[{"role": "robot", "content": "x"}])).encode(),
                  "prompt[0]: role must be one of"),
+    "list role": (json.dumps(run(prompt=[{"role": ["user"], "content": "x"}])).encode(),
+                  "prompt[0]: role must be one of assistant, system, tool, user, got ['user']"),  # was a TypeError
+    "object role": (json.dumps(run(prompt=[{"role": {"a": 1}, "content": "x"}])).encode(),
+                    "prompt[0]: role must be one of assistant, system, tool, user, got {'a': 1}"),
+    "nested 5,000 deep": (b"[" * 5000 + b"]" * 5000, "malformed JSON: nested too deep"),  # was a RecursionError
     "bad pair": (json.dumps(run(prompt=[[{"role": "user", "content": "x"}]])).encode(),
                  "prompt[0]: a [message, tag] pair has 2 items, not 1"),
     "not UTF-8": (b'{"run_id": "caf\xe9"}', "not valid UTF-8 (byte 0xe9 at column 16)"),
@@ -581,3 +586,39 @@ def test_workers_option():
     assert bp.worker_count(bp.PairsConfig(runs=str(DEMO), workers=3)) == 3
     assert bp.worker_count(bp.PairsConfig(runs=str(DEMO), workers=3, garble="model", model="m")) == 1
     assert "workers must be 0" in bp.PairsConfig(runs="x", workers=-1).problems()[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# No run log ends in a traceback: random and mutated runs, damaged lines (hypothesis).
+# ---------------------------------------------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import fuzz  # noqa: E402
+
+VALID_RUNS = [run(attempts=[ok()]), run(attempts=[failed(), ok(), ok(ZERO, 5)], run_id=7),
+              run(attempts=[failed()], prompt=[[PROMPT[0], "tag"], PROMPT[1]]), run(attempts=[])]
+
+
+@settings(max_examples=200)
+@given(data=fuzz.lines(VALID_RUNS), skip=st.booleans(), fmt=st.sampled_from(["trl", "openai"]))
+def test_no_run_log_ends_in_a_traceback(data, skip, fmt):
+    """Exit 0 (pairs written), 1 (no usable run) or 2 with `FILE:LINE: message` first; only the output and
+    report are ever written, and nothing at all when the input is refused."""
+    import contextlib
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out, report = Path(tmp, "runs.jsonl"), Path(tmp, "pairs.jsonl"), Path(tmp, "report.json")
+        src.write_bytes(data)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = kit.run_cli(bp.main, [str(src), "-o", str(out), "--report", str(report), "--workers", "1",
+                                         "--format", fmt, *(["--skip_invalid"] if skip else [])])
+        written = sorted(p.name for p in Path(tmp).iterdir())
+        if code == 2:
+            assert err.getvalue().startswith(f"{src}:") and written == ["runs.jsonl"], err.getvalue()[-2000:]
+        else:
+            assert code in (0, 1) and written == sorted(["runs.jsonl", "report.json", *(["pairs.jsonl"] * (1 - code))])
+            formats.load_pairs(str(out)) if code == 0 else None  # what it wrote trains

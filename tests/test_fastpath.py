@@ -4,6 +4,8 @@ giving the same outputs and gradients with the fused forwards swapped on as with
 autocast, the same to bfloat16 rounding (compared with float32: the fast path's error no larger than the
 eager modules')."""
 
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -585,3 +587,61 @@ def test_shared_prompts_and_lean_head_under_bfloat16_autocast_give_the_eager_val
 
     assert rel(got_grads, bf16_grads) < 5e-2
     assert rel(got_grads, exact_grads) <= 2 * rel(bf16_grads, exact_grads) + 1e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenize_pair: the prompt's tokens as the model sees them when it answers (the bundled tokenizer, no model).
+# ---------------------------------------------------------------------------------------------
+
+BUNDLED = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    if not (BUNDLED / "tokenizer_config.json").exists():
+        pytest.skip("bundled model not converted (make model)")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(BUNDLED)
+
+
+def test_a_completion_that_merges_with_the_prompt_is_tokenised_after_it(tokenizer):
+    """SmolLM2's template ends the generation prompt in '\\n'; an answer starting with spaces merges with it
+    ('\\n    ' is one token), and TRL's split would leave that '\\n' out of the prompt."""
+    prompt = [{"role": "user", "content": "Free some disk space."}]
+    pair = {"prompt": prompt, "chosen": [{"role": "assistant", "content": "import shutil"}],
+            "rejected": [{"role": "assistant", "content": "    import shutil"}]}
+    out = fastpath.tokenize_pair(tokenizer, pair)
+    as_answered = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
+    assert out["boundary"] == "continued" and out["prompt_ids"] == as_answered["input_ids"]
+    for side in ("chosen", "rejected"):
+        whole = tokenizer.apply_chat_template(prompt + pair[side], tokenize=False)
+        assert tokenizer.decode(out["prompt_ids"] + out[f"{side}_ids"]) == whole
+    joint = tokenizer.apply_chat_template(prompt + pair["rejected"], tokenize=True, return_dict=True)["input_ids"]
+    assert joint[:len(out["prompt_ids"])] != out["prompt_ids"]  # what TRL would have split
+
+
+def test_a_completion_on_a_token_boundary_keeps_trls_split(tokenizer):
+    pair = {"prompt": [{"role": "user", "content": "2+2?"}], "chosen": [{"role": "assistant", "content": "4"}],
+            "rejected": [{"role": "assistant", "content": "5"}]}
+    out = fastpath.tokenize_pair(tokenizer, pair)
+    joint = tokenizer.apply_chat_template(pair["prompt"] + pair["chosen"], tokenize=True, return_dict=True)["input_ids"]
+    assert out["boundary"] == "aligned" and out["prompt_ids"] + out["chosen_ids"] == joint
+    text = fastpath.tokenize_pair(tokenizer, {"prompt": "Q: 2+2?\nA:", "chosen": " 4</s>", "rejected": " 5</s>"})
+    assert text["boundary"] == "aligned"
+
+
+def test_a_template_that_renders_the_prompt_otherwise_falls_back_and_says_so(tokenizer):
+    """A template whose generation prompt the full conversation does not repeat (as Gemma's empty thought block):
+    the completion cannot be the prompt's continuation; TRL's split, counted as not_exact."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant><think></think>{% endif %}")
+    pair = {"prompt": [{"role": "user", "content": "2+2?"}], "chosen": [{"role": "assistant", "content": "4"}],
+            "rejected": [{"role": "assistant", "content": "5"}]}
+    out = fastpath.tokenize_pair(tok, pair)
+    assert out["boundary"] == "not_exact"
+    joint = tok.apply_chat_template(pair["prompt"] + pair["chosen"], tokenize=True, return_dict=True)["input_ids"]
+    assert out["prompt_ids"] + out["chosen_ids"] == joint

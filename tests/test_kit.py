@@ -200,6 +200,8 @@ def test_a_valid_tarball_verifies_and_describes_itself(tmp_path):
     ("\\evil", tarfile.REGTYPE, "absolute path '\\\\evil'"),
     ("C:/evil", tarfile.REGTYPE, "absolute path 'C:/evil'"),
     ("run1/a/../../b", tarfile.REGTYPE, "path with '..' 'run1/a/../../b'"),
+    ("run1/a\x00b", tarfile.REGTYPE, "NUL byte in the name 'run1/a\\x00b'"),  # open() raised ValueError
+    (".", tarfile.DIRTYPE, None), ("./", tarfile.DIRTYPE, None),  # the top of an archive packed from inside
     ("run1/l", tarfile.SYMTYPE, "link 'run1/l' -> 'target'"),
     ("run1/l", tarfile.LNKTYPE, "link 'run1/l' -> 'target'"),
     ("run1/d", tarfile.CHRTYPE, "special file 'run1/d'"),
@@ -265,10 +267,34 @@ def test_verify_refuses_an_archive_without_a_run_directory(tmp_path):
     good = valid_tarball(tmp_path)
     with tarfile.open(good) as tar:
         empty = repack(good, tmp_path / "empty.tar.gz", drop=set(tar.getnames()))
+    assert refusal(empty) == "refused: the archive does not start with the run's directory"
+
+
+@pytest.mark.parametrize("arcname", [".", "./", ""])
+def test_a_tarball_packed_from_inside_its_folder_verifies(tmp_path, arcname):
+    """`tar -C run1 -czf dot.tar.gz .` (first member '.', then './manifest.json', ...): what a receiver who
+    unpacked and packed again hands on. The run's name comes from manifest.json."""
+    run = fake_run(tmp_path)
     with tarfile.open(tmp_path / "dot.tar.gz", "w:gz") as tar:
-        tar.add(tmp_path / "src" / "run1", arcname=".")  # what `tar -C run1 -czf dot.tar.gz .` makes
-    for t in (empty, tmp_path / "dot.tar.gz"):
-        assert refusal(t) == "refused: the archive does not start with the run's directory"
+        if arcname == "":  # no '.' member: the files alone, as `tar -czf x.tar.gz *` packs them
+            for f in sorted(run.iterdir()):
+                tar.add(f, arcname=f.name)
+        else:
+            tar.add(run, arcname=arcname)
+    manifest = verify_tarball(tmp_path / "dot.tar.gz", extract_to=tmp_path / "x")
+    assert manifest["run_name"] == "run1" and file_hashes(tmp_path / "x" / "run1") == manifest["files"]
+    (run / "README.md").write_text("changed\n")  # and its files are still checked against the manifest
+    with tarfile.open(tmp_path / "bad.tar.gz", "w:gz") as tar:
+        tar.add(run, arcname=".")
+    assert "README.md: sha256 differs from manifest.json" in refusal(tmp_path / "bad.tar.gz")
+
+
+@pytest.mark.parametrize("run_name", [None, "", "../up", ".hidden", "a/b", 7])
+def test_a_flat_tarball_needs_a_plain_run_name(tmp_path, run_name):
+    run = fake_run(tmp_path, run_name=run_name)
+    with tarfile.open(tmp_path / "dot.tar.gz", "w:gz") as tar:
+        tar.add(run, arcname=".")
+    assert "manifest.json names no run" in refusal(tmp_path / "dot.tar.gz")
 
 
 @pytest.mark.parametrize("name", ["run1/README.md/x", "run1"])
@@ -390,3 +416,63 @@ def test_open_run_names_what_a_foreign_config_lacks(tmp_path):
     with pytest.raises(UserError) as e:
         runs.open_run(run, tmp_path / "work")
     assert str(e.value).startswith(f"{run / 'config.json'}: config.json is not a train_dpo.py run's (no load_in_4bit,")
+
+
+# ---------------------------------------------------------------------------------------------
+# No archive ends in a traceback: random members added to a good run, packed either way, damaged (hypothesis).
+# ---------------------------------------------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+EXTRA_MEMBERS = st.one_of(
+    st.sampled_from([(".", tarfile.DIRTYPE), ("./", tarfile.DIRTYPE), (".", tarfile.REGTYPE), ("..", tarfile.DIRTYPE),
+                     ("TOP/README.md", tarfile.REGTYPE), ("TOP/manifest.json", tarfile.REGTYPE),
+                     ("TOP/adapter_config.json", tarfile.REGTYPE), ("TOP/README.md/x", tarfile.REGTYPE),
+                     ("TOP/README.md", tarfile.DIRTYPE), ("TOP", tarfile.REGTYPE), ("TOP/l", tarfile.SYMTYPE),
+                     ("TOP/h", tarfile.LNKTYPE), ("TOP/f", tarfile.FIFOTYPE), ("TOP/../../escape", tarfile.REGTYPE),
+                     ("ABS/abs-escape", tarfile.REGTYPE), ("TOP/" + "n" * 300, tarfile.REGTYPE),
+                     ("TOP/" + "/".join(["d"] * 200), tarfile.REGTYPE), ("run2/x", tarfile.REGTYPE),
+                     ("manifest.json", tarfile.REGTYPE), ("./manifest.json", tarfile.REGTYPE)]),
+    st.tuples(st.text(max_size=12).map(lambda t: "TOP/" + t), st.sampled_from([tarfile.REGTYPE, tarfile.DIRTYPE])))
+MEMBER_DATA = st.sampled_from([b"", b"pwned", b"{}", b"[]", b'{"run_name": "run1", "files": []}',
+                               b'{"run_name": "../x"}', b"\xff\xfe", b"[" * 5000])
+
+
+@settings(max_examples=80)
+@given(flat=st.booleans(), extra=st.lists(st.tuples(EXTRA_MEMBERS, MEMBER_DATA), max_size=4),
+       damage=st.sampled_from(["none", "none", "cut", "flip"]), where=st.integers(0, 10 ** 6))
+def test_no_archive_ends_in_a_traceback(flat, extra, damage, where):
+    """verify gives the manifest or `refused`/`not readable` naming the archive; whatever the members, nothing
+    lands outside the directory it extracts into."""
+    import gzip
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        run = fake_run(tmp)
+        top = "." if flat else "run1"
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            tar.add(run, arcname=top)
+            for (name, kind), data in extra:
+                name = name.replace("TOP", top).replace("ABS", str(tmp))
+                info, payload = member(name, kind, data, linkname="/etc/passwd")
+                tar.addfile(info, None if payload is None else io.BytesIO(payload))
+        packed = gzip.compress(buf.getvalue(), mtime=0)
+        if damage == "cut":
+            packed = packed[:where % len(packed)]
+        elif damage == "flip":
+            i = where % len(packed)
+            packed = packed[:i] + bytes([packed[i] ^ 0x55]) + packed[i + 1:]
+        archive = tmp / "run1.tar.gz"
+        archive.write_bytes(packed)
+        before = snapshot(tmp)
+        try:
+            manifest = verify_tarball(archive, extract_to=tmp / "x")
+            assert manifest["run_name"] == "run1" and file_hashes(tmp / "x" / "run1") == manifest["files"]
+        except UserError as e:
+            assert e.path == archive and e.line is None and str(e).startswith(f"{archive}:")
+        assert [p for p in snapshot(tmp) if not p[0].startswith("x")] == before
+        assert not (tmp / "escape").exists() and not (tmp / "abs-escape").exists()

@@ -288,14 +288,15 @@ def pairs_in(fmt: str) -> list[dict]:
     return rows
 
 
-def small_run(tmp_path, fmt, name, *extra):
-    """Two real DPO steps in-process (imports and the model cache are shared between tests).
-    Returns the run directory and what the run printed."""
+def small_run(tmp_path, fmt, name, *extra, data=None):
+    """Two real DPO steps in-process (imports and the model cache are shared between tests), on pairs_in(fmt)
+    or on `data` (a path) when given. Returns the run directory and what the run printed."""
     import contextlib
     import io
 
-    data = tmp_path / f"{fmt}.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in pairs_in(fmt)))
+    if data is None:
+        data = tmp_path / f"{fmt}.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in pairs_in(fmt)))
     args = ["--data", data, "--output_dir", tmp_path / "art", "--run_name", name, "--max_steps", 2,
             "--per_device_train_batch_size", 2, "--max_length", 96, "--lora_r", 4, "--lora_alpha", 8,
             "--learning_rate", 5e-4, "--eval_fraction", 0, "--probes", "", *extra]
@@ -345,6 +346,67 @@ def test_each_format_trains_to_a_complete_run_that_peft_loads(tmp_path, fmt):
     assert f"format {fmt}" in out
     check_complete_run(run_dir, steps=2)
     assert generate(run_dir, "How do I free disk space?")
+
+
+def public_set_rows(family: str) -> list[dict]:
+    """PAIRS in the columns of a public preference set (a few rows each, with the columns the kit ignores)."""
+    rows = []
+    for i, (q, good, bad) in enumerate(PAIRS):
+        u, a = {"role": "user", "content": q}, lambda t: {"role": "assistant", "content": t}
+        rows.append({
+            "ultrafeedback": {"prompt": q, "prompt_id": f"p{i}", "chosen": [u, a(good)], "rejected": [u, a(bad)],
+                              "messages": [u, a(good)], "score_chosen": 8.0, "score_rejected": 2.0 + i},
+            "orca": {"system": "You are a careful Linux admin." if i % 2 else "", "question": q, "chosen": good,
+                     "rejected": "    " + bad if i == 0 else bad},  # leading spaces merge with the prompt's last token
+            "argilla": {"system": "", "input": q, "chosen": good, "rejected": bad, "generations": [good, bad],
+                        "status": "unchanged", "chosen_score": 9.0},
+            "custom": {"instruction": q, "good": good, "bad": bad, "sys": "Be brief.", "g": 9, "b": 9 - 2 * i},
+        }[family])
+    return rows
+
+
+@needs_model
+@pytest.mark.integration
+def test_public_preference_sets_in_each_file_type_train_a_step(tmp_path):
+    """UltraFeedback as Parquet, Intel/orca_dpo_pairs as gzipped JSONL and argilla's orca pairs as a JSON array, in
+    one directory: one step trains on all three, and data.json names each file's format and ignored columns."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    d = tmp_path / "sets"
+    d.mkdir()
+    pq.write_table(pa.Table.from_pylist(public_set_rows("ultrafeedback")), d / "ultrafeedback.parquet")
+    (d / "orca.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in public_set_rows("orca"))
+                                                    .encode()))
+    (d / "argilla.json").write_text(json.dumps(public_set_rows("argilla"), indent=2))
+    run_dir, out = small_run(tmp_path, "", "sets", "--max_steps", 1, data=d)
+    data = json.loads((run_dir / "data.json").read_text())
+    assert (data["format"], data["pairs"], data["pairs_trained"]) == ("system_question+ultrafeedback", 12, 12)
+    assert {f["path"]: (f["format"], f["ignored_columns"]) for f in data["files"]} == {
+        "argilla.json": ("system_question", {"chosen_score": 4, "generations": 4, "status": 4}),
+        "orca.jsonl.gz": ("system_question", {}),
+        "ultrafeedback.parquet": ("ultrafeedback", {"messages": 4, "prompt_id": 4, "score_chosen": 4,
+                                                    "score_rejected": 4})}
+    assert data["ignored_columns"]["prompt_id"] == 4 and "columns ignored (rows):" in out
+    # the answer that starts with spaces is tokenised after the prompt's own tokens (fastpath.tokenize_pair)
+    assert data["boundary"] == {"aligned": 11, "continued": 1, "not_exact": 0}
+
+
+@needs_model
+@pytest.mark.integration
+def test_a_column_mapping_with_a_score_gap_trains_a_step(tmp_path):
+    """Any other shape, named with --columns (system included), and pairs too close in score left out."""
+    data = tmp_path / "custom.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in public_set_rows("custom")))
+    columns = "prompt=instruction,chosen=good,rejected=bad,system=sys,score_chosen=g,score_rejected=b"
+    run_dir, out = small_run(tmp_path, "", "custom", "--max_steps", 1, "--columns", columns, "--min_score_gap", 1,
+                             data=data)
+    data = json.loads((run_dir / "data.json").read_text())
+    assert (data["format"], data["pairs"], data["score_gap_dropped"], data["ignored_columns"]) == (
+        "system_question", 3, 1, {})
+    assert data["columns"]["prompt"] == "instruction" and data["min_score_gap"] == 1.0
 
 
 def check_complete_run(run_dir: Path, steps: int):
