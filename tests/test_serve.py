@@ -1,4 +1,4 @@
-"""serve.py: the pure mappings, then a real service (uvicorn in a subprocess on a free port) driven by the official
+"""serve.py and jobs.py: the pure mappings, then a real service (uvicorn in a subprocess on a free port) driven by the official
 openai SDK and by nip's JSON shapes over httpx, training the bundled model for a few steps per job."""
 import json
 import os
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import jobs
 import models
 import runs
 import serve
@@ -61,14 +62,14 @@ def test_names_commands_and_pages():
         "ft:SmolLM2-135M-Instruct:dpo-kit:abc"
     cfg = serve.ServeConfig(output_dir="out")
     flags = ["--data", "d.jsonl", "--output_dir", "out", "--run_name", "ftjob-1", "--beta", "0.2"]
-    assert serve.train_command(cfg, flags, "py")[1:] == [str(ROOT / "train_dpo.py"), *flags]
-    assert serve.train_command(serve.ServeConfig(gpus="2"), flags, "py")[1:4] == [str(ROOT / "scaleout.py"),
+    assert jobs.train_command(cfg, flags, "py")[1:] == [str(ROOT / "train_dpo.py"), *flags]
+    assert jobs.train_command(serve.ServeConfig(gpus="2"), flags, "py")[1:4] == [str(ROOT / "scaleout.py"),
                                                                                   "--gpus", "2"]
-    docker = serve.train_command(serve.ServeConfig(runner="docker", gpus="all"), flags, "py")
+    docker = jobs.train_command(serve.ServeConfig(runner="docker", gpus="all"), flags, "py")
     assert docker[1:] == [str(ROOT / "launcher.py"), "train", "--data", "d.jsonl", "--output_dir", "out",
                           "--run_name", "ftjob-1", "--gpus", "all", "--", "--beta", "0.2"]
     assert serve.page([1, 2, 3], 2) == {"object": "list", "data": [1, 2], "has_more": True}
-    assert serve.new_id("file") != serve.new_id("file")
+    assert jobs.new_id("file") != jobs.new_id("file")
 
 
 def test_input_kind_tells_run_logs_sft_and_pairs_apart(tmp_path):
@@ -77,7 +78,7 @@ def test_input_kind_tells_run_logs_sft_and_pairs_apart(tmp_path):
                                ("pairs", {"prompt": "a", "chosen": "b", "rejected": "c"}, "pairs")):
         path = tmp_path / f"{name}.jsonl"
         path.write_text("\n" + json.dumps(record) + "\n")
-        assert serve.input_kind(path) == kind
+        assert jobs.input_kind(path) == kind
 
 
 def test_service_refuses_bad_options_and_an_open_host_without_a_key(monkeypatch):
@@ -198,7 +199,7 @@ def test_openai_sdk_uploads_trains_polls_reads_events_and_chats_then_continues(s
                                          method={"type": "dpo", "dpo": {"hyperparameters": {
                                              "beta": 0.2, "batch_size": 2, "n_epochs": 1}}})
     assert job.status == "validating_files" and job.fine_tuned_model is None
-    job = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in serve.TERMINAL)
+    job = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in jobs.TERMINAL)
     assert job.status == "succeeded", (job.error, job_log(service.out, job.id)[-2000:])
     assert job.fine_tuned_model.startswith("ft:SmolLM2-135M-Instruct:first:") and job.trained_tokens > 0
     assert job.method.dpo.hyperparameters.beta == 0.2 and job.finished_at >= job.created_at
@@ -228,7 +229,7 @@ def test_openai_sdk_uploads_trains_polls_reads_events_and_chats_then_continues(s
 
     second = client.fine_tuning.jobs.create(model=job.fine_tuned_model, training_file=f.id,
                                             method={"type": "dpo", "dpo": {"hyperparameters": {"batch_size": 2}}})
-    second = wait_for(lambda: client.fine_tuning.jobs.retrieve(second.id), lambda j: j.status in serve.TERMINAL)
+    second = wait_for(lambda: client.fine_tuning.jobs.retrieve(second.id), lambda j: j.status in jobs.TERMINAL)
     assert second.status == "succeeded", (second.error, job_log(service.out, second.id)[-2000:])
     manifest = json.loads((service.out / second.id / "manifest.json").read_text())
     assert manifest["init_adapter"]["run_name"] == job.id  # continued from the first job's adapter
@@ -246,7 +247,7 @@ def test_a_bad_line_fails_the_job_naming_the_line_and_http_errors_are_openai_sha
     path.write_text(openai_pairs(2) + '{"input": {"messages": []}, "preferred_output": \n')
     f = client.files.create(file=open(path, "rb"), purpose="fine-tune")
     job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f.id, method={"type": "dpo"})
-    job = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in serve.TERMINAL)
+    job = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in jobs.TERMINAL)
     assert job.status == "failed" and job.error.param == "training_file"
     assert job.error.message.startswith("bad.jsonl:3: malformed JSON"), job.error.message
 
@@ -342,7 +343,7 @@ def test_the_service_stopped_mid_job_by_sigterm_and_kill_9_resumes_it_to_succeed
         wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id).status, lambda s: s == "running",
                  what="the job to take its place again (its old training saves first, holding the lock)")
         assert client.fine_tuning.jobs.retrieve(queued_behind.id).status == "queued"  # first come, first trained
-        job = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in serve.TERMINAL)
+        job = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in jobs.TERMINAL)
         assert job.status == "succeeded", (job.error, job_log(out, job.id)[-3000:])
     finally:
         if queued_behind is not None:
@@ -356,7 +357,7 @@ def test_the_service_stopped_mid_job_by_sigterm_and_kill_9_resumes_it_to_succeed
 
 def client_events(out: Path, job_id: str) -> list:
     """The job's metrics events, read from the service's store after it stopped."""
-    store = serve.Store(out / "serve")
+    store = jobs.Store(out / "serve")
 
     class Event:
         def __init__(self, row):
@@ -375,7 +376,7 @@ def test_raw_run_logs_become_pairs_by_the_rules_and_sft_files_become_a_supervise
                                              method={"type": method})
         wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id).status, lambda s: s != "validating_files")
         client.fine_tuning.jobs.cancel(job.id)  # only the validation is under test here
-        jobs[name] = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in serve.TERMINAL)
+        jobs[name] = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in jobs.TERMINAL)
     events = list(client.fine_tuning.jobs.list_events(jobs["runs.jsonl"].id, limit=100))
     (built,) = [e for e in events if e.data and "pairs_by_rule" in e.data]
     subprocess.run([sys.executable, "build_pairs.py", "data/runs.jsonl", "-o", tmp_path / "p.jsonl", "--report",

@@ -1,0 +1,443 @@
+"""The jobs behind serve.py: files, jobs and events in one SQLite file, and the scheduler that validates a
+job's training file, starts its training as a separate process, follows its metrics and reaps it.
+
+Used by serve.py (the HTTP side); nothing here imports FastAPI. `Store(root)` opens or creates
+<root>/serve.db (WAL); `Scheduler(cfg, store).start()` runs the queue until `.stop_all()`. cfg: serve.py's
+ServeConfig (the scheduler reads its runner, gpus, train_args, output_dir and timings).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import kit
+import runs
+from kit import UserError
+
+ROOT = Path(__file__).resolve().parent
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+def new_id(prefix: str) -> str:
+    """A random id (96 bits): nothing about one id tells another."""
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def user_error_message(e: UserError, filename: str) -> str:
+    """A validation error naming the client's file and line, never the service's path."""
+    return f"{filename}:{e.line}: {e.message}" if e.line else f"{filename}: {e.message}"
+
+
+def input_kind(path: str | os.PathLike) -> str:
+    """What a training file holds, by its first record: 'run_log' (build_pairs.py's input: a strategy and its
+    attempts), 'sft' (messages ending with the assistant's answer) or 'pairs' (any pair format)."""
+    with open(path, "rb") as f:
+        for raw in f:
+            if raw.strip():
+                try:
+                    first = json.loads(raw)
+                except ValueError:
+                    return "pairs"  # formats.load_pairs reports the line
+                if isinstance(first, dict) and "attempts" in first and "strategy" in first:
+                    return "run_log"
+                if isinstance(first, dict) and set(first) <= {"messages", "tools", "parallel_tool_calls"}:
+                    return "sft"
+                return "pairs"
+    return "pairs"
+
+
+def train_command(cfg, flags: list[str], python: str = sys.executable) -> list[str]:
+    """The process a job runs: train_dpo.py here, scaleout.py (accelerate) for several GPUs, launcher.py for
+    the kit's container. flags: train_dpo.py's, with --data, --output_dir and --run_name."""
+    if cfg.runner == "docker":
+        args = dict(zip(flags[::2], flags[1::2]))  # the three the launcher takes itself come first in flags
+        rest = flags[6:]
+        return [python, str(ROOT / "launcher.py"), "train", "--data", args["--data"], "--output_dir",
+                args["--output_dir"], "--run_name", args["--run_name"], *(["--gpus", cfg.gpus] if cfg.gpus else []),
+                "--", *rest]
+    if cfg.gpus and cfg.gpus not in ("all", "1"):
+        return [python, str(ROOT / "scaleout.py"), "--gpus", cfg.gpus, "--", *flags]
+    return [python, str(ROOT / "train_dpo.py"), *flags]
+
+
+def job_flags(cfg, job: dict) -> list[str]:
+    """train_dpo.py's flags for a job: where its data and run are, the service's --train_args, then the job's
+    base, parent adapter (a fine-tuned model continues from its adapter) and hyperparameters."""
+    import shlex
+
+    parent = job["init_adapter"] and (f"/artifacts/{job['init_adapter']}" if cfg.runner == "docker"
+                                      else str(Path(cfg.output_dir) / job["init_adapter"]))
+    return ["--data", job["data"], "--output_dir", cfg.output_dir, "--run_name", job["id"], *shlex.split(cfg.train_args),
+            "--model_name_or_path", job["base"], *(["--init_adapter", parent] if parent else []), *job["flags"]]
+
+
+def metrics_event(row: dict) -> tuple[str, dict]:
+    """A metrics.jsonl row as an OpenAI metrics event: its message and data."""
+    data = {"step": row["step"], "epoch": row.get("epoch")}
+    names = {"loss": "train_loss", "rewards/margins": "train_reward_margin",
+             "rewards/accuracies": "train_reward_accuracy", "eval_loss": "valid_loss",
+             "eval_rewards/margins": "valid_reward_margin", "eval_rewards/accuracies": "valid_reward_accuracy",
+             "num_tokens": "trained_tokens", "learning_rate": "learning_rate"}
+    data |= {new: row[old] for old, new in names.items() if isinstance(row.get(old), (int, float))}
+    words = [f"{k}={data[k]:.4g}" for k in ("train_loss", "train_reward_margin", "train_reward_accuracy",
+                                           "valid_loss") if k in data]
+    return f"Step {row['step']}: {', '.join(words)}", data
+
+
+# ---------------------------------------------------------------------------------------------
+# The store: files, jobs and events in one SQLite file (WAL: readers never wait on the writer).
+# ---------------------------------------------------------------------------------------------
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS files (id TEXT PRIMARY KEY, bytes INTEGER, created_at INTEGER, filename TEXT,
+    purpose TEXT, path TEXT);
+CREATE TABLE IF NOT EXISTS jobs (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, created_at INTEGER,
+    api TEXT, status TEXT, model TEXT, base TEXT, init_adapter TEXT, training_file TEXT, validation_file TEXT,
+    method TEXT, hyperparameters TEXT, flags TEXT, suffix TEXT, seed INTEGER, metadata TEXT, nip_config TEXT,
+    fine_tuned_model TEXT, finished_at INTEGER, trained_tokens INTEGER, error TEXT, result_files TEXT,
+    data TEXT, pid INTEGER, stop_request TEXT, metrics_step INTEGER DEFAULT 0, waiting_on INTEGER);
+CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, job_id TEXT,
+    created_at INTEGER, level TEXT, message TEXT, type TEXT, data TEXT);
+CREATE INDEX IF NOT EXISTS events_job ON events (job_id, seq);
+"""
+JSON_COLUMNS = ("method", "hyperparameters", "flags", "metadata", "nip_config", "error", "result_files")
+
+
+class Store:
+    """The service's state. One connection per call (sqlite3 connections are cheap and not shared between
+    threads); autocommit, so each statement is its own transaction."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.files_dir = root / "files"
+        self.jobs_dir = root / "jobs"
+        for d in (self.files_dir, self.jobs_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self.path = root / "serve.db"
+        with self.connect() as db:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.executescript(SCHEMA)
+
+    @contextlib.contextmanager
+    def connect(self):
+        db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+        db.row_factory = sqlite3.Row
+        try:
+            yield db
+        finally:
+            db.close()
+
+    def query(self, sql: str, *args) -> list[dict]:
+        with self.connect() as db:
+            return [self._row(r) for r in db.execute(sql, args).fetchall()]
+
+    def execute(self, sql: str, *args) -> None:
+        with self.connect() as db:
+            db.execute(sql, args)
+
+    @staticmethod
+    def _row(row) -> dict:
+        d = dict(row)
+        for k in JSON_COLUMNS:
+            if k in d and d[k] is not None:
+                d[k] = json.loads(d[k])
+        return d
+
+    def insert(self, table: str, values: dict) -> None:
+        values = {k: json.dumps(v) if k in JSON_COLUMNS and v is not None else v for k, v in values.items()}
+        self.execute(f"INSERT INTO {table} ({', '.join(values)}) VALUES ({', '.join('?' * len(values))})",
+                     *values.values())
+
+    def update_job(self, job_id: str, **values) -> None:
+        values = {k: json.dumps(v) if k in JSON_COLUMNS and v is not None else v for k, v in values.items()}
+        self.execute(f"UPDATE jobs SET {', '.join(f'{k} = ?' for k in values)} WHERE id = ?", *values.values(), job_id)
+
+    def move(self, job_id: str, from_statuses: tuple, **values) -> bool:
+        """update_job only while the job is still in one of from_statuses (a cancel that came in between wins)."""
+        values = {k: json.dumps(v) if k in JSON_COLUMNS and v is not None else v for k, v in values.items()}
+        with self.connect() as db:
+            cursor = db.execute(f"UPDATE jobs SET {', '.join(f'{k} = ?' for k in values)} WHERE id = ? AND status IN "
+                                f"({', '.join('?' * len(from_statuses))})", (*values.values(), job_id, *from_statuses))
+            return cursor.rowcount == 1
+
+    def job(self, job_id: str) -> dict | None:
+        rows = self.query("SELECT * FROM jobs WHERE id = ?", job_id)
+        return rows[0] if rows else None
+
+    def file(self, file_id: str) -> dict | None:
+        rows = self.query("SELECT * FROM files WHERE id = ?", file_id)
+        return rows[0] if rows else None
+
+    def event(self, job_id: str, message: str, level: str = "info", kind: str = "message", data=None) -> None:
+        self.insert("events", {"id": new_id("ftevent"), "job_id": job_id, "created_at": now(), "level": level,
+                               "message": message, "type": kind, "data": json.dumps(data) if data is not None else None})
+
+    def add_file(self, filename: str, purpose: str, path: Path, size: int, file_id: str | None = None) -> dict:
+        row = {"id": file_id or new_id("file"), "bytes": size, "created_at": now(), "filename": filename,
+               "purpose": purpose, "path": str(path)}
+        self.insert("files", row)
+        return row
+
+
+# ---------------------------------------------------------------------------------------------
+# The scheduler: validates files, starts trainings as processes, follows their metrics, reaps them.
+# ---------------------------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """The training gets SIGTERM when the service dies, even by kill -9: it saves a checkpoint and stops, and
+    the service, started again, resumes it (Linux; elsewhere the training runs on to its end)."""
+    import ctypes
+
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class Scheduler(threading.Thread):
+    """One thread owns every training process (it started them: PR_SET_PDEATHSIG follows the thread that forks).
+    HTTP handlers only write requests into the store (stop_request); this thread acts on them."""
+
+    def __init__(self, cfg, store: Store):
+        super().__init__(name="scheduler", daemon=True)
+        self.cfg, self.store = cfg, store
+        self.out = Path(cfg.output_dir)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.stopping = threading.Event()
+        self.stopped = threading.Event()
+        self.recover()
+
+    def recover(self) -> None:
+        """After a restart (however the last service ended), a job marked running has no process here: it goes
+        back to the queue and resumes from its checkpoint; a stop asked for before the restart is honoured."""
+        for job in self.store.query("SELECT * FROM jobs WHERE status = 'running'"):
+            stop = job["stop_request"]
+            status = {"cancel": "cancelled", "pause": "paused"}.get(stop, "queued")
+            self.store.update_job(job["id"], status=status, pid=None, stop_request=None,
+                                  finished_at=now() if status == "cancelled" else None)
+            self.store.event(job["id"], "The service restarted: the job resumes from its last checkpoint"
+                             if status == "queued" else f"The service restarted: job {status}")
+
+    def run(self) -> None:
+        while not self.stopping.wait(self.cfg.poll_seconds):
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - the scheduler must outlive any one job's surprise
+                traceback.print_exc()
+        self.stop_all()
+        self.stopped.set()
+
+    def tick(self) -> None:
+        for job in self.store.query("SELECT * FROM jobs WHERE status = 'validating_files' ORDER BY seq"):
+            self.validate(job)
+        for job_id, proc in list(self.procs.items()):
+            job = self.store.job(job_id)
+            self.follow_metrics(job)
+            if proc.poll() is not None:
+                self.reap(job, proc.returncode)
+            elif job["stop_request"] and not getattr(proc, "signalled", False):
+                proc.send_signal(signal.SIGTERM)  # train_dpo.py saves a checkpoint at the end of the step
+                proc.signalled = True
+        for job in self.store.query("SELECT * FROM jobs WHERE status = 'queued' ORDER BY seq"):
+            if len(self.procs) >= self.cfg.max_jobs or not self.launch(job):
+                break  # first come, first trained: a job waiting on its lock keeps its place
+
+    # -- validation: the whole file checked before the job is queued ------------------------------------
+    def validate(self, job: dict) -> None:
+        try:
+            data = self.prepare_data(job)
+        except UserError as e:
+            param = getattr(e, "param", "training_file")
+            self.fail(job, "invalid_file", user_error_message(e, getattr(e, "filename", "training_file")), param)
+            return
+        if self.store.move(job["id"], ("validating_files",), status="queued", data=data):
+            self.store.event(job["id"], "Files validated; the job is queued")
+
+    def prepare_data(self, job: dict) -> str:
+        """The training file validated in full (pairs), turned into pairs by the retraining rules (run logs) or
+        into SFT pairs (method supervised); the validation file checked too. Returns the pairs file to train on."""
+        import formats
+
+        work = self.store.jobs_dir / job["id"]
+        work.mkdir(parents=True, exist_ok=True)
+        for param in ("training_file", "validation_file"):
+            if not job[param]:
+                continue
+            f = self.store.file(job[param])
+            if f is None:
+                raise _with(UserError("the file was deleted before the job started"), param, job[param])
+            try:
+                if param == "validation_file":
+                    formats.load_pairs(f["path"])
+                    self.store.event(job["id"], "validation_file checked; the kit evaluates on a held-out share "
+                                     "of the training pairs (--eval_fraction), not on this file", level="warn")
+                    continue
+                data = self.training_pairs(job, f, work)
+            except UserError as e:
+                raise _with(e, param, f["filename"]) from None
+        return data
+
+    def training_pairs(self, job: dict, f: dict, work: Path) -> str:
+        import formats
+
+        kind = input_kind(f["path"])
+        if job["method"]["type"] == "supervised":
+            import iterate
+            import self_pairs
+
+            examples = self_pairs.read_examples(f["path"], need_answer=True)
+            records = iterate.sft_pairs(examples, 0)
+            out = work / "train.pairs.jsonl"
+            kit.atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+            self.store.event(job["id"], f"{len(records)} SFT examples read from {f['filename']}")
+            return str(out)
+        if kind == "run_log":
+            return self.pairs_from_runs(job, f, work)
+        _, stats = formats.load_pairs(f["path"])
+        self.store.event(job["id"], f"{stats['pairs']} pairs in {f['filename']} (format {stats['format']})",
+                         data={"pairs": stats["pairs"], "format": stats["format"]})
+        return f["path"]
+
+    def pairs_from_runs(self, job: dict, f: dict, work: Path) -> str:
+        """An agent's raw run logs -> pairs by the retraining rules (build_pairs.py), with what was kept and
+        dropped as an event."""
+        import io
+
+        import build_pairs
+
+        out, report = work / "train.pairs.jsonl", work / "pairs.report.json"
+        log = io.StringIO()
+        with contextlib.redirect_stderr(log), contextlib.redirect_stdout(log):
+            status = build_pairs.main([f["path"], "-o", str(out), "--report", str(report), "--workers", "1"])
+        if status != 0:
+            raise UserError("no usable run in the file (nothing succeeded, or nothing to pair)")
+        s = json.loads(report.read_text())
+        self.store.event(job["id"], f"{s['runs_read']} runs read from {f['filename']}: {s['pairs_written']} pairs "
+                         f"({', '.join(f'{k} {v}' for k, v in s['pairs_by_rule'].items())}); dropped: "
+                         f"{', '.join(f'{k} {v}' for k, v in s['runs_dropped'].items())}, "
+                         f"{s['duplicates_removed']} duplicate pairs",
+                         data={k: s[k] for k in ("runs_read", "runs_by_outcome", "runs_dropped", "pairs_written",
+                                                 "pairs_by_rule", "duplicates_removed")})
+        return str(out)
+
+    # -- processes --------------------------------------------------------------------------------
+    def launch(self, job: dict) -> bool:
+        """Start the job's training; False when a process (the last service's training, still saving) holds the
+        run's lock."""
+        holder = runs.lock_holder(self.out, job["id"])
+        if holder is not None:  # an earlier training of this run (the last service's) is still saving
+            if job["waiting_on"] != holder:
+                self.store.update_job(job["id"], waiting_on=holder)
+                self.store.event(job["id"], f"Waiting for pid {holder}, which holds the run's lock")
+            return False
+        if not self.store.move(job["id"], ("queued",), status="running", waiting_on=None):
+            return True  # cancelled or paused a moment ago
+        last = runs.last_checkpoint(runs.Run(self.out, job["id"]).checkpoints)
+        command = train_command(self.cfg, job_flags(self.cfg, job))
+        log = open(self.store.jobs_dir / job["id"] / "train.log", "ab")
+        log.write(f"\n[serve] {' '.join(command)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, preexec_fn=_die_with_parent)
+        log.close()
+        self.procs[job["id"]] = proc
+        self.store.update_job(job["id"], pid=proc.pid)
+        self.store.event(job["id"], f"Resuming from {last.name}" if last else "Fine-tuning job started",
+                         data={"pid": proc.pid})
+        return True
+
+    def follow_metrics(self, job: dict) -> None:
+        """New metrics.jsonl rows (steps not yet reported) as metrics events."""
+        run = runs.Run(self.out, job["id"])
+        rows = runs.read_metrics(run.partial if run.partial.exists() else run.final)
+        seen = job["metrics_step"] or 0
+        for row in rows:
+            if row["step"] > seen and "train_runtime" not in row and "loss" in row:
+                message, data = metrics_event(row)
+                self.store.event(job["id"], message, kind="metrics", data=data)
+                seen = row["step"]
+        if seen != job["metrics_step"]:
+            self.store.update_job(job["id"], metrics_step=seen)
+
+    def reap(self, job: dict, rc: int) -> None:
+        """The process ended: succeeded (the run is complete), or stopped as asked (cancel, pause, the service
+        stopping), or failed with the run's own error."""
+        del self.procs[job["id"]]
+        run = runs.Run(self.out, job["id"])
+        status = runs.read_json((run.final if run.final.exists() else run.partial) / "status.json")
+        stop = job["stop_request"]
+        self.store.update_job(job["id"], pid=None, stop_request=None)
+        if rc == 0 and run.final.exists():
+            return self.succeed(job, run)
+        step = status.get("step")
+        if stop == "cancel":
+            self.store.update_job(job["id"], status="cancelled", finished_at=now())
+            self.store.event(job["id"], f"Job cancelled; its checkpoint (step {step}) is kept")
+        elif stop == "pause":
+            self.store.update_job(job["id"], status="paused")
+            self.store.event(job["id"], f"Job paused at step {step}; resume continues from its checkpoint")
+        elif stop == "shutdown":
+            self.store.update_job(job["id"], status="queued")
+            self.store.event(job["id"], f"The service is stopping: checkpoint at step {step}; the job resumes "
+                             "when the service starts again")
+        elif rc == kit.EXIT_USAGE and "is in use by pid" in str(status.get("error", "")) + self.log_tail(job):
+            self.store.update_job(job["id"], status="queued")  # another process holds the run: try again later
+        else:
+            message = status.get("error") or self.log_tail(job) or f"training exited with status {rc}"
+            self.fail(job, "training_failed" if rc != kit.EXIT_USAGE else "invalid_training_options", message)
+
+    def succeed(self, job: dict, run: runs.Run) -> None:
+        metrics = runs.read_metrics(run.final)
+        tokens = max((int(r["num_tokens"]) for r in metrics if isinstance(r.get("num_tokens"), (int, float))),
+                     default=None)
+        results = [self.store.add_file(f"{job['id']}-{name}", "fine-tune-results", path, path.stat().st_size)["id"]
+                   for name, path in (("metrics.jsonl", run.final / "metrics.jsonl"), ("adapter.tar.gz", run.tarball))
+                   if path.exists()]
+        self.store.update_job(job["id"], status="succeeded", finished_at=now(), trained_tokens=tokens,
+                              fine_tuned_model=job["fine_tuned_model"], result_files=results)
+        self.store.event(job["id"], f"The job has successfully completed: {job['fine_tuned_model']}")
+
+    def fail(self, job: dict, code: str, message: str, param: str | None = None) -> None:
+        self.store.update_job(job["id"], status="failed", finished_at=now(),
+                              error={"code": code, "message": message, "param": param})
+        self.store.event(job["id"], f"Job failed: {message}", level="error")
+
+    def log_tail(self, job: dict, lines: int = 3) -> str:
+        path = self.store.jobs_dir / job["id"] / "train.log"
+        text = path.read_text(errors="replace").strip().splitlines() if path.exists() else []
+        return "\n".join(text[-lines:])
+
+    def stop_all(self) -> None:
+        """The service is stopping: every training saves a checkpoint and stops; its job goes back to the queue."""
+        for job_id, proc in self.procs.items():
+            self.store.update_job(job_id, stop_request="shutdown")
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.time() + self.cfg.shutdown_seconds
+        for job_id, proc in list(self.procs.items()):
+            try:
+                proc.wait(timeout=max(deadline - time.time(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            job = self.store.job(job_id)
+            self.follow_metrics(job)
+            self.reap(job, proc.returncode)
+
+
+def _with(e: UserError, param: str, filename: str) -> UserError:
+    e.param, e.filename = param, filename
+    return e
