@@ -369,15 +369,15 @@ def client_events(out: Path, job_id: str) -> list:
 @needs_model
 @pytest.mark.integration
 def test_raw_run_logs_become_pairs_by_the_rules_and_sft_files_become_a_supervised_job(service, client, tmp_path):
-    jobs = {}
+    done = {}
     for name, method in (("runs.jsonl", "dpo"), ("sft.jsonl", "supervised")):
         f = client.files.create(file=open(ROOT / "data" / name, "rb"), purpose="fine-tune")
         job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f.id,
                                              method={"type": method})
         wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id).status, lambda s: s != "validating_files")
         client.fine_tuning.jobs.cancel(job.id)  # only the validation is under test here
-        jobs[name] = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in jobs.TERMINAL)
-    events = list(client.fine_tuning.jobs.list_events(jobs["runs.jsonl"].id, limit=100))
+        done[name] = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in jobs.TERMINAL)
+    events = list(client.fine_tuning.jobs.list_events(done["runs.jsonl"].id, limit=100))
     (built,) = [e for e in events if e.data and "pairs_by_rule" in e.data]
     subprocess.run([sys.executable, "build_pairs.py", "data/runs.jsonl", "-o", tmp_path / "p.jsonl", "--report",
                     tmp_path / "r.json"], cwd=ROOT, check=True, capture_output=True)
@@ -385,7 +385,7 @@ def test_raw_run_logs_become_pairs_by_the_rules_and_sft_files_become_a_supervise
     assert built.data["pairs_written"] == report["pairs_written"] > 0
     assert built.data["pairs_by_rule"] == report["pairs_by_rule"] and built.data["runs_dropped"] == report["runs_dropped"]
     assert "dropped" in built.message
-    assert jobs["runs.jsonl"].status == jobs["sft.jsonl"].status == "cancelled"
-    sft_events = [e.message for e in client.fine_tuning.jobs.list_events(jobs["sft.jsonl"].id, limit=100)]
+    assert done["runs.jsonl"].status == done["sft.jsonl"].status == "cancelled"
+    sft_events = [e.message for e in client.fine_tuning.jobs.list_events(done["sft.jsonl"].id, limit=100)]
     assert any(m.startswith("6 SFT examples read from sft.jsonl") for m in sft_events)
-    assert jobs["sft.jsonl"].method.type == "supervised"
+    assert done["sft.jsonl"].method.type == "supervised"
