@@ -198,13 +198,20 @@ class Store:
 # ---------------------------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+TRAINING_NICENESS = 5  # a status request needs a millisecond of CPU; a training takes every core it can get
+
+
+def _training_child() -> None:  # pragma: no cover - runs in the child between fork and exec
     """The training gets SIGTERM when the service dies, even by kill -9: it saves a checkpoint and stops, and
-    the service, started again, resumes it (Linux; elsewhere the training runs on to its end)."""
+    the service, started again, resumes it (Linux; elsewhere the training runs on to its end). It also runs
+    at a lower CPU priority than the service, so a poll is answered at once on a machine the training keeps
+    busy (a CPU, or a GPU box's data loading); the training loses only the little the service uses."""
     import ctypes
 
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    with contextlib.suppress(OSError):
+        os.nice(TRAINING_NICENESS)
 
 
 class Scheduler(threading.Thread):
@@ -351,7 +358,7 @@ class Scheduler(threading.Thread):
         log.write(f"\n[serve] {' '.join(command)}\n".encode())
         log.flush()
         proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, preexec_fn=_die_with_parent)
+                                start_new_session=True, preexec_fn=_training_child)
         log.close()
         self.procs[job["id"]] = proc
         self.store.update_job(job["id"], pid=proc.pid)
