@@ -704,11 +704,18 @@ def liger_note(cuda: bool) -> tuple[bool, str | None]:
     return True, None
 
 
+def serve_section(out_dir: Path) -> str:
+    """The jobs service's polling measurement (results-serve.md, written by `make bench-serve`) as a section
+    of results.md, so that file has every measurement; empty until that bench has run."""
+    path = Path(out_dir) / "results-serve.md"
+    return "\n" + path.read_text(encoding="utf-8").replace("# ", "## ", 1) if path.exists() else ""
+
+
 def save(results: dict, out_dir: Path, stem: str, cfg: BenchConfig, final: bool) -> str:
     """results.json and results.md (and at the end the plot), rewritten after every measurement."""
     results["ratios"] = ratios(results["train"], cfg.length_list(), tuple(cfg.fraction_list()), every_memory=cfg.cuda)
     kit.atomic_write_json(out_dir / f"{stem}.json", results)
-    table = markdown(results)
+    table = markdown(results) + (serve_section(out_dir) if stem == "results" else "")
     kit.atomic_write_text(out_dir / f"{stem}.md", table)
     if final:
         plot(results, out_dir / f"{stem}.png")

@@ -144,6 +144,13 @@ def main(argv=None) -> int:
             log.close()
     kit.atomic_write_json(ROOT / f"{cfg.out}.json", result)
     kit.atomic_write_text(ROOT / f"{cfg.out}.md", markdown(result))
+    cpu = ROOT / "bench" / "results.json"
+    if ROOT / cfg.out == ROOT / "bench" / "results-serve" and cpu.exists():  # results.md: the training table + this
+        sys.path.insert(0, str(ROOT / "bench"))
+        import bench
+
+        kit.atomic_write_text(cpu.with_suffix(".md"), bench.markdown(json.loads(cpu.read_text()))
+                              + bench.serve_section(cpu.parent))
     print(json.dumps(result), flush=True)
     return 0
 

@@ -155,6 +155,12 @@ def test_markdown_table():
     assert "| 10,000 | 2 | 5,000 | 4,000 | 69 | 29 | 2.50 | 13 |" in text and "100.0 GFLOP/s" in text
 
 
+def test_the_service_measurement_becomes_the_last_section_of_results_md(tmp_path):
+    assert bench.serve_section(tmp_path) == ""  # before make bench-serve has run
+    (tmp_path / "results-serve.md").write_text("# serve.py: polling\n\n| p50 |\n| --- |\n| 1 ms |\n")
+    assert bench.serve_section(tmp_path) == "\n## serve.py: polling\n\n| p50 |\n| --- |\n| 1 ms |\n"
+
+
 def test_config_defaults_and_problems():
     quick = kit.parse_config(bench.BenchConfig, ["--quick"], "")
     assert quick.length_list() == [128, 256] and quick.run_sizes() == [10_000, 100_000]
