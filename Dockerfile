@@ -72,7 +72,7 @@ RUN useradd --uid ${KIT_UID} --create-home --home-dir /home/kit --shell /bin/bas
 WORKDIR /opt/kit
 # The bundled default model, converted at build time (no hub download at run time): only the scripts the
 # conversion needs, so editing build_pairs.py does not redo it.
-COPY kit.py models.py fastpath.py entrypoint.py ./
+COPY kit.py models.py shapes.py fastpath.py entrypoint.py ./
 RUN python entrypoint.py model models/SmolLM2-135M-Instruct && chmod -R a+rX models
 
 COPY . .

@@ -44,3 +44,26 @@ def test_train_dpo_is_imported_only_as_the_training_run():
                 and isinstance(n.value, ast.Name) and n.value.id == "train_dpo"}
         assert used <= TRAINING_RUN, f"{name}.py uses train_dpo.{', '.join(sorted(used - TRAINING_RUN))}"
         assert not any(isinstance(n, ast.ImportFrom) and n.module == "train_dpo" for n in ast.walk(tree)), name
+
+
+def test_the_image_converts_the_bundled_model_with_only_the_modules_it_copies_first(tmp_path):
+    """The Dockerfile copies a few modules before converting the bundled model (so editing the others does
+    not redo that step), which then runs with those alone: what they import, and what the conversion
+    imports inside its function, must be among them."""
+    import subprocess
+    import sys
+
+    lines = (ROOT / "Dockerfile").read_text().splitlines()
+    step = next(i for i, line in enumerate(lines) if line.startswith("RUN python entrypoint.py model"))
+    early = next(lines[i] for i in range(step - 1, -1, -1) if lines[i].startswith("COPY ")).split()[1:-1]
+    assert {"entrypoint.py", "models.py"} <= set(early)
+    for name in early:
+        (tmp_path / name).write_text((ROOT / name).read_text())
+    names = [name.removesuffix(".py") for name in early]
+    done = subprocess.run([sys.executable, "-c", f"import {', '.join(names)}"], cwd=tmp_path,
+                          env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    tree = ast.parse((ROOT / "models.py").read_text())
+    convert = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "export_bundled_model")
+    inside = {a.name.split(".")[0] for n in ast.walk(convert) if isinstance(n, ast.Import) for a in n.names}
+    assert inside & set(MODULES) <= set(names)
