@@ -1,6 +1,6 @@
 """Preference-pair file formats: detect each file's format, validate every row, normalise to TRL's shape.
 
-Not run on its own; train_dpo.py reads pairs through `load_pairs`. Seven formats are accepted, one per file
+Not run on its own; train_dpo.py reads pairs through `load_pairs`. Seven pair formats are accepted, one per file
 (detected from the first record, then every row must match it):
 
   trl_standard        {"prompt": "...", "chosen": "...", "rejected": "..."}
@@ -12,6 +12,10 @@ Not run on its own; train_dpo.py reads pairs through `load_pairs`. Seven formats
                       the prompt, as HuggingFaceH4/ultrafeedback_binarized ships them)
   system_question     {"system": "...", "question" | "input" | "prompt": "...", "chosen": "...", "rejected": "..."}
                       (Intel/orca_dpo_pairs, argilla/distilabel-intel-orca-dpo-pairs)
+
+and one of unpaired examples, for KTO (build_pairs.py --emit kto writes it; TRL's unpaired preference type):
+
+  kto                 {"prompt": "..." | [msgs], "completion": "..." | [msgs], "label": true | false}
 
 Other columns are ignored and counted; `--columns prompt=instruction,chosen=good` renames columns first
 (LLaMA-Factory's dataset_info.json mapping), and `--min_score_gap` drops pairs whose scores are too close.
@@ -42,12 +46,14 @@ from kit import UserError
 
 FORMATS = ("trl_standard", "trl_conversational", "implicit_prompt", "openai", "hh", "ultrafeedback",
            "system_question")
+UNPAIRED = "kto"  # the one format of unpaired examples {"prompt", "completion", "label"} (KTO); FORMATS are pairs
 # What each format reads; any other column is ignored (and counted in data.json).
 FORMAT_COLUMNS = {"trl_standard": {"prompt", "chosen", "rejected"}, "trl_conversational": {"prompt", "chosen", "rejected"},
                   "implicit_prompt": {"chosen", "rejected"}, "hh": {"chosen", "rejected"},
                   "openai": {"input", "preferred_output", "non_preferred_output"},
                   "ultrafeedback": {"prompt", "chosen", "rejected"},
-                  "system_question": {"system", "question", "input", "prompt", "chosen", "rejected"}}
+                  "system_question": {"system", "question", "input", "prompt", "chosen", "rejected"},
+                  "kto": {"prompt", "completion", "label"}}
 COLUMN_NAMES = ("prompt", "chosen", "rejected", "system", "score_chosen", "score_rejected")  # --columns targets
 # Score columns of the public sets, (chosen, rejected): read by --min_score_gap, ignored otherwise.
 SCORE_COLUMNS = (("score_chosen", "score_rejected"), ("chosen_score", "rejected_score"),
@@ -55,7 +61,8 @@ SCORE_COLUMNS = (("score_chosen", "score_rejected"), ("chosen_score", "rejected_
 SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")  # what a directory of pair files is read for
 ROLES = {"system", "user", "assistant", "tool"}
 _HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
-GENERAL_MIX = "data/general.jsonl"  # bundled general-purpose pairs: the default co-training source
+GENERAL_MIX = "data/general.jsonl"
+RUN_KEY = "_run"  # on a loaded record: its build_pairs meta.run_id (see held_out); formats.trainable drops it  # bundled general-purpose pairs: the default co-training source
 
 
 @dataclasses.dataclass
@@ -87,6 +94,8 @@ def detect_format(record: dict) -> str | None:
     """The format of one record by its keys and value types, or None if it is none of FORMATS."""
     if not isinstance(record, dict):
         return None
+    if "label" in record and "completion" in record:
+        return "kto"
     if "preferred_output" in record or "non_preferred_output" in record:
         return "openai"
     if "question" in record or isinstance(record.get("input"), str):
@@ -197,8 +206,27 @@ def _from_conversations(record: dict) -> tuple[list, list, list]:
     return prompt, chosen, rejected
 
 
+def normalise_example(record: dict) -> dict:
+    """One unpaired (KTO) record -> {"prompt", "completion", "label"}: text and text, or messages and
+    messages (the completion ending with a non-empty assistant message); label true (desirable) or false."""
+    label = record.get("label")
+    if label is not True and label is not False:
+        raise ValueError(f"label must be true (desirable) or false (undesirable), got {short(label)}")
+    prompt, completion = record.get("prompt"), record.get("completion")
+    if isinstance(prompt, list) or isinstance(completion, list):
+        prompt, completion = messages(prompt, "prompt"), messages(completion, "completion")
+        if completion[-1]["role"] != "assistant" or not completion[-1]["content"].strip():
+            raise ValueError("completion must end with a non-empty assistant message")
+    else:
+        prompt, completion = _nonempty_str(prompt, "prompt"), _nonempty_str(completion, "completion")
+    return {"prompt": prompt, "completion": completion, "label": label}
+
+
 def normalise(record: dict, fmt: str) -> dict:
-    """One record in format `fmt` -> {"prompt", "chosen", "rejected"}; ValueError says what is wrong."""
+    """One record in format `fmt` -> {"prompt", "chosen", "rejected"} ({"prompt", "completion", "label"} for
+    kto); ValueError says what is wrong."""
+    if fmt == UNPAIRED:
+        return normalise_example(record)
     if fmt == "trl_standard":
         prompt, chosen, rejected = (_nonempty_str(record.get(k), k) for k in ("prompt", "chosen", "rejected"))
     elif fmt == "trl_conversational":
@@ -442,6 +470,9 @@ def load_pairs(path: str, skip_invalid: bool = False, columns: dict | None = Non
     kinds = {isinstance(r["prompt"], list) for r in records}
     if len(kinds) > 1:
         raise UserError("mixes text and message-list pairs; use one shape (text pairs have no chat template)", path)
+    if len({is_example(r) for r in records}) > 1:
+        raise UserError("mixes preference pairs and unpaired (prompt/completion/label) examples; train them "
+                        "apart, or turn the pairs into examples with --method kto", path)
     if len(stats) == 1:
         return records, stats[0] | {"files": []}
     total = {"format": "+".join(sorted({s["format"] for s in stats})), "lines": sum(s["lines"] for s in stats),
@@ -479,7 +510,7 @@ def load_rows(path: str, rows, sha256: str, skip_invalid: bool, columns: dict,
         this = detect_format(record)
         if this is None:
             keys = short(sorted(record), 200)[1:-1] if isinstance(record, dict) else type(record).__name__
-            bad(line_no, f"unknown format (keys: {keys}); expected one of: {', '.join(FORMATS)} "
+            bad(line_no, f"unknown format (keys: {keys}); expected one of: {', '.join(FORMATS)}, {UNPAIRED} "
                 "(or name the columns with --columns)", "unknown_format")
             continue
         if fmt is None:
@@ -490,6 +521,8 @@ def load_rows(path: str, rows, sha256: str, skip_invalid: bool, columns: dict,
         try:
             pair = normalise(record, fmt)
             gap = score_gap(record) if min_score_gap else None
+            if min_score_gap and fmt == UNPAIRED:
+                raise UserError("--min_score_gap compares a pair's two scores; unpaired examples have none", path)
             if min_score_gap and gap is None:
                 raise ValueError("--min_score_gap needs scores: no " + " / ".join(
                     f"{a}, {b}" for a, b in SCORE_COLUMNS) + " columns (or map them with --columns)")
@@ -498,6 +531,9 @@ def load_rows(path: str, rows, sha256: str, skip_invalid: bool, columns: dict,
                 else "invalid_pair"
             bad(line_no, str(e), reason)
             continue
+        run_id = record.get("meta", {}).get("run_id") if isinstance(record.get("meta"), dict) else None
+        if isinstance(run_id, (str, int)) and not isinstance(run_id, bool):
+            pair[RUN_KEY] = str(run_id)  # build_pairs' meta: the held-out share is drawn by run
         used = FORMAT_COLUMNS[fmt] | ({c for pair_ in SCORE_COLUMNS for c in pair_} if min_score_gap else set())
         ignored.update(k for k in record if k not in used)
         if gap is not None and gap < min_score_gap:
@@ -516,15 +552,58 @@ def load_rows(path: str, rows, sha256: str, skip_invalid: bool, columns: dict,
                      "score_gap_dropped": gap_dropped}
 
 
+def is_example(record: dict) -> bool:
+    """An unpaired (KTO) example rather than a preference pair."""
+    return "label" in record
+
+
+def unpair(pairs: list[dict]) -> list[dict]:
+    """Pairs -> KTO examples: each chosen desirable, each rejected undesirable, the same example once (a
+    chosen answer in four pairs is one desirable example). The run key stays with each."""
+    out, seen = [], set()
+    for pair in pairs:
+        for side, label in (("chosen", True), ("rejected", False)):
+            example = {"prompt": pair["prompt"], "completion": pair[side], "label": label}
+            key = json.dumps(example, sort_keys=True, ensure_ascii=False)
+            if key in seen:
+                continue
+            seen.add(key)
+            out.append(example | ({RUN_KEY: pair[RUN_KEY]} if RUN_KEY in pair else {}))
+    return out
+
+
+def trainable(records: list[dict]) -> list[dict]:
+    """The records as the trainer sees them: without the kit's own keys (the run key)."""
+    return [{k: v for k, v in r.items() if k != RUN_KEY} for r in records]
+
+
+def preference_pairs(examples: list[dict], per_prompt: int = 4) -> list[dict]:
+    """KTO examples -> the DPO pairs they hold: for each prompt, its desirable completions against its
+    undesirable ones (at most per_prompt pairs a prompt, in file order). What lets a KTO run report the same
+    held-out preference accuracy as a DPO run."""
+    groups: dict[str, tuple[list, list]] = {}
+    for e in examples:
+        key = json.dumps(e["prompt"], sort_keys=True, ensure_ascii=False)
+        groups.setdefault(key, ([], []))[0 if e["label"] else 1].append(e)
+    out = []
+    for good, bad in groups.values():
+        made = [{"prompt": g["prompt"], "chosen": g["completion"], "rejected": b["completion"]}
+                for g in good for b in bad if g["completion"] != b["completion"]]
+        out += made[:per_prompt]
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Which pairs a run trains on: a stable held-out share, other files mixed in.
 # ---------------------------------------------------------------------------------------------
 
 
 def held_out(record: dict, fraction: float) -> bool:
-    """Whether a pair is in the held-out share: the sha256 of its canonical JSON, read as a number in
-    [0, 1), falls below `fraction`. Depends on the pair alone, so the split is stable as a file grows."""
-    digest = hashlib.sha256(json.dumps(record, sort_keys=True, ensure_ascii=False).encode("utf-8")).digest()
+    """Whether a pair (or example) is in the held-out share: the sha256 of its run id (build_pairs' meta.run_id:
+    a run's pairs and examples all fall on one side, the same runs for DPO and KTO on the same logs) or else of
+    its canonical JSON, read as a number in [0, 1), below `fraction`. Stable as a file grows."""
+    key = f"run\0{record[RUN_KEY]}" if RUN_KEY in record else json.dumps(record, sort_keys=True, ensure_ascii=False)
+    digest = hashlib.sha256(key.encode("utf-8")).digest()
     return int.from_bytes(digest[:8], "big") / 2 ** 64 < fraction
 
 

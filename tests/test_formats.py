@@ -413,3 +413,56 @@ def parquet_bytes(rows):
     except (pa.ArrowException, OverflowError, TypeError, ValueError):  # mixed types in a column: no such file
         return None
     return buf.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------
+# Unpaired examples (KTO): {"prompt", "completion", "label"}
+# ---------------------------------------------------------------------------------------------
+
+def test_unpaired_examples_are_detected_and_validated(tmp_path):
+    good = {"prompt": [U("2+2?")], "completion": [A("4")], "label": True, "meta": {"run_id": 7}}
+    assert formats.detect_format(good) == formats.UNPAIRED
+    records, stats = formats.load_pairs(write(tmp_path, [good, good | {"completion": [A("5")], "label": False}]))
+    assert stats["format"] == "kto" and stats["pairs"] == 2 and stats["ignored_columns"] == {"meta": 2}
+    assert records[1] == {"prompt": [U("2+2?")], "completion": [A("5")], "label": False, "_run": "7"}
+    assert formats.trainable(records)[1] == {"prompt": [U("2+2?")], "completion": [A("5")], "label": False}
+    assert formats.normalise({"prompt": "2+2=", "completion": " 4", "label": False}, "kto") == \
+        {"prompt": "2+2=", "completion": " 4", "label": False}
+    for bad, says in (({"label": 1}, "label must be true"), ({"completion": [U("4")]}, "assistant message"),
+                      ({"completion": "4"}, "must be a non-empty list"), ({"prompt": " "}, "must be a non-empty")):
+        with pytest.raises(UserError, match=says) as e:
+            formats.load_pairs(write(tmp_path, [good, good | bad], "bad.jsonl"))
+        assert str(e.value).startswith(f"{tmp_path / 'bad.jsonl'}:2:")
+
+
+def test_pairs_and_examples_do_not_mix_in_one_input(tmp_path):
+    (tmp_path / "d").mkdir()
+    write(tmp_path / "d", [EXAMPLES["trl_conversational"]], "a.jsonl")
+    write(tmp_path / "d", [{"prompt": [U("2+2?")], "completion": [A("4")], "label": True}], "b.jsonl")
+    with pytest.raises(UserError, match="mixes preference pairs and unpaired"):
+        formats.load_pairs(str(tmp_path / "d"))
+    with pytest.raises(UserError, match="unpaired examples have none"):
+        formats.load_pairs(str(tmp_path / "d" / "b.jsonl"), min_score_gap=1.0)
+
+
+def test_a_run_falls_on_one_side_of_the_held_out_split_whatever_its_records():
+    """build_pairs' meta.run_id decides: all of a run's pairs and examples are held out or none, so DPO and
+    KTO on the same logs hold out the same runs."""
+    runs = {f"r{i}": formats.held_out({"_run": f"r{i}", "prompt": "x", "chosen": "a", "rejected": "b"}, 0.3)
+            for i in range(200)}
+    assert 30 < sum(runs.values()) < 90
+    for run, held in list(runs.items())[:20]:
+        assert formats.held_out({"_run": run, "prompt": [U("q")], "completion": [A("c")], "label": False}, 0.3) == held
+    plain = [{"prompt": f"{i}", "chosen": "a", "rejected": "b"} for i in range(200)]
+    assert 30 < sum(formats.held_out(r, 0.3) for r in plain) < 90  # no run id: each record by its own content
+
+
+def test_unpairing_and_re_pairing():
+    pairs = [{"prompt": [U("q")], "chosen": [A("good")], "rejected": [A(f"bad{i}")], "_run": "r1"} for i in range(3)]
+    examples = formats.unpair(pairs)
+    assert [(e["completion"][0]["content"], e["label"]) for e in examples] == \
+        [("good", True), ("bad0", False), ("bad1", False), ("bad2", False)]
+    assert all(e["_run"] == "r1" for e in examples)
+    assert formats.preference_pairs(examples) == formats.trainable(pairs)
+    assert len(formats.preference_pairs(examples, per_prompt=2)) == 2
+    assert formats.preference_pairs([e for e in examples if not e["label"]]) == []  # nothing desirable: no pair
