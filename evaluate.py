@@ -51,6 +51,20 @@ def report_markdown(title: str, evaluation: dict, plots: list[str]) -> str:
     acc, probes, examples = evaluation.get("held_out"), evaluation.get("probes", []), evaluation.get("examples", [])
     cell = lambda t: " ".join(str(t).split()).replace("|", "\\|")[:160]  # noqa: E731
     lines = [f"# {title}", ""]
+    kto = evaluation.get("held_out_kto")
+    if kto:
+        num = lambda v, f: "n/a" if v is None else f"{v:{f}}"  # noqa: E731
+        lines += ["## Held-out examples (KTO)", "",
+                  f"{kto['base']['desirable']['examples']} desirable and {kto['base']['undesirable']['examples']} "
+                  "undesirable examples from runs kept out of training. Mean log-likelihood per token of each "
+                  "class's completions; gap = desirable minus undesirable (training should widen it).", "",
+                  "| model | desirable (nats/token) | undesirable (nats/token) | gap |", "| --- | --- | --- | --- |"]
+        lines += [f"| {name} | {num(kto[name]['desirable']['logp_per_token'], '.3f')} | "
+                  f"{num(kto[name]['undesirable']['logp_per_token'], '.3f')} | {num(kto[name]['gap'], '+.3f')} |"
+                  for name in ("base", "tuned")] + [""]
+        if acc:
+            lines += ["The held-out runs' desirable answers against their undesirable ones to the same prompt, as "
+                      "preference pairs: the accuracy a DPO run on the same logs reports.", ""]
     if acc:
         lines += ["## Held-out preference accuracy", "",
                   f"{acc['base']['pairs']} pairs kept out of training. Accuracy: how often the model finds the "
@@ -58,7 +72,7 @@ def report_markdown(title: str, evaluation: dict, plots: list[str]) -> str:
                   "| model | accuracy | accuracy (per token) | mean margin (nats) |", "| --- | --- | --- | --- |"]
         lines += [f"| {name} | {acc[name]['accuracy']:.3f} | {acc[name]['accuracy_per_token']:.3f} | "
                   f"{acc[name]['mean_margin']:.2f} |" for name in ("base", "tuned")] + [""]
-    else:
+    elif not kto:
         lines += ["No held-out pairs (eval_fraction 0 or too few pairs).", ""]
     if plots:
         lines += ["## Training curves", ""] + [f"![{p}]({p})" for p in plots] + [""]
@@ -122,13 +136,17 @@ def model_card(run_name: str, cfg, data: dict, params: dict, targets, metrics: l
         return f"{row[key]:.4f}" if key in row else "n/a"
 
     lines = [
-        f"# {run_name}: LoRA DPO adapter for {base}", "",
-        f"Trained with dpo-kit (TRL DPOTrainer, {'4-bit NF4' if cfg.load_in_4bit else 'full-precision'} base, "
+        f"# {run_name}: LoRA {data.get('method', 'dpo').upper()} adapter for {base}", "",
+        f"Trained with dpo-kit (TRL {'KTOTrainer' if data.get('method') == 'kto' else 'DPOTrainer'}, "
+        f"{'4-bit NF4' if cfg.load_in_4bit else 'full-precision'} base, "
         f"LoRA r={cfg.lora_r} alpha={cfg.lora_alpha}).", "",
         *([f"**Random base**: {shapes.describe(base)}.", ""] if shapes.is_random(base) else []),
         "## Data", "",
         f"- file: `{data['path']}` (sha256 `{data['sha256']}`), format `{data['format']}`",
-        f"- pairs used: {data['pairs_trained']:,}; skipped invalid: {sum(data['skipped'].values())}; "
+        *([f"- KTO examples: {data['labels']['desirable']:,} desirable, {data['labels']['undesirable']:,} "
+           f"undesirable; loss weights {data['kto_weights'].get('desirable')} and "
+           f"{data['kto_weights'].get('undesirable')}"] if data.get("method") == "kto" else []),
+        f"- {'examples' if data.get('method') == 'kto' else 'pairs'} used: {data['pairs_trained']:,}; skipped invalid: {sum(data['skipped'].values())}; "
         f"truncated to {cfg.max_length} tokens: {data['truncated']}; dropped (prompt fills max_length): "
         f"{data['dropped_too_long']}",
         f"- held out of training: {data['held_out']} pairs (eval_fraction {cfg.eval_fraction})"
@@ -273,11 +291,37 @@ def plot_metrics(metrics: list[dict], out_dir: Path) -> list[str]:
     return names
 
 
-def evaluate(model, tokenizer, held: list[dict], probes: list[dict], max_length: int, seed: int) -> dict:
-    """Everything report.md shows, from the model as it stands (adapter on) and the base (adapter off)."""
+def example_likelihoods(model, tokenizer, examples: list[dict], max_length: int) -> dict:
+    """Held-out KTO examples: the mean log-likelihood per token of the desirable and of the undesirable
+    completions, and their gap (desirable minus undesirable, nats per token), for the base and base + adapter.
+    Per token: the two classes' completions need not be the same length (a failed attempt is often shorter)."""
+    toks = [tokenize_pair(tokenizer, {"prompt": e["prompt"], "chosen": e["completion"],
+                                      "rejected": e["completion"]}, max_length)[:2] for e in examples]
     result = {}
-    if held:
+    for name, context in (("base", model.disable_adapter), ("tuned", contextlib.nullcontext)):
+        with context():
+            scores = completion_logps(model, [p for p, _ in toks], [c for _, c in toks], tokenizer.pad_token_id)
+        per_class = {}
+        for label, key in ((True, "desirable"), (False, "undesirable")):
+            rows = [s / max(n, 1) for (s, n), e in zip(scores, examples) if e["label"] is label]
+            per_class[key] = {"examples": len(rows), "logp_per_token": sum(rows) / len(rows) if rows else None}
+        d, u = per_class["desirable"]["logp_per_token"], per_class["undesirable"]["logp_per_token"]
+        result[name] = per_class | {"gap": d - u if d is not None and u is not None else None}
+    return result
+
+
+def evaluate(model, tokenizer, held: list[dict], probes: list[dict], max_length: int, seed: int) -> dict:
+    """Everything report.md shows, from the model as it stands (adapter on) and the base (adapter off).
+    held: pairs, or KTO examples (their likelihood gap, and the accuracy of the pairs they hold)."""
+    result = {}
+    if held and formats.is_example(held[0]):
+        result["held_out_kto"] = example_likelihoods(model, tokenizer, held, max_length)
+        pairs = formats.preference_pairs(held)  # a held-out run's desirable against its undesirable answers
+        if pairs:
+            result["held_out"] = held_out_accuracy(model, tokenizer, pairs, max_length)
+    elif held:
         result["held_out"] = held_out_accuracy(model, tokenizer, held, max_length)
+    if held:
         single = [r for r in held if isinstance(r["prompt"], list) and r["prompt"][-1]["role"] == "user"][:3]
         if single:
             questions = [r["prompt"][-1]["content"] for r in single]

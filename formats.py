@@ -88,6 +88,9 @@ class TrainingData:
     # tokenisation split at the prompt's end), continued (tokenised after the prompt's own tokens), not_exact
     # (TRL's split: the prompt's last tokens left out). Empty: TRL's own tokenisation (another TRL version).
     boundary: dict = dataclasses.field(default_factory=dict)
+    method: str = "dpo"  # or kto: unpaired examples ("pairs" and the counts above are then examples)
+    labels: dict = dataclasses.field(default_factory=dict)  # kto: {"desirable": n, "undesirable": n}
+    kto_weights: dict = dataclasses.field(default_factory=dict)  # kto: {"desirable": w, "undesirable": w}
 
 
 def detect_format(record: dict) -> str | None:

@@ -1,6 +1,8 @@
-"""Fine-tune a causal LM on preference pairs with DPO: 4-bit NF4 base, LoRA adapter, frozen reference.
+"""Fine-tune a causal LM on preference pairs with DPO (or on unpaired labelled examples with KTO): 4-bit NF4
+base, LoRA adapter, frozen reference.
 
     python train_dpo.py --data pairs.jsonl [--model_name_or_path DIR|HUB_ID] [--run_name NAME] [--config run.yaml]
+    python train_dpo.py --data examples.jsonl         # {"prompt", "completion", "label"} lines: KTO (--method auto)
     make train DATA=pairs.jsonl ARGS="--max_steps 20 --learning_rate 5e-5 --beta 0.1 --seed 7"
     python train_dpo.py --config configs/demo.yaml --data pairs.jsonl     # options from YAML, flags on top
 
@@ -61,6 +63,9 @@ class TrainConfig:
                                  "(score_chosen/score_rejected, chosen_score/rejected_score or chosen_rating/"
                                  "rejected_rating columns, or --columns); 0 = keep all, scores not needed")
     max_length: int = field(512, "tokens per sequence (prompt + completion); longer pairs are truncated, counted")
+    method: str = field("auto", "dpo (preference pairs) or kto (unpaired examples labelled desirable or not: "
+                        "build_pairs.py --emit kto; a pairs file is unpaired, chosen desirable); auto = kto for a "
+                        "file of prompt/completion/label examples, else dpo", choices=("auto", "dpo", "kto"))
     # 4-bit quantisation (bitsandbytes)
     load_in_4bit: bool = field(_LOAD.load_in_4bit, "load the base (and a separate reference) in 4-bit; false = LoRA on full weights")
     bnb_4bit_quant_type: str = field(_LOAD.bnb_4bit_quant_type, "4-bit data type", choices=("nf4", "fp4"))
@@ -123,6 +128,11 @@ class TrainConfig:
     mix: str = field("", "more pair files mixed into training, as shares of the mixture: 'a.jsonl:0.2,b.jsonl:0.1'; "
                      f"a bare share ('0.2') uses the bundled {formats.GENERAL_MIX}")
     sft_weight: float = field(0.0, "weight of an SFT loss on the chosen responses, added to the DPO loss; 0 = off")
+    # KTO (--method kto): the two weights of TRL's KTOConfig
+    desirable_weight: float = field(0.0, "KTO: weight of the desirable examples' loss; 0 = from the class balance "
+                                    f"(the paper's rule: desirable x weight / (undesirable x weight) = {1.15}, "
+                                    "inside its [1, 4/3])")
+    undesirable_weight: float = field(0.0, "KTO: weight of the undesirable examples' loss; 0 = from the class balance")
     # Rounds (iterate.py): each stage starts from the previous stage's adapter, which is also its reference
     init_adapter: str = field("", "a finished run (directory or .tar.gz) on the same base: its adapter is trained "
                               "further and, frozen, is the reference (TRL's 'ref' adapter copy); its LoRA shape "
@@ -172,6 +182,10 @@ class TrainConfig:
             p.append("--use_liger_kernel needs the liger-kernel package (pip install liger-kernel)")
         if self.init_adapter and self.ref_model_name_or_path:
             p.append("--init_adapter is the reference; it does not go with --ref_model_name_or_path")
+        if self.method == "kto":
+            p += kto_problems(self)
+        if self.desirable_weight < 0 or self.undesirable_weight < 0:
+            p.append("--desirable_weight and --undesirable_weight must not be negative (0 = from the class balance)")
         if self.run_name and (os.sep in self.run_name or self.run_name.startswith(".")):
             p.append(f"--run_name must be a plain name, not a path (got {self.run_name!r})")
         return p
@@ -209,6 +223,46 @@ def dpo_config_kwargs(cfg: TrainConfig, checkpoint_dir: str, on_gpu: bool, bf16_
             kwargs.update(load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=False,
                           save_steps=cfg.eval_steps)
     return kwargs
+
+
+KTO_BALANCE = 1.15  # desirable x weight / (undesirable x weight): inside the KTO paper's [1, 4/3], off its edges
+
+
+def kto_problems(cfg: TrainConfig) -> list[str]:
+    """What does not go with KTO (checked again once --method auto has read the data)."""
+    p = []
+    if cfg.per_device_train_batch_size < 2:
+        p.append("--method kto needs --per_device_train_batch_size 2 or more: KTO estimates its KL term from the "
+                 "other completions in the batch")
+    for name, default in (("loss_type", "sigmoid"), ("sft_weight", 0.0), ("mix", ""), ("init_adapter", "")):
+        if getattr(cfg, name) != default:
+            p.append(f"--{name} is for DPO; --method kto does not take it")
+    if cfg.use_liger_kernel:
+        p.append("--use_liger_kernel: untested with --method kto here; train KTO without it")
+    return p
+
+
+def kto_weights(n_desirable: int, n_undesirable: int, desirable: float = 0.0, undesirable: float = 0.0) -> tuple:
+    """(desirable_weight, undesirable_weight): the ones given (non-zero), else weights that put the two
+    classes' total weight at KTO_BALANCE to 1, the rarer class up-weighted (the KTO paper, eq. 8, and TRL's
+    docs: desirable x its weight / (undesirable x its weight) in [1, 4/3])."""
+    if desirable and undesirable:
+        return desirable, undesirable
+    d, u = max(n_desirable, 1), max(n_undesirable, 1)
+    if desirable:  # the other from the balance
+        return desirable, round(desirable * d / (u * KTO_BALANCE), 4)
+    if undesirable:
+        return round(undesirable * u * KTO_BALANCE / d, 4), undesirable
+    return (round(u * KTO_BALANCE / d, 4), 1.0) if d <= u else (1.0, round(d / (u * KTO_BALANCE), 4))
+
+
+def kto_config_kwargs(cfg: TrainConfig, checkpoint_dir: str, on_gpu: bool, bf16_ok: bool, weights: tuple,
+                      with_eval: bool = False) -> dict:
+    """The kit's options onto TRL's KTOConfig: dpo_config_kwargs' Trainer settings, KTO's loss and weights."""
+    kwargs = dpo_config_kwargs(cfg, checkpoint_dir, on_gpu, bf16_ok, with_eval)
+    for dpo_only in ("loss_type", "loss_weights"):
+        kwargs.pop(dpo_only, None)
+    return kwargs | {"loss_type": "kto", "desirable_weight": weights[0], "undesirable_weight": weights[1]}
 
 
 def truncation_stats(prompt_lens, chosen_lens, rejected_lens, max_length: int) -> int:
@@ -253,6 +307,7 @@ class Built:
     on_gpu: bool
     internals: bool  # TRL's internals usable (fastpath.version_problem): the cache and the fast path
     trainer: object = None
+    method: str = "dpo"  # or kto
     parent: dict | None = None  # --init_adapter: the run this one continues
 
 
@@ -296,8 +351,31 @@ def load_data(cfg: TrainConfig) -> tuple[formats.TrainingData, list[dict], list[
                                 skipped=stats["skipped"], ignored_columns=stats["ignored_columns"], columns=columns,
                                 min_score_gap=cfg.min_score_gap, score_gap_dropped=stats["score_gap_dropped"],
                                 files=stats["files"])
+    data.method = resolve_method(cfg, pairs)
+    if data.method == "kto" and not formats.is_example(pairs[0]):
+        pairs = formats.unpair(pairs)  # --method kto on pairs: chosen desirable, rejected undesirable
+        print(f"[data] --method kto: {stats['pairs']:,} pairs unpaired into {len(pairs):,} examples")
+    if data.method == "kto":
+        data.labels = {"desirable": sum(e["label"] for e in pairs), "undesirable": sum(not e["label"] for e in pairs)}
     train_pairs, held = formats.split_and_mix(pairs, data, cfg.eval_fraction, cfg.mix, cfg.seed, cfg.skip_invalid)
+    if data.method == "kto":  # TRL's KTO samples in order (its KL term pairs each example with its neighbours)
+        import random
+
+        random.Random(cfg.seed).shuffle(train_pairs)
     return data, train_pairs, held
+
+
+def resolve_method(cfg: TrainConfig, records: list[dict]) -> str:
+    """dpo or kto: --method, or (auto) what the data holds; a file of examples cannot train DPO."""
+    unpaired = formats.is_example(records[0])
+    if cfg.method == "dpo" and unpaired:
+        raise UserError("--method dpo needs preference pairs; this file holds unpaired (prompt/completion/label) "
+                        "examples: train them with --method kto (or auto)", cfg.data)
+    method = "kto" if unpaired else cfg.method if cfg.method != "auto" else "dpo"
+    problems = kto_problems(cfg) if method == "kto" and cfg.method == "auto" else []
+    if problems:
+        raise UserError("the data holds unpaired examples (KTO), and " + "; ".join(problems), cfg.data)
+    return method
 
 
 def trl_internals_usable(cfg: TrainConfig) -> bool:
@@ -333,7 +411,9 @@ def announce(cfg: TrainConfig, run: runs.Run, data: formats.TrainingData, n_trai
         print(f"[rank {ranks.world()['rank']}] training {run.name} as one of {batch_info(cfg)['processes']} "
               "processes", flush=True)
         return
-    print(f"[data] {cfg.data}: {data.pairs:,} pairs, format {data.format}, skipped {data.skipped or 0}; "
+    what = (f"{data.pairs:,} pairs" if data.method == "dpo" else f"{sum(data.labels.values()):,} examples ("
+            f"{data.labels['desirable']:,} desirable, {data.labels['undesirable']:,} undesirable), KTO")
+    print(f"[data] {cfg.data}: {what}, format {data.format}, skipped {data.skipped or 0}; "
           f"{data.held_out} held out; training on {n_train:,}"
           + "".join(f"; mixed in {m['pairs_used']} from {m['path']} ({m['share']:.0%} of the mixture)"
                     for m in data.mix))
@@ -428,13 +508,24 @@ def build_trainer(cfg: TrainConfig, run: runs.Run, built: Built, pairs: list[dic
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import EarlyStoppingCallback, PrinterCallback, set_seed
-    from trl import DPOConfig, DPOTrainer
+    from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
     on_gpu, bf16_ok = models.device()
     set_seed(cfg.seed)  # LoRA init and data order depend on it
     peft_config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                              target_modules=built.targets, task_type="CAUSAL_LM", bias="none")
-    args = DPOConfig(**dpo_config_kwargs(cfg, str(run.checkpoints), on_gpu, bf16_ok, with_eval=bool(held)))
+    built.method = data.method
+    if data.method == "kto":
+        n_good = sum(e["label"] for e in pairs)
+        weights = kto_weights(n_good, len(pairs) - n_good, cfg.desirable_weight, cfg.undesirable_weight)
+        data.kto_weights = {"desirable": weights[0], "undesirable": weights[1]}
+        print(f"[kto] {n_good:,} desirable and {len(pairs) - n_good:,} undesirable training examples; weights "
+              f"{weights[0]:g} and {weights[1]:g} (desirable x weight / (undesirable x weight) = "
+              f"{weights[0] * max(n_good, 1) / (weights[1] * max(len(pairs) - n_good, 1)):.2f}"
+              f"{'' if cfg.desirable_weight and cfg.undesirable_weight else ', from the class balance'})", flush=True)
+        args = KTOConfig(**kto_config_kwargs(cfg, str(run.checkpoints), on_gpu, bf16_ok, weights, with_eval=bool(held)))
+    else:
+        args = DPOConfig(**dpo_config_kwargs(cfg, str(run.checkpoints), on_gpu, bf16_ok, with_eval=bool(held)))
     extra = runs.training_callbacks(run, lambda: interrupt.signum is not None, sys.stdout.isatty())
     if held and cfg.early_stopping_patience:
         extra.append(EarlyStoppingCallback(early_stopping_patience=cfg.early_stopping_patience))
@@ -448,12 +539,16 @@ def build_trainer(cfg: TrainConfig, run: runs.Run, built: Built, pairs: list[dic
         model, built.targets, built.parent = models.load_init_adapter(model, cfg.init_adapter, models.LoadOptions.of(cfg),
                                                                       cfg.model_name_or_path)
         peft_config = None
-    if not built.internals:
+    if data.method == "kto":  # TRL's own tokenisation and log-probs; the kit's module kernels (arm_fast_path)
+        trainer_cls = KTOTrainer
+        built.compute.logps = "full logits (TRL's KTOTrainer)"
+    elif not built.internals:
         trainer_cls = DPOTrainer
     else:
         trainer_cls = fastpath.dpo_trainer_class(*tokenized_cache(cfg, built.tokenizer, args, pairs, held), data.tokenized)
-    trainer = trainer_cls(model=model, ref_model=built.ref_model, args=args, train_dataset=Dataset.from_list(pairs),
-                          eval_dataset=Dataset.from_list(held) if held else None, processing_class=built.tokenizer,
+    train_set, held_set = formats.trainable(pairs), formats.trainable(held)
+    trainer = trainer_cls(model=model, ref_model=built.ref_model, args=args, train_dataset=Dataset.from_list(train_set),
+                          eval_dataset=Dataset.from_list(held_set) if held else None, processing_class=built.tokenizer,
                           peft_config=peft_config, callbacks=[*extra, *callbacks])
     trainer.remove_callback(PrinterCallback)  # raw dicts per step: runs.training_callbacks shows progress instead
     built.trainer = trainer
@@ -488,7 +583,7 @@ def arm_fast_path(cfg: TrainConfig, built: Built) -> None:
     import torch
 
     trainer, compute = built.trainer, built.compute
-    if cfg.chunked_logps:
+    if cfg.chunked_logps and built.method == "dpo":  # TRL's DPOTrainer path
         compute.logps, compute.chunked = fastpath.enable_chunked_logps(trainer, built.targets)
     if cfg.fused_ops:
         autocast = torch.bfloat16 if trainer.args.bf16 else torch.float16 if trainer.args.fp16 else None
@@ -498,8 +593,8 @@ def arm_fast_path(cfg: TrainConfig, built: Built) -> None:
             print(f"[model] Liger's Triton kernels: {liger['checked']} norms and MLPs, and RoPE"
                   + (f"; kept their own forward (a probe disagreed): {liger['reverted']}" if liger["reverted"] else ""))
         fused = fastpath.enable(trainer.model, autocast_dtype=autocast)  # each kernel checked on a probe first
-        trainer.kit_fused_logps = compute.chunked
-        trainer.kit_share_prompts = cfg.share_prompts
+        trainer.kit_fused_logps = compute.chunked  # both: DPO's trainer class (fastpath.py) reads them
+        trainer.kit_share_prompts = cfg.share_prompts and built.method == "dpo"
         args = trainer.args  # bf16 / fp16: accelerate's autocast, on a CPU too
         dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
         if not fastpath.silu_mul_applies(getattr(torch, dtype), "cuda" if built.on_gpu else "cpu"):
@@ -518,8 +613,9 @@ def record_data(cfg: TrainConfig, run: runs.Run, built: Built, data: formats.Tra
     ds = built.trainer.train_dataset
     data.pairs_trained = len(ds)
     data.dropped_too_long = n_pairs - len(ds)  # TRL drops pairs whose prompt alone fills max_length
-    data.truncated = truncation_stats(map(len, ds["prompt_ids"]), map(len, ds["chosen_ids"]),
-                                      map(len, ds["rejected_ids"]), cfg.max_length)
+    sides = ("completion_ids", "completion_ids") if built.method == "kto" else ("chosen_ids", "rejected_ids")
+    data.truncated = truncation_stats(map(len, ds["prompt_ids"]), map(len, ds[sides[0]]), map(len, ds[sides[1]]),
+                                      cfg.max_length)
     if "boundary" in ds.column_names:  # fastpath.tokenize_pair's record of each pair
         counts = Counter(ds["boundary"])
         data.boundary = {k: counts[k] for k in fastpath.BOUNDARY}
@@ -530,8 +626,9 @@ def record_data(cfg: TrainConfig, run: runs.Run, built: Built, data: formats.Tra
     if data.tokenized:
         print(f"[data] {'; '.join(f'{k}: {v}' for k, v in data.tokenized.items())} "
               f"({fastpath.tokenized_cache_dir(cfg.tokenized_cache)})")
-    print(f"[data] {data.truncated} pairs truncated to max_length={cfg.max_length} tokens; "
-          f"{data.dropped_too_long} dropped (prompt alone fills max_length)")
+    what = "examples" if built.method == "kto" else "pairs"
+    print(f"[data] {data.truncated} {what} truncated to max_length={cfg.max_length} tokens; "
+          f"{data.dropped_too_long} dropped (prompt alone fills max_length)", flush=True)
     built.params = models.count_parameters(built.trainer.model.named_parameters()) | {
         "quantized_4bit": built.params["quantized_4bit"]}
     print("[params]\n" + models.parameter_table(built.params), flush=True)
@@ -605,6 +702,12 @@ def evaluate_trained(cfg: TrainConfig, run: runs.Run, built: Built, held: list[d
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_cpu):
         evaluation = {} if sharded else evaluate.evaluate(model, built.tokenizer, held, probes, cfg.max_length, cfg.seed)
     evaluate.write_report(run.partial, f"{run.name}: what training changed", evaluation, metrics)
+    if "held_out_kto" in evaluation:
+        b, t = evaluation["held_out_kto"]["base"], evaluation["held_out_kto"]["tuned"]
+        gap = lambda v: "n/a" if v is None else f"{v:+.3f}"  # noqa: E731
+        print(f"[eval] held-out examples: desirable minus undesirable log-likelihood {gap(b['gap'])} -> "
+              f"{gap(t['gap'])} nats/token ({b['desirable']['examples']} desirable, "
+              f"{b['undesirable']['examples']} undesirable)")
     if "held_out" in evaluation:
         b, t = evaluation["held_out"]["base"], evaluation["held_out"]["tuned"]
         print(f"[eval] held-out preference accuracy {b['accuracy']:.3f} -> {t['accuracy']:.3f} "
@@ -620,7 +723,8 @@ def manifest(cfg: TrainConfig, run: runs.Run, built: Built, data: formats.Traini
 
     held = evaluation.get("held_out")
     return {
-        "kit": KIT_NAME, "run_name": run.name, "base_model": models.base_model_identity(model_path),
+        "kit": KIT_NAME, "run_name": run.name, "method": data.method,
+        "base_model": models.base_model_identity(model_path),
         "data": {k: getattr(data, k) for k in ("path", "sha256", "format", "pairs", "pairs_trained", "truncated")},
         "lora_target_modules_requested": cfg.lora_target_modules, "seed": cfg.seed, "distributed": batch_info(cfg),
         "started_at": started, "finished_at": runs.now_iso(), "steps": built.trainer.state.global_step,

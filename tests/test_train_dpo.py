@@ -852,3 +852,100 @@ def test_prepare_4bit_training_gives_peft_losses_and_gradients_without_float32_t
     assert kit_grads.keys() == peft_grads.keys() and len(kit_grads) == 12
     for name, grad in peft_grads.items():
         assert torch.equal(kit_grads[name], grad), name
+
+
+# ------------------------------------------------------------------ KTO: unpaired examples
+
+def test_kto_weights_put_the_classes_at_the_papers_balance():
+    d, u = train_dpo.kto_weights(10, 40)  # rarer desirable: up-weighted, 1.15 x 40 / 10
+    assert (d, u) == (4.6, 1.0) and d * 10 / (u * 40) == pytest.approx(train_dpo.KTO_BALANCE)
+    d, u = train_dpo.kto_weights(40, 10)  # rarer undesirable: the desirable side still just ahead
+    assert d == 1.0 and d * 40 / (u * 10) == pytest.approx(train_dpo.KTO_BALANCE, rel=1e-3)
+    assert 1 <= train_dpo.kto_weights(7, 7)[0] * 7 / 7 <= 4 / 3
+    assert train_dpo.kto_weights(10, 40, 2.0, 0.5) == (2.0, 0.5)  # both given: kept
+    d, u = train_dpo.kto_weights(10, 40, undesirable=2.0)  # one given: the other from the balance
+    assert d * 10 / (u * 40) == pytest.approx(train_dpo.KTO_BALANCE)
+
+
+def test_kto_problems_and_the_method_follow_the_data():
+    cfg = train_dpo.TrainConfig(data="x.jsonl", method="kto", per_device_train_batch_size=1, sft_weight=0.5)
+    problems = " ".join(cfg.problems())
+    assert "batch_size 2 or more" in problems and "--sft_weight is for DPO" in problems
+    examples = [{"prompt": "q", "completion": "a", "label": True}]
+    pairs = [{"prompt": "q", "chosen": "a", "rejected": "b"}]
+    assert train_dpo.resolve_method(train_dpo.TrainConfig(data="x"), examples) == "kto"
+    assert train_dpo.resolve_method(train_dpo.TrainConfig(data="x"), pairs) == "dpo"
+    assert train_dpo.resolve_method(train_dpo.TrainConfig(data="x", method="kto"), pairs) == "kto"
+    with pytest.raises(UserError, match="--method dpo needs preference pairs"):
+        train_dpo.resolve_method(train_dpo.TrainConfig(data="x", method="dpo"), examples)
+    with pytest.raises(UserError, match="unpaired examples .KTO., and --mix is for DPO"):
+        train_dpo.resolve_method(train_dpo.TrainConfig(data="x", mix="0.2"), examples)
+    kwargs = train_dpo.kto_config_kwargs(train_dpo.TrainConfig(data="x"), "/tmp/c", False, False, (1.5, 1.0))
+    from trl import KTOConfig
+
+    args = KTOConfig(**kwargs)
+    assert (args.loss_type, args.desirable_weight, args.undesirable_weight, args.beta) == ("kto", 1.5, 1.0, 0.1)
+    assert args.train_sampling_strategy == "sequential"  # TRL's KL term needs it; load_data shuffles instead
+
+
+def kto_examples(runs_: int = 8) -> list[dict]:
+    """PAIRS as build_pairs --emit kto writes them: each answer an example, one run id per question copy."""
+    rows = []
+    for i in range(runs_):
+        q, good, bad = PAIRS[i % len(PAIRS)]
+        u, a = [{"role": "user", "content": q}], lambda t: [{"role": "assistant", "content": t}]
+        rows += [{"prompt": u, "completion": a(good), "label": True, "meta": {"run_id": f"r{i}"}},
+                 {"prompt": u, "completion": a(bad), "label": False, "meta": {"run_id": f"r{i}"}}]
+    return rows
+
+
+@needs_model
+@pytest.mark.integration
+def test_kto_in_4bit_stops_on_sigterm_resumes_and_hands_off_a_tarball_that_verifies(tmp_path):
+    data = tmp_path / "kto.jsonl"
+    rows = kto_examples()
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    held = sorted({r["meta"]["run_id"] for r in rows if formats.held_out({"_run": r["meta"]["run_id"]}, 0.25)})
+    assert 0 < len(held) < 8  # the fixed ids hold some runs out: their pairs are what the report compares
+
+    def command(name):
+        return [sys.executable, str(ROOT / "train_dpo.py"), "--data", data, "--output_dir", tmp_path / "art",
+                "--run_name", name, "--max_steps", 4, "--save_steps", 100, "--per_device_train_batch_size", 2,
+                "--max_length", 96, "--lora_r", 4, "--learning_rate", 5e-4, "--eval_fraction", 0.25,
+                "--eval_steps", 100, "--probes", ""]
+
+    args = command("kto")
+    proc = subprocess.Popen(list(map(str, args)), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "art" / "kto.partial" / "metrics.jsonl"
+    deadline = time.time() + 600
+    while not (metrics.exists() and metrics.read_text().strip()) and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    log = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, log[-3000:]
+    assert "KTO, format kto" in log and "from the class balance" in log and "of which 4-bit" in log
+    status = json.loads((tmp_path / "art" / "kto.partial" / "status.json").read_text())
+    assert status["state"] == "cancelled" and 1 <= status["step"] < 4
+
+    out = subprocess.run(list(map(str, args)), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"checkpoint-{status['step']}" in out.stdout
+    run_dir = tmp_path / "art" / "kto"
+    check_complete_run(run_dir, steps=4)
+    data_json = json.loads((run_dir / "data.json").read_text())
+    assert data_json["method"] == "kto" and data_json["labels"] == {"desirable": 8, "undesirable": 8}
+    assert data_json["held_out"] == 2 * len(held) and data_json["pairs_trained"] == 16 - 2 * len(held)
+    assert json.loads((run_dir / "manifest.json").read_text())["method"] == "kto"
+    evaluation = json.loads((run_dir / "evaluation.json").read_text())
+    kto = evaluation["held_out_kto"]
+    assert kto["base"]["desirable"]["examples"] == kto["base"]["undesirable"]["examples"] == len(held)
+    assert evaluation["held_out"]["base"]["pairs"] == len(held)  # each held-out run's good answer vs its bad one
+    assert "Held-out examples (KTO)" in (run_dir / "report.md").read_text()
+    assert "LoRA KTO adapter" in (run_dir / "README.md").read_text()
+    info = runs.verify_tarball(run_dir.with_name("kto.tar.gz"))
+    assert info["run_name"] == "kto" if "run_name" in info else info
+    # Stopped and resumed, it trained what the same command trains uninterrupted
+    whole = subprocess.run(list(map(str, command("whole"))), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    assert kit.sha256_file(run_dir / "adapter_model.safetensors") == kit.sha256_file(
+        tmp_path / "art" / "whole" / "adapter_model.safetensors")
