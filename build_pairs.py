@@ -570,6 +570,7 @@ class Block:
     stats: Counter
     skipped: list  # the message for each invalid line skipped (--skip_invalid)
     stop: tuple | None = None  # (raw line, line number) where processing stopped at an exception
+    labels: list = dataclasses.field(default_factory=list)  # examples: each one's label (pairs: none)
 
 
 def worker_count(cfg: PairsConfig) -> int:

@@ -475,6 +475,48 @@ def test_digest_and_line_match_the_plain_encoders(fmt):
             assert formats.digest_and_line(pair, fmt) == (formats.pair_digest(pair), formats.to_line(formats.to_record(pair, fmt)))
 
 
+def test_example_digest_and_line_match_the_plain_encoders():
+    sub = type("Sub", (str,), {})  # not a plain str: the plain way
+    metas = [{"run_id": "r", "rule": "kto_code", "score": 3, "outcome": "mixed"},
+             {"run_id": "é", "rule": "kto_strategy", "score": None, "outcome": "never_ran", "tags": ["t", None]}]
+    prompts = [[{"role": "user", "content": t}] for t in TRICKY] + [
+        [{"role": "system", "content": "s", "tag": "x"}, {"role": "user", "content": "u"}], [],
+        [{"role": "user", "content": 5}], [{"role": "user", "content": sub("sub")}]]
+    for i, prompt in enumerate(prompts):
+        for completion, label in [(TRICKY[i % len(TRICKY)], True), (TRICKY[-1 - i % len(TRICKY)], False),
+                                  (sub("c"), True), ("c", 1)]:
+            example = formats.Example(prompt, completion, label, metas[i % len(metas)])
+            plain = (formats.example_digest(example), formats.to_line(formats.to_record(example)))
+            assert formats.digest_and_line(example) == formats.example_digest_and_line(example) == plain
+    pair = formats.Pair([{"role": "user", "content": "p"}], "c", "true", {})
+    example = formats.Example([{"role": "user", "content": "p"}], "c", True, {})
+    assert formats.pair_digest(pair) != formats.example_digest(example)  # a label is not a string
+    with pytest.raises(ValueError, match="no unpaired"):
+        formats.digest_and_line(example, "openai")
+
+
+def test_example_line_format_is_fixed():
+    """What the KTO trainer reads: a contract with the reading side."""
+    example = formats.Example([{"role": "user", "content": "é"}], "a", True, {"run_id": "r", "rule": "kto_code"})
+    assert formats.digest_and_line(example)[1] == (
+        '{"prompt": [{"role": "user", "content": "é"}], "completion": [{"role": "assistant", "content": "a"}], '
+        '"label": true, "meta": {"run_id": "r", "rule": "kto_code"}}\n')
+
+
+def test_pair_writer_writes_examples_and_counts_rules_and_labels(tmp_path):
+    ask = [{"role": "user", "content": "s"}]
+    examples = [formats.Example(ask, "a", True, {"rule": "kto_code"}), formats.Example(ask, "b", False, {"rule": "kto_code"}),
+                formats.Example(ask, "a", True, {"rule": "kto_code", "run_id": "again"}),  # a duplicate: meta aside
+                formats.Example(ask, "a", False, {"rule": "kto_strategy"})]  # another label: another example
+    with formats.PairWriter(str(tmp_path / "e.jsonl"), "trl") as writer:
+        writer.write(examples)
+        writer.commit()
+    lines = [json.loads(line) for line in (tmp_path / "e.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [(r["completion"][0]["content"], r["label"]) for r in lines] == [("a", True), ("b", False), ("a", False)]
+    assert writer.duplicates == 1 and writer.by_label == {True: 1, False: 2}
+    assert writer.by_rule == {"kto_code": 2, "kto_strategy": 1}
+
+
 def test_prompt_key_is_equal_exactly_when_the_canonical_prompt_json_is():
     def m(*pairs):
         return [{"role": r, "content": c} for r, c in pairs]
