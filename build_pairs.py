@@ -682,10 +682,14 @@ def summarize(cfg: PairsConfig, stats: Counter, outcomes: Counter, recovered: Co
               garbler) -> dict:
     dropped = {k: outcomes[k] - recovered[k] for k in ("never_ran", "never_succeeded")}
     dropped["only_same_code"] = stats["mixed_without_pairs"]
-    return {"input": cfg.runs, "output": cfg.output, "format": cfg.format, "seed": cfg.seed, "garble": cfg.garble,
+    return {"input": cfg.runs, "output": cfg.output, "format": cfg.format, "emit": "dpo", "seed": cfg.seed,
+            "garble": cfg.garble,
             "runs_read": sum(outcomes.values()),
             "invalid_lines_skipped": stats["invalid_lines_skipped"],
             "runs_by_outcome": {k: outcomes[k] for k in OUTCOMES},
+            # runs that gave a pair, their own or a cross_run one (a run whose pairs all duplicate earlier ones
+            # still counts): runs_read less runs_dropped
+            "runs_used": sum(outcomes.values()) - sum(dropped.values()),
             "runs_dropped": dropped,
             "failed_runs_recovered_by_cross_run": sum(recovered.values()),
             "pairs_written": sum(writer.by_rule.values()),

@@ -86,6 +86,7 @@ def test_never_succeeded_and_never_ran_give_no_pair_and_are_counted(tmp_path):
     assert code == 0
     assert report["runs_by_outcome"] == {"first_try": 1, "mixed": 0, "never_succeeded": 2, "never_ran": 1}
     assert report["runs_dropped"] == {"never_ran": 1, "never_succeeded": 2, "only_same_code": 0}
+    assert report["runs_used"] == 1 and report["emit"] == "dpo"
     assert {p["meta"]["run_id"] for p in pairs} == {"d"}
 
 
