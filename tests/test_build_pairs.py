@@ -758,8 +758,9 @@ VALID_RUNS = [run(attempts=[ok()]), run(attempts=[failed(), ok(), ok(ZERO, 5)], 
 
 
 @settings(max_examples=200)
-@given(data=fuzz.lines(VALID_RUNS), skip=st.booleans(), fmt=st.sampled_from(["trl", "openai"]))
-def test_no_run_log_ends_in_a_traceback(data, skip, fmt):
+@given(data=fuzz.lines(VALID_RUNS), skip=st.booleans(),
+       fmt_emit=st.sampled_from([("trl", "dpo"), ("openai", "dpo"), ("trl", "kto")]))
+def test_no_run_log_ends_in_a_traceback(data, skip, fmt_emit):
     """Exit 0 (pairs written), 1 (no usable run) or 2 with `FILE:LINE: message` first; only the output and
     report are ever written, and nothing at all when the input is refused."""
     import contextlib
@@ -771,10 +772,16 @@ def test_no_run_log_ends_in_a_traceback(data, skip, fmt):
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
             code = kit.run_cli(bp.main, [str(src), "-o", str(out), "--report", str(report), "--workers", "1",
-                                         "--format", fmt, *(["--skip_invalid"] if skip else [])])
+                                         "--format", fmt_emit[0], "--emit", fmt_emit[1],
+                                         *(["--skip_invalid"] if skip else [])])
         written = sorted(p.name for p in Path(tmp).iterdir())
         if code == 2:
             assert err.getvalue().startswith(f"{src}:") and written == ["runs.jsonl"], err.getvalue()[-2000:]
         else:
             assert code in (0, 1) and written == sorted(["runs.jsonl", "report.json", *(["pairs.jsonl"] * (1 - code))])
-            formats.load_pairs(str(out)) if code == 0 else None  # what it wrote trains
+            if code == 0 and fmt_emit[1] == "kto":  # each line in the shape KTO reads
+                lines = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+                assert lines and all(list(r) == ["prompt", "completion", "label", "meta"] and r["label"] in (True, False)
+                                     for r in lines)
+            elif code == 0:
+                formats.load_pairs(str(out))  # what it wrote trains
