@@ -1,4 +1,4 @@
-"""Turn an agent's run logs (JSONL, one run per line) into DPO preference pairs, by the rules of the retraining process.
+"""Turn an agent's run logs (JSONL, one run per line) into DPO preference pairs (or KTO examples) by the retraining rules.
 
     python build_pairs.py data/runs.jsonl -o pairs.jsonl --report report.json
 
@@ -12,6 +12,14 @@ An attempt *succeeded* when it ran and scored > 0 (`--score_key`, default space_
 --dashed-names work as well as --underscored_names. The summary goes to standard error. Logs over 4 MB are
 parsed and garbled by one worker process per CPU core (up to 4), in blocks put back in order: the same output
 (`--workers 1`: this process alone).
+
+Unpaired examples for KTO (TRL's KTOTrainer) instead of pairs: every run is used, nothing is garbled:
+
+    python build_pairs.py data/runs.jsonl --emit kto -o examples.jsonl
+
+  kto_strategy  run's prompt -> strategy        desirable when something succeeded (first_try, mixed), else not
+  kto_code      strategy -> each distinct code  desirable when it succeeded; undesirable ones: max_pairs_per_run a run
+One line each: {"prompt": [msgs], "completion": [{"role": "assistant", ...}], "label": true|false, "meta": {...}}.
 
 Pairs the model makes for itself (Self-Rewarding LMs and SPIN; the model loads in 4-bit like training):
 
@@ -42,9 +50,10 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 import kit
-from formats import ROLES, Pair, PairWriter, decode_json, digest_and_line, short
+from formats import ROLES, Example, Pair, PairWriter, decode_json, digest_and_line, short
 
 RULES = ("mixed", "first_try_strategy", "first_try_code", "cross_run")
+KTO_RULES = ("kto_strategy", "kto_code")  # --emit kto
 SUBCOMMANDS = ("spin", "self-reward")  # anything else is the run-log file (the default, unchanged)
 OUTCOMES = ("first_try", "mixed", "never_succeeded", "never_ran")
 GARBLE_TRIES = 20  # rule-garbling rounds before the always-failing fallback
@@ -68,8 +77,12 @@ class PairsConfig:
     report: str | None = kit.field(None, "also write the summary here as JSON")
     format: str = kit.field("trl", "trl: prompt/chosen/rejected/meta (what train_dpo.py reads); "
                             "openai: OpenAI preference fine-tuning (no meta)", choices=("trl", "openai"))
+    emit: str = kit.field("dpo", "dpo: preference pairs by the rules above; kto: unpaired examples for TRL's "
+                          "KTOTrainer, the strategy and each distinct code of every run labelled desirable (it "
+                          "succeeded) or not, nothing garbled", choices=("dpo", "kto"))
     score_key: str = kit.field("space_freed", "attempt key holding the score; succeeded = ran and score > 0")
-    max_pairs_per_run: int = kit.field(4, "mixed runs: at most this many failed attempts per run, earliest first")
+    max_pairs_per_run: int = kit.field(4, "mixed runs: at most this many failed attempts per run, earliest first "
+                                       "(--emit kto: undesirable code examples per run)")
     cross_run: bool = kit.field(True, "runs sharing a prompt compete: best strategy vs never-succeeded ones "
                                  "(--no_cross_run turns it off)")
     max_pairs_per_prompt: int = kit.field(4, "cross_run: at most this many pairs per distinct prompt")
@@ -97,6 +110,10 @@ class PairsConfig:
             out.append("--garble model needs --model PATH (a causal LM directory)")
         if self.model and self.garble != "model":
             out.append("--model is only used with --garble model")
+        if self.emit == "kto" and self.format == "openai":
+            out.append("--emit kto writes TRL's unpaired format (prompt/completion/label); --format openai has none")
+        if self.emit == "kto" and self.garble == "model":
+            out.append("--garble model is only used with --emit dpo (--emit kto garbles nothing)")
         same_file = self.runs not in ("", "-") and self.output != "-" and \
             os.path.abspath(self.runs) == os.path.abspath(self.output)
         if same_file:
@@ -274,6 +291,52 @@ def pairs_for_run(run: Run, cfg: PairsConfig, garbler=None, stats: Counter | Non
             seen.add(a.code.strip())
             pairs.append(Pair(ask, best.code, a.code, _meta(run.run_id, "mixed", best.score, a.score)))
     return pairs
+
+
+def _kto_meta(run_id: str, rule: str, score, kind: str, tags=None) -> dict:
+    meta = {"run_id": run_id, "rule": rule, "score": score, "outcome": kind}
+    if tags is not None:
+        meta["tags"] = list(tags)
+    return meta
+
+
+def examples_for_run(run: Run, cfg: PairsConfig, stats: Counter | None = None, kind: str | None = None,
+                     best: Attempt | None = None) -> list[Example]:
+    """--emit kto: the run's strategy and each distinct code it tried, each one unpaired example labelled by
+    whether it worked; nothing garbled, no run left out. A code tried again counts once (desirable if any try
+    succeeded: then its best-scoring try stands for it, else its first); undesirable codes are capped at
+    max_pairs_per_run, earliest first, so one run with many failures does not dominate. `stats`, `kind` and
+    `best` as for pairs_for_run."""
+    stats = Counter() if stats is None else stats
+    if kind is None:
+        kind, best = outcome(run), best_attempt(run)
+    if best is None:
+        scores = [a.score for a in run.attempts if a.score is not None]
+        score = max(scores) if scores else None
+    else:
+        score = best.score
+    examples = [Example(run.messages, run.strategy, kind in ("first_try", "mixed"),
+                        _kto_meta(run.run_id, "kto_strategy", score, kind, run.tags))]
+    codes = {}  # code.strip() -> the try that stands for it
+    for a in run.attempts:
+        key = a.code.strip()
+        first = codes.get(key)
+        if first is None:
+            codes[key] = a
+            continue
+        stats["same_code_skipped"] += 1
+        if a.succeeded and (not first.succeeded or a.score > first.score):
+            codes[key] = a
+    ask = [{"role": "user", "content": run.strategy}]  # as pairs_for_run: the strategy asks for the code
+    failures = 0
+    for a in codes.values():
+        if not a.succeeded:
+            if failures == cfg.max_pairs_per_run:
+                stats["pairs_capped"] += 1
+                continue
+            failures += 1
+        examples.append(Example(ask, a.code, a.succeeded, _kto_meta(run.run_id, "kto_code", a.score, kind)))
+    return examples
 
 
 def prompt_key(messages: list) -> bytes:
@@ -560,7 +623,7 @@ def read_blocks(f):
 class Block:
     """What process_block makes of one block of lines: plain lists, cheap to send between processes."""
 
-    digests: array  # pair_digest of each pair, in order
+    digests: array  # pair_digest (example_digest) of each pair (example), in order
     text: bytes  # their output lines, UTF-8, one after another
     ends: array  # where each line ends in text
     rules: list  # each pair's meta["rule"]
@@ -570,6 +633,8 @@ class Block:
     stats: Counter
     skipped: list  # the message for each invalid line skipped (--skip_invalid)
     stop: tuple | None = None  # (raw line, line number) where processing stopped at an exception
+    labels: list = dataclasses.field(default_factory=list)  # --emit kto: each example's label (pairs: none)
+    sources: array = dataclasses.field(default_factory=lambda: array("I"))  # each line's run: its index in the block
 
 
 def worker_count(cfg: PairsConfig) -> int:
@@ -620,9 +685,12 @@ def _worker_block(block: bytes, first_line: int) -> Block:
 def process_block(block: bytes, first_line: int, cfg: PairsConfig, garbler, shipped: set, catch: bool = True) -> Block:
     """Rules 1-3 for each run in a block of lines, its pairs already encoded. Stops at the first exception (any
     but a bad line with --skip_invalid): `stop` says where, and the caller runs that line again (catch=False) to
-    raise it. `shipped` holds the group keys whose prompt this process has already sent along."""
+    raise it. `shipped` holds the group keys whose prompt this process has already sent along. With --emit kto,
+    examples_for_run stands in for the rules, and there is no cross-run index."""
     name = "<stdin>" if cfg.runs == "-" else cfg.runs
+    kto, cross_run = cfg.emit == "kto", cfg.cross_run and cfg.emit == "dpo"
     out, lines = Block(array("Q"), b"", array("Q"), [], [], [], Counter(), Counter(), []), []
+    n_runs = 0
     for line_no, raw in enumerate(io.BytesIO(block), start=first_line):  # BytesIO splits at b"\n" only, as a file does
         try:
             try:
@@ -635,7 +703,10 @@ def process_block(block: bytes, first_line: int, cfg: PairsConfig, garbler, ship
             if run is None:
                 continue
             kind, best = outcome(run), best_attempt(run)  # once, not in each rule
-            pairs = pairs_for_run(run, cfg, garbler, out.stats, kind, best)
+            if kto:
+                pairs = examples_for_run(run, cfg, out.stats, kind, best)
+            else:
+                pairs = pairs_for_run(run, cfg, garbler, out.stats, kind, best)
             encoded = [digest_and_line(pair, cfg.format) for pair in pairs]
             encoded = [(digest, line.encode("utf-8")) for digest, line in encoded]
         except Exception:
@@ -651,7 +722,11 @@ def process_block(block: bytes, first_line: int, cfg: PairsConfig, garbler, ship
             lines.append(line)
             out.ends.append((out.ends[-1] if out.ends else 0) + len(line))
             out.rules.append(pair.meta["rule"])
-        if cfg.cross_run:
+            out.sources.append(n_runs)
+            if kto:
+                out.labels.append(pair.label)
+        n_runs += 1
+        if cross_run:
             out.records.append(record := index_record(run, best, kind))
             out.prompts.append(None if record[0] in shipped else (run.messages, run.tags))
             shipped.add(record[0])
@@ -679,12 +754,18 @@ def _parse_line(raw: bytes, name: str, line_no: int, score_key: str) -> Run | No
 
 def summarize(cfg: PairsConfig, stats: Counter, outcomes: Counter, recovered: Counter, writer: PairWriter,
               garbler) -> dict:
+    if cfg.emit == "kto":
+        return summarize_kto(cfg, stats, outcomes, writer)
     dropped = {k: outcomes[k] - recovered[k] for k in ("never_ran", "never_succeeded")}
     dropped["only_same_code"] = stats["mixed_without_pairs"]
-    return {"input": cfg.runs, "output": cfg.output, "format": cfg.format, "seed": cfg.seed, "garble": cfg.garble,
+    return {"input": cfg.runs, "output": cfg.output, "format": cfg.format, "emit": "dpo", "seed": cfg.seed,
+            "garble": cfg.garble,
             "runs_read": sum(outcomes.values()),
             "invalid_lines_skipped": stats["invalid_lines_skipped"],
             "runs_by_outcome": {k: outcomes[k] for k in OUTCOMES},
+            # runs that gave a pair, their own or a cross_run one (a run whose pairs all duplicate earlier ones
+            # still counts, where --emit kto's runs_used leaves it out): runs_read less runs_dropped
+            "runs_used": sum(outcomes.values()) - sum(dropped.values()),
             "runs_dropped": dropped,
             "failed_runs_recovered_by_cross_run": sum(recovered.values()),
             "pairs_written": sum(writer.by_rule.values()),
@@ -697,8 +778,40 @@ def summarize(cfg: PairsConfig, stats: Counter, outcomes: Counter, recovered: Co
             "garble_fallbacks": garbler.fallbacks}
 
 
+def summarize_kto(cfg: PairsConfig, stats: Counter, outcomes: Counter, writer: PairWriter) -> dict:
+    """The --emit kto summary. Every run gives its strategy as an example, so a run is dropped only when all its
+    examples duplicate ones written before (the same run logged twice)."""
+    runs_read, used = sum(outcomes.values()), stats["runs_with_examples_written"]
+    return {"input": cfg.runs, "output": cfg.output, "format": cfg.format, "emit": "kto",
+            "runs_read": runs_read,
+            "invalid_lines_skipped": stats["invalid_lines_skipped"],
+            "runs_by_outcome": {k: outcomes[k] for k in OUTCOMES},
+            "runs_used": used,
+            "runs_dropped": {"only_duplicates": runs_read - used},
+            "examples_written": sum(writer.by_rule.values()),
+            "examples_by_label": {"desirable": writer.by_label[True], "undesirable": writer.by_label[False]},
+            "examples_by_rule": {k: writer.by_rule[k] for k in KTO_RULES},
+            "duplicates_removed": writer.duplicates,
+            "same_code_skipped": stats["same_code_skipped"],
+            "undesirable_capped": stats["pairs_capped"],
+            "attempts_missing_score": stats["attempts_missing_score"]}
+
+
 def print_summary(s: dict) -> None:
     line = lambda d: ", ".join(f"{k} {v}" for k, v in d.items())  # noqa: E731
+    if s["emit"] == "kto":
+        labels, dropped = s["examples_by_label"], s["runs_dropped"]["only_duplicates"]
+        print(f"build_pairs: {s['runs_read']} runs read from {s['input']} "
+              f"({s['invalid_lines_skipped']} invalid lines skipped)\n"
+              f"  runs by outcome:  {line(s['runs_by_outcome'])}\n"
+              f"  examples written: {s['examples_written']} ({labels['desirable']} desirable, "
+              f"{labels['undesirable']} undesirable) from {s['runs_used']} of {s['runs_read']} runs to {s['output']} "
+              f"(kto): {line(s['examples_by_rule'])}\n"
+              f"  left out:         {s['duplicates_removed']} duplicate examples, {s['same_code_skipped']} same-code "
+              f"attempts, {s['undesirable_capped']} undesirable codes over max_pairs_per_run"
+              + (f", {dropped} runs whose examples all duplicate earlier ones" if dropped else "") + "\n"
+              f"  notes:            {s['attempts_missing_score']} attempts ran without a score", file=sys.stderr)
+        return
     print(f"build_pairs: {s['runs_read']} runs read from {s['input']} "
           f"({s['invalid_lines_skipped']} invalid lines skipped)\n"
           f"  runs by outcome: {line(s['runs_by_outcome'])}\n"
@@ -719,7 +832,8 @@ def main(argv: list[str] | None = None) -> int:
         return self_pairs.main(argv[0], argv[1:])
     cfg = kit.parse_config(PairsConfig, argv, __doc__, positional="runs")
     garbler = ModelGarbler(cfg.model, cfg.seed) if cfg.garble == "model" else RuleGarbler(cfg.seed)
-    index = CrossRunIndex(cfg.max_pairs_per_prompt) if cfg.cross_run else None
+    kto = cfg.emit == "kto"  # every run's strategy is an example already: no cross-run pairs
+    index = CrossRunIndex(cfg.max_pairs_per_prompt) if cfg.cross_run and not kto else None
     stats, outcomes = Counter(), Counter()
     with PairWriter(cfg.output, cfg.format) as writer, open_runs(cfg.runs) as f:
         for out in processed_blocks(f, cfg, garbler, worker_count(cfg)):
@@ -732,7 +846,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(f"line {out.stop[1]} failed once, then not again")
             outcomes.update(out.outcomes)
             stats.update(out.stats)
-            writer.write_block(out)
+            kept = writer.write_block(out)
+            if kto:
+                stats["runs_with_examples_written"] += len({run for run, keep in zip(out.sources, kept) if keep})
             if index:
                 for record, prompt in zip(out.records, out.prompts):
                     index.add_record(record, *(prompt or (None, None)))
@@ -741,12 +857,13 @@ def main(argv: list[str] | None = None) -> int:
             stats["cross_run_capped"] = index.capped
         recovered = index.recovered if index else Counter()
         summary = summarize(cfg, stats, outcomes, recovered, writer, garbler)
-        if summary["pairs_written"]:
+        written = summary["examples_written" if kto else "pairs_written"]
+        if written:
             writer.commit()
     print_summary(summary)
     if cfg.report:
         kit.atomic_write_json(cfg.report, summary)
-    if not summary["pairs_written"]:
+    if not written:
         what = "no runs" if not summary["runs_read"] else "no usable run (nothing succeeded, or nothing to pair)"
         print(f"build_pairs: {what} in {summary['input']}; {cfg.output} not written", file=sys.stderr)
         return 1

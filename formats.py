@@ -690,6 +690,16 @@ class Pair:
     meta: dict
 
 
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One unpaired example as `build_pairs --emit kto` makes it (TRL's KTOTrainer): a message-list prompt, one
+    answer, and whether that answer is desirable."""
+    prompt: list
+    completion: str
+    label: bool
+    meta: dict
+
+
 def _canon_prompt(messages: list) -> str:
     return _canon([[m["role"], m["content"]] for m in messages])
 
@@ -698,6 +708,13 @@ def pair_digest(pair: Pair) -> int:
     """64 bits of the sha256 of the canonical (prompt, chosen, rejected): what makes two pairs the same
     pair. Two different pairs among n collide with odds of about n^2 / 2^65 (1e-8 for a million)."""
     canon = f"[{_canon_prompt(pair.prompt)},{_quote(pair.chosen)},{_quote(pair.rejected)}]"  # = _canon([...])
+    return int.from_bytes(hashlib.sha256(canon.encode("utf-8")).digest()[:8], "big")
+
+
+def example_digest(example: Example) -> int:
+    """pair_digest for an Example: 64 bits of the sha256 of the canonical (prompt, completion, label). Never equal
+    to a pair's (a label is not a string)."""
+    canon = _canon([[[m["role"], m["content"]] for m in example.prompt], example.completion, example.label])
     return int.from_bytes(hashlib.sha256(canon.encode("utf-8")).digest()[:8], "big")
 
 
@@ -734,8 +751,13 @@ class DigestSet:
                 self.buckets[digest >> shift].append(digest)
 
 
-def to_record(pair: Pair, fmt: str = "trl") -> dict:
+def to_record(pair: Pair | Example, fmt: str = "trl") -> dict:
     prompt = [{"role": m["role"], "content": m["content"]} for m in pair.prompt]
+    if isinstance(pair, Example):
+        if fmt == "openai":
+            raise ValueError("OpenAI's preference format has no unpaired examples")
+        return {"prompt": prompt, "completion": [{"role": "assistant", "content": pair.completion}],
+                "label": pair.label, "meta": pair.meta}
     chosen = [{"role": "assistant", "content": pair.chosen}]
     rejected = [{"role": "assistant", "content": pair.rejected}]
     if fmt == "openai":  # OpenAI rejects unknown keys, so no meta
@@ -763,10 +785,13 @@ def _prompt_json(messages: list) -> tuple[str, str] | None:
     return f"[{canon}]", f"[{line}]"
 
 
-def digest_and_line(pair: Pair, fmt: str = "trl") -> tuple[int, str]:
+def digest_and_line(pair: Pair | Example, fmt: str = "trl") -> tuple[int, str]:
     """pair_digest(pair) and to_line(to_record(pair, fmt)) at once, joined by hand from strings each quoted once,
     where those quote every string twice through encoders built per call (11 us a pair -> 5 on the bench mix).
-    Pairs holding something other than plain strings go the plain way; a test checks both give the same bytes."""
+    Pairs holding something other than plain strings go the plain way; a test checks both give the same bytes.
+    An Example goes to example_digest_and_line."""
+    if isinstance(pair, Example):
+        return example_digest_and_line(pair, fmt)
     prompt = _prompt_json(pair.prompt)
     if prompt is None or type(pair.chosen) is not str or type(pair.rejected) is not str:
         return pair_digest(pair), to_line(to_record(pair, fmt))
@@ -782,16 +807,31 @@ def digest_and_line(pair: Pair, fmt: str = "trl") -> tuple[int, str]:
     return int.from_bytes(digest[:8], "big"), line + "\n"
 
 
+def example_digest_and_line(example: Example, fmt: str = "trl") -> tuple[int, str]:
+    """example_digest(example) and to_line(to_record(example)) at once, each string quoted once, as
+    digest_and_line does for a pair (the same bytes; a test checks)."""
+    prompt = _prompt_json(example.prompt)
+    if prompt is None or type(example.completion) is not str or type(example.label) is not bool or fmt == "openai":
+        return example_digest(example), to_line(to_record(example, fmt))
+    canon_prompt, line_prompt = prompt
+    completion, label = _quote(example.completion), "true" if example.label else "false"
+    digest = hashlib.sha256(f"[{canon_prompt},{completion},{label}]".encode("utf-8")).digest()  # = example_digest's
+    line = (f'{{"prompt": {line_prompt}, "completion": [{{"role": "assistant", "content": {completion}}}], '
+            f'"label": {label}, "meta": {_meta_json(example.meta)}}}')
+    return int.from_bytes(digest[:8], "big"), line + "\n"
+
+
 class PairWriter:
     """Streams lines to a temporary file beside the destination; `commit` renames it into place.
 
     Anything that stops the run first (bad input, no pairs) leaves the destination untouched.
-    kit.atomic_write_* need the whole text at once, hence this streaming variant.
+    kit.atomic_write_* need the whole text at once, hence this streaming variant. Writes pairs or
+    Examples alike; `by_label` counts the examples written by label.
     """
 
     def __init__(self, dest: str, fmt: str):
         self.dest, self.fmt = dest, fmt
-        self.seen, self.by_rule, self.duplicates = DigestSet(), Counter(), 0
+        self.seen, self.by_rule, self.by_label, self.duplicates = DigestSet(), Counter(), Counter(), 0
         folder = tempfile.gettempdir() if dest == "-" else os.path.dirname(os.path.abspath(dest))
         os.makedirs(folder, exist_ok=True)
         fd, self.tmp = tempfile.mkstemp(prefix=f".{os.path.basename(dest)}.", suffix=".tmp", dir=folder)
@@ -805,23 +845,31 @@ class PairWriter:
                 continue
             self.file.write(line.encode("utf-8"))
             self.by_rule[pair.meta["rule"]] += 1
+            if isinstance(pair, Example):
+                self.by_label[pair.label] += 1
 
-    def write_block(self, block) -> None:
-        """write() for the pairs of a build_pairs.Block (digests, encoded text, line ends, rules): one write when
-        none is a duplicate (~350 KB on the bench)."""
+    def write_block(self, block) -> list:
+        """write() for the lines of a build_pairs.Block (digests, encoded text, line ends, rules, and labels: one
+        per line for examples, none for pairs): one write when none is a duplicate (~350 KB on the bench).
+        Returns whether each line was written (False: a duplicate)."""
         kept = [self.seen.add(digest) for digest in block.digests]
         if all(kept):
             self.file.write(block.text)
             self.by_rule.update(block.rules)
-            return
+            self.by_label.update(block.labels)
+            return kept
         text, start = memoryview(block.text), 0
-        for keep, end, rule in zip(kept, block.ends, block.rules):
+        labels = block.labels or [None] * len(kept)
+        for keep, end, rule, label in zip(kept, block.ends, block.rules, labels):
             if keep:
                 self.file.write(text[start:end])
                 self.by_rule[rule] += 1
+                if label is not None:
+                    self.by_label[label] += 1
             else:
                 self.duplicates += 1
             start = end
+        return kept
 
     def commit(self) -> None:
         self.file.flush()

@@ -86,6 +86,7 @@ def test_never_succeeded_and_never_ran_give_no_pair_and_are_counted(tmp_path):
     assert code == 0
     assert report["runs_by_outcome"] == {"first_try": 1, "mixed": 0, "never_succeeded": 2, "never_ran": 1}
     assert report["runs_dropped"] == {"never_ran": 1, "never_succeeded": 2, "only_same_code": 0}
+    assert report["runs_used"] == 1 and report["emit"] == "dpo"
     assert {p["meta"]["run_id"] for p in pairs} == {"d"}
 
 
@@ -149,6 +150,85 @@ def test_first_try_gives_a_strategy_pair_and_a_code_pair():
     assert code_pair.prompt == [{"role": "user", "content": "Clear the pip cache"}]
     assert code_pair.chosen == "print(2)\n" and not bp.compiles(code_pair.rejected)
     assert code_pair.meta["rule"] == "first_try_code" and "tags" not in code_pair.meta
+
+
+# ---------------------------------------------------------------------------------------------
+# --emit kto: every strategy and distinct code, labelled
+# ---------------------------------------------------------------------------------------------
+
+TAGS = ["get_system_plist", "get_basic_env_plist"]
+ASK = [{"role": "user", "content": "Clear the pip cache"}]
+
+
+def kto(attempts, stats=None, **cfg):
+    examples = bp.examples_for_run(parsed(run(attempts=attempts)), bp.PairsConfig(runs="x", emit="kto", **cfg), stats)
+    return [(e.completion, e.label, e.meta["score"]) for e in examples], examples
+
+
+def test_kto_mixed_run_strategy_and_best_code_desirable_failed_codes_not():
+    got, examples = kto([failed("a("), ok("b = 1", 100), ok("c = 1", 50), ok("e = 1", 0)])
+    assert got == [("Clear the pip cache", True, 100),  # the strategy, scored by the run's best code
+                   ("a(", False, None), ("b = 1", True, 100), ("c = 1", True, 50), ("e = 1", False, 0)]
+    strategy, *codes = examples
+    assert strategy.prompt == [{"role": m["role"], "content": m["content"]} for m in PROMPT]
+    assert strategy.meta == {"run_id": "r1", "rule": "kto_strategy", "score": 100, "outcome": "mixed", "tags": TAGS}
+    assert all(e.prompt == ASK for e in codes)
+    assert codes[0].meta == {"run_id": "r1", "rule": "kto_code", "score": None, "outcome": "mixed"}
+
+
+def test_kto_uses_the_runs_dpo_drops_all_undesirable(tmp_path):
+    got, examples = kto([ok(ZERO, 0), failed(), ok(ZERO, -3)])
+    assert got == [("Clear the pip cache", False, 0),  # the run's highest score, though nothing succeeded
+                   (ZERO, False, 0), (BROKEN, False, None)]
+    assert examples[0].meta["outcome"] == "never_succeeded" and examples[0].meta["tags"] == TAGS
+    assert kto([])[0] == [("Clear the pip cache", False, None)]  # never_ran: its strategy alone
+    rows = [run(attempts=[ok(ZERO, 0), failed()])]
+    assert build(tmp_path, rows)[0] == 1  # DPO: nothing to pair, nothing written
+    code, lines, report = build(tmp_path, rows, "--emit", "kto")
+    assert code == 0 and [line["label"] for line in lines] == [False, False, False]
+    assert report["runs_used"] == 1 and report["examples_by_label"] == {"desirable": 0, "undesirable": 3}
+
+
+def test_kto_first_try_run_has_no_garbled_text():
+    got, examples = kto([ok(GOOD, 10), ok("print(2)\n", 30)])
+    assert got == [("Clear the pip cache", True, 30), (GOOD, True, 10), ("print(2)\n", True, 30)]
+    assert {e.meta["outcome"] for e in examples} == {"first_try"}
+
+
+def test_kto_repeated_code_is_one_example_desirable_if_it_ever_succeeded():
+    stats = Counter()
+    got, _ = kto([failed(GOOD + "  \n"), ok(ZERO, 0), ok(GOOD, 7), ok(ZERO, 0), ok(GOOD, 9)], stats)
+    # GOOD failed once (a transient error), then succeeded twice: its best try stands for it
+    assert got == [("Clear the pip cache", True, 9), (GOOD, True, 9), (ZERO, False, 0)]
+    assert stats["same_code_skipped"] == 3
+    got, _ = kto([ok(ZERO, 0), failed(ZERO + "\n")])
+    assert got[1:] == [(ZERO, False, 0)]  # never succeeded: its first try stands for it
+
+
+def test_kto_caps_undesirable_codes_per_run_not_desirable_ones():
+    stats = Counter()
+    attempts = [failed(f"x{i} = (") for i in range(6)] + [ok(f"y{i} = 1", i + 1) for i in range(6)]
+    got, _ = kto(attempts, stats, max_pairs_per_run=4)
+    assert [c for c, label, _ in got[1:] if not label] == ["x0 = (", "x1 = (", "x2 = (", "x3 = ("]
+    assert [c for c, label, _ in got[1:] if label] == [f"y{i} = 1" for i in range(6)]
+    assert stats["pairs_capped"] == 2
+
+
+def test_kto_run_whose_examples_all_duplicate_earlier_ones_is_dropped_and_said_why(tmp_path, capsys):
+    rows = [run(attempts=[failed(), ok()], run_id="a"), run(attempts=[failed(), ok()], run_id="again"),
+            run("Other", attempts=[ok()], run_id="b")]
+    code, lines, report = build(tmp_path, rows, "--emit", "kto")
+    assert [line["meta"]["run_id"] for line in lines] == ["a", "a", "a", "b", "b"]
+    assert report["runs_used"] == 2 and report["runs_dropped"] == {"only_duplicates": 1}
+    assert report["duplicates_removed"] == 3
+    assert "1 runs whose examples all duplicate earlier ones" in capsys.readouterr().err
+
+
+def test_kto_with_openai_format_is_refused(tmp_path, capsys):
+    assert kit.run_cli(bp.main, [str(DEMO), "-o", str(tmp_path / "k.jsonl"), "--emit", "kto", "--format", "openai"]) == 2
+    assert "--emit kto writes TRL's unpaired format (prompt/completion/label); --format openai has none" \
+        in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,6 +457,7 @@ def test_missing_input_file(tmp_path, capsys):
     (["--model", "m"], "--model is only used with --garble model"),
     (["--max_pairs_per_run", "0"], "max_pairs_per_run must be at least 1, got 0"),
     (["--max-pairs-per-prompt", "0"], "max_pairs_per_prompt must be at least 1, got 0"),
+    (["--emit", "kto", "--garble", "model", "--model", "m"], "--garble model is only used with --emit dpo"),
 ])
 def test_bad_options_are_reported_together(tmp_path, capsys, flags, problem):
     assert kit.run_cli(bp.main, ["runs.jsonl", *flags]) == 2
@@ -415,6 +496,25 @@ def test_demo_logs_exercise_every_rule_and_load_as_pairs(tmp_path):
     assert stats["format"] == "trl_conversational" and len(records) == report["pairs_written"]
     assert kit.run_cli(bp.main, [str(DEMO), "-o", str(tmp_path / "oa.jsonl"), "--format", "openai"]) == 0
     assert formats.load_pairs(str(tmp_path / "oa.jsonl"))[1]["format"] == "openai"
+
+
+def test_demo_logs_with_emit_kto_use_every_run(tmp_path, capsys):
+    _, _, dpo = build(tmp_path, DEMO)
+    assert dpo["emit"] == "dpo" and dpo["runs_used"] == dpo["runs_read"] - sum(dpo["runs_dropped"].values())
+    capsys.readouterr()
+    code, lines, report = build(tmp_path, DEMO, "--emit", "kto")
+    assert code == 0 and report["emit"] == "kto" and report["runs_read"] == dpo["runs_read"]
+    assert report["runs_used"] == report["runs_read"] > dpo["runs_used"]
+    assert sum(report["runs_dropped"].values()) == 0 < sum(dpo["runs_dropped"].values())
+    assert all(n > 0 for n in report["examples_by_label"].values()), report["examples_by_label"]
+    assert report["examples_by_rule"]["kto_strategy"] == report["runs_read"]  # no duplicate strategies in the demo
+    assert report["examples_by_rule"]["kto_code"] > 0 and report["undesirable_capped"] > 0
+    assert report["examples_written"] == len(lines) == sum(report["examples_by_label"].values())
+    assert all(list(line) == ["prompt", "completion", "label", "meta"] and line["label"] in (True, False)
+               and line["completion"][0]["role"] == "assistant" for line in lines)
+    labels = report["examples_by_label"]
+    assert (f"examples written: {len(lines)} ({labels['desirable']} desirable, {labels['undesirable']} undesirable) "
+            f"from {report['runs_used']} of {report['runs_read']} runs") in capsys.readouterr().err
 
 
 def test_help_runs_as_a_script():
@@ -475,6 +575,48 @@ def test_digest_and_line_match_the_plain_encoders(fmt):
             assert formats.digest_and_line(pair, fmt) == (formats.pair_digest(pair), formats.to_line(formats.to_record(pair, fmt)))
 
 
+def test_example_digest_and_line_match_the_plain_encoders():
+    sub = type("Sub", (str,), {})  # not a plain str: the plain way
+    metas = [{"run_id": "r", "rule": "kto_code", "score": 3, "outcome": "mixed"},
+             {"run_id": "é", "rule": "kto_strategy", "score": None, "outcome": "never_ran", "tags": ["t", None]}]
+    prompts = [[{"role": "user", "content": t}] for t in TRICKY] + [
+        [{"role": "system", "content": "s", "tag": "x"}, {"role": "user", "content": "u"}], [],
+        [{"role": "user", "content": 5}], [{"role": "user", "content": sub("sub")}]]
+    for i, prompt in enumerate(prompts):
+        for completion, label in [(TRICKY[i % len(TRICKY)], True), (TRICKY[-1 - i % len(TRICKY)], False),
+                                  (sub("c"), True), ("c", 1)]:
+            example = formats.Example(prompt, completion, label, metas[i % len(metas)])
+            plain = (formats.example_digest(example), formats.to_line(formats.to_record(example)))
+            assert formats.digest_and_line(example) == formats.example_digest_and_line(example) == plain
+    pair = formats.Pair([{"role": "user", "content": "p"}], "c", "true", {})
+    example = formats.Example([{"role": "user", "content": "p"}], "c", True, {})
+    assert formats.pair_digest(pair) != formats.example_digest(example)  # a label is not a string
+    with pytest.raises(ValueError, match="no unpaired"):
+        formats.digest_and_line(example, "openai")
+
+
+def test_example_line_format_is_fixed():
+    """What the KTO trainer reads: a contract with the reading side."""
+    example = formats.Example([{"role": "user", "content": "é"}], "a", True, {"run_id": "r", "rule": "kto_code"})
+    assert formats.digest_and_line(example)[1] == (
+        '{"prompt": [{"role": "user", "content": "é"}], "completion": [{"role": "assistant", "content": "a"}], '
+        '"label": true, "meta": {"run_id": "r", "rule": "kto_code"}}\n')
+
+
+def test_pair_writer_writes_examples_and_counts_rules_and_labels(tmp_path):
+    ask = [{"role": "user", "content": "s"}]
+    examples = [formats.Example(ask, "a", True, {"rule": "kto_code"}), formats.Example(ask, "b", False, {"rule": "kto_code"}),
+                formats.Example(ask, "a", True, {"rule": "kto_code", "run_id": "again"}),  # a duplicate: meta aside
+                formats.Example(ask, "a", False, {"rule": "kto_strategy"})]  # another label: another example
+    with formats.PairWriter(str(tmp_path / "e.jsonl"), "trl") as writer:
+        writer.write(examples)
+        writer.commit()
+    lines = [json.loads(line) for line in (tmp_path / "e.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [(r["completion"][0]["content"], r["label"]) for r in lines] == [("a", True), ("b", False), ("a", False)]
+    assert writer.duplicates == 1 and writer.by_label == {True: 1, False: 2}
+    assert writer.by_rule == {"kto_code": 2, "kto_strategy": 1}
+
+
 def test_prompt_key_is_equal_exactly_when_the_canonical_prompt_json_is():
     def m(*pairs):
         return [{"role": r, "content": c} for r, c in pairs]
@@ -488,9 +630,10 @@ def test_prompt_key_is_equal_exactly_when_the_canonical_prompt_json_is():
 
 
 def plain_main(path, cfg):
-    """build_pairs as it was: one run at a time through the public functions, no blocks, no workers."""
+    """build_pairs as it was: one run at a time through the public functions, no blocks, no workers. Returns the
+    output, the invalid lines, and the runs with a line of their own written."""
     stats, outcomes, garbler, index = Counter(), Counter(), bp.RuleGarbler(cfg.seed), bp.CrossRunIndex(cfg.max_pairs_per_prompt)
-    out = []
+    out, used = [], 0
     seen = set()
     for line_no, raw in enumerate(io.BytesIO(path.read_bytes()), start=1):
         try:
@@ -502,16 +645,24 @@ def plain_main(path, cfg):
             stats["invalid"] += 1
             continue
         outcomes[bp.outcome(r)] += 1
-        for pair in bp.pairs_for_run(r, cfg, garbler, stats):
-            if formats.pair_digest(pair) not in seen:
-                seen.add(formats.pair_digest(pair))
-                out.append(formats.to_line(formats.to_record(pair, cfg.format)))
-        index.add(r)
+        lines = len(out)
+        if cfg.emit == "kto":  # no cross-run index
+            for example in bp.examples_for_run(r, cfg, stats):
+                if formats.example_digest(example) not in seen:
+                    seen.add(formats.example_digest(example))
+                    out.append(formats.to_line(formats.to_record(example)))
+        else:
+            for pair in bp.pairs_for_run(r, cfg, garbler, stats):
+                if formats.pair_digest(pair) not in seen:
+                    seen.add(formats.pair_digest(pair))
+                    out.append(formats.to_line(formats.to_record(pair, cfg.format)))
+            index.add(r)
+        used += len(out) > lines
     for pair in index.pairs():
         if formats.pair_digest(pair) not in seen:
             seen.add(formats.pair_digest(pair))
             out.append(formats.to_line(formats.to_record(pair, cfg.format)))
-    return "".join(out).encode("utf-8"), stats["invalid"], len(seen)
+    return "".join(out).encode("utf-8"), stats["invalid"], used
 
 
 def tricky_logs(tmp_path):
@@ -538,17 +689,22 @@ def tricky_logs(tmp_path):
     return path
 
 
+@pytest.mark.parametrize("emit", ["dpo", "kto"])
 @pytest.mark.parametrize("workers, block_bytes", [(1, bp.BLOCK_BYTES), (1, 1000), (2, 1000), (3, 64)])
-def test_blocks_and_workers_give_what_one_run_at_a_time_gives(tmp_path, monkeypatch, workers, block_bytes):
+def test_blocks_and_workers_give_what_one_run_at_a_time_gives(tmp_path, monkeypatch, workers, block_bytes, emit):
     src = tricky_logs(tmp_path)
-    expected, invalid, _ = plain_main(src, bp.PairsConfig(runs=str(src), seed=3))
+    lines = src.read_bytes().split(b"\n")
+    src.write_bytes(b"\n".join(lines + lines[84:101]))  # runs logged twice, far apart (no bad line among them)
+    expected, invalid, used = plain_main(src, bp.PairsConfig(runs=str(src), seed=3, emit=emit))
     monkeypatch.setattr(bp, "BLOCK_BYTES", block_bytes)  # many blocks: the workers' results interleave
     out = tmp_path / "pairs.jsonl"
     code = kit.run_cli(bp.main, [str(src), "-o", str(out), "--skip_invalid", "--seed", "3", "--workers", str(workers),
-                                 "--report", str(tmp_path / "r.json")])
+                                 "--emit", emit, "--report", str(tmp_path / "r.json")])
     report = json.loads((tmp_path / "r.json").read_text())
     assert code == 0 and report["invalid_lines_skipped"] == invalid == 5 and report["duplicates_removed"] > 0
     assert out.read_bytes() == expected
+    if emit == "kto":
+        assert report["runs_used"] == used and report["runs_dropped"]["only_duplicates"] > 0
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -602,8 +758,9 @@ VALID_RUNS = [run(attempts=[ok()]), run(attempts=[failed(), ok(), ok(ZERO, 5)], 
 
 
 @settings(max_examples=200)
-@given(data=fuzz.lines(VALID_RUNS), skip=st.booleans(), fmt=st.sampled_from(["trl", "openai"]))
-def test_no_run_log_ends_in_a_traceback(data, skip, fmt):
+@given(data=fuzz.lines(VALID_RUNS), skip=st.booleans(),
+       fmt_emit=st.sampled_from([("trl", "dpo"), ("openai", "dpo"), ("trl", "kto")]))
+def test_no_run_log_ends_in_a_traceback(data, skip, fmt_emit):
     """Exit 0 (pairs written), 1 (no usable run) or 2 with `FILE:LINE: message` first; only the output and
     report are ever written, and nothing at all when the input is refused."""
     import contextlib
@@ -615,10 +772,16 @@ def test_no_run_log_ends_in_a_traceback(data, skip, fmt):
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
             code = kit.run_cli(bp.main, [str(src), "-o", str(out), "--report", str(report), "--workers", "1",
-                                         "--format", fmt, *(["--skip_invalid"] if skip else [])])
+                                         "--format", fmt_emit[0], "--emit", fmt_emit[1],
+                                         *(["--skip_invalid"] if skip else [])])
         written = sorted(p.name for p in Path(tmp).iterdir())
         if code == 2:
             assert err.getvalue().startswith(f"{src}:") and written == ["runs.jsonl"], err.getvalue()[-2000:]
         else:
             assert code in (0, 1) and written == sorted(["runs.jsonl", "report.json", *(["pairs.jsonl"] * (1 - code))])
-            formats.load_pairs(str(out)) if code == 0 else None  # what it wrote trains
+            if code == 0 and fmt_emit[1] == "kto":  # each line in the shape KTO reads
+                lines = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+                assert lines and all(list(r) == ["prompt", "completion", "label", "meta"] and r["label"] in (True, False)
+                                     for r in lines)
+            elif code == 0:
+                formats.load_pairs(str(out))  # what it wrote trains
