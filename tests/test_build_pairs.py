@@ -512,6 +512,8 @@ def test_demo_logs_with_emit_kto_use_every_run(tmp_path, capsys):
     assert report["examples_written"] == len(lines) == sum(report["examples_by_label"].values())
     assert all(list(line) == ["prompt", "completion", "label", "meta"] and line["label"] in (True, False)
                and line["completion"][0]["role"] == "assistant" for line in lines)
+    records, stats = formats.load_pairs(str(tmp_path / "pairs.jsonl"))  # what train_dpo.py reads: KTO, by run
+    assert stats["format"] == "kto" and len(records) == len(lines) and len({r["_run"] for r in records}) == 49
     labels = report["examples_by_label"]
     assert (f"examples written: {len(lines)} ({labels['desirable']} desirable, {labels['undesirable']} undesirable) "
             f"from {report['runs_used']} of {report['runs_read']} runs") in capsys.readouterr().err
@@ -779,9 +781,6 @@ def test_no_run_log_ends_in_a_traceback(data, skip, fmt_emit):
             assert err.getvalue().startswith(f"{src}:") and written == ["runs.jsonl"], err.getvalue()[-2000:]
         else:
             assert code in (0, 1) and written == sorted(["runs.jsonl", "report.json", *(["pairs.jsonl"] * (1 - code))])
-            if code == 0 and fmt_emit[1] == "kto":  # each line in the shape KTO reads
-                lines = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
-                assert lines and all(list(r) == ["prompt", "completion", "label", "meta"] and r["label"] in (True, False)
-                                     for r in lines)
-            elif code == 0:
-                formats.load_pairs(str(out))  # what it wrote trains
+            if code == 0:
+                records, stats = formats.load_pairs(str(out))  # what it wrote trains
+                assert (stats["format"] == "kto") == (fmt_emit[1] == "kto")
