@@ -78,11 +78,13 @@ override RUNNER := $(if $(shell timeout 10 docker version --format '{{.Server.Ve
 endif
 endif
 # Training data: DATA when given, else the pairs built from LOGS.
-PAIRS := $(if $(DATA),$(DATA),$(OUT)/pairs/$(notdir $(basename $(LOGS))).pairs.jsonl)
+# METHOD=kto: the logs become unpaired KTO examples (every run used), and training is KTO; a DATA file of pairs
+# is unpaired. Unset: DPO, or KTO for a DATA file of prompt/completion/label examples.
+PAIRS := $(if $(DATA),$(DATA),$(OUT)/pairs/$(notdir $(basename $(LOGS))).$(if $(filter kto,$(METHOD)),kto,pairs).jsonl)
 
 .PHONY: help
 help: ## list the targets
-	@echo "usage: make TARGET [DATA=pairs.jsonl | LOGS=runs.jsonl] [MODEL=dir|hub-id] [RUN=name] [ARGS=\"--flag value\"]"
+	@echo "usage: make TARGET [DATA=pairs.jsonl | LOGS=runs.jsonl] [METHOD=kto] [MODEL=dir|hub-id] [RUN=name] [ARGS=\"--flag value\"]"
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
 
 $(STAMP): requirements.txt
@@ -126,11 +128,14 @@ $(BUNDLED_MODEL)/config.json: | $(STAMP)
 	$(PY) entrypoint.py model $(BUNDLED_MODEL)
 
 .PHONY: pairs
-pairs: $(PAIRS) ## build DPO pairs from agent run logs (LOGS=runs.jsonl)
+pairs: $(PAIRS) ## build DPO pairs from agent run logs (LOGS=runs.jsonl), or KTO examples (METHOD=kto)
 
 # Rebuilt on every use (thousands of runs a second): another LOGS file with the same name is never stale.
 $(OUT)/pairs/%.pairs.jsonl: FORCE | $(STAMP)
 	$(PY) build_pairs.py $(LOGS) -o $@ --report $(@:.jsonl=.report.json)
+
+$(OUT)/pairs/%.kto.jsonl: FORCE | $(STAMP)
+	$(PY) build_pairs.py $(LOGS) --emit kto -o $@ --report $(@:.jsonl=.report.json)
 
 PLAN ?= data/plan.yaml
 
@@ -139,7 +144,7 @@ iterate: $(STAMP) $(BUNDLED_MODEL)/config.json ## rounds from PLAN=plan.yaml (SP
 	$(PY) entrypoint.py iterate $(PLAN) --output_dir $(OUT) $(ARGS)
 
 .PHONY: train
-train: train-$(RUNNER) ## train an adapter: DATA= or LOGS=, MODEL=, RUN=, ARGS=; RUNNER=local|docker; GPUS=N NPROC= NNODES= DIST=
+train: train-$(RUNNER) ## train an adapter: DATA= or LOGS=, METHOD=kto, MODEL=, RUN=, ARGS=; RUNNER=local|docker; GPUS=N NPROC= NNODES= DIST=
 
 .PHONY: train-auto
 train-auto: train-local
@@ -148,12 +153,13 @@ train-auto: train-local
 train-local: $(STAMP) $(if $(filter-out random:%,$(MODEL)),,$(BUNDLED_MODEL)/config.json) $(if $(DATA),,$(PAIRS))
 	$(PY) $(if $(DISTRIBUTED),scaleout.py $(if $(GPUS),--gpus $(GPUS)) $(DIST_FLAGS) $(if $(DRY_RUN),--dry_run) --,train_dpo.py) \
 	  --data $(PAIRS) --output_dir $(OUT) $(if $(MODEL),--model_name_or_path $(MODEL)) \
-	  $(if $(RUN),--run_name $(RUN)) $(if $(MIX),--mix $(MIX)) $(ARGS)
+	  $(if $(RUN),--run_name $(RUN)) $(if $(METHOD),--method $(METHOD)) $(if $(MIX),--mix $(MIX)) $(ARGS)
 
 .PHONY: train-docker
 train-docker: $(if $(DRY_RUN),,$(LAUNCHER_STAMP))
 	$(LAUNCHER_PY) launcher.py train $(LAUNCH_RUN) $(if $(DATA),--data $(DATA),--logs $(LOGS)) \
-	  $(if $(MODEL),--model $(MODEL)) $(if $(RUN),--run_name $(RUN)) $(if $(filter 0,$(PRUNE)),--no_prune) -- $(if $(MIX),--mix $(MIX)) $(ARGS)
+	  $(if $(MODEL),--model $(MODEL)) $(if $(RUN),--run_name $(RUN)) $(if $(METHOD),--method $(METHOD)) \
+	  $(if $(filter 0,$(PRUNE)),--no_prune) -- $(if $(MIX),--mix $(MIX)) $(ARGS)
 
 $(LAUNCHER_STAMP): requirements.txt
 	@test -x $(LVENV)/bin/python || $(PYTHON) -m venv $(LVENV)

@@ -59,6 +59,8 @@ class LaunchConfig:
     extras: str = field("", "build arg EXTRAS: optional requirements-<name>.txt to add, e.g. deepspeed (DIST=zero2|zero3)")
     data: str = field("", "preference pairs on the host (JSONL), mounted read-only")
     logs: str = field("data/runs.jsonl", "agent run logs on the host, used when --data is not given")
+    method: str = field("", "kto: train KTO (run logs become unpaired examples, build_pairs --emit kto; a pairs "
+                        "file is unpaired); dpo; '' = what the data holds", choices=("", "dpo", "kto"))
     output_dir: str = field("artifacts", "host directory mounted at /artifacts (runs, tarballs, pairs)")
     model: str = field("", "host model directory (mounted read-only) or hub id; empty = bundled in the image")
     run_name: str = field("", "run name (the same name resumes)")
@@ -169,16 +171,17 @@ def launch_flags(d: scaleout.DistConfig) -> list[str]:
     return out + (["--dist", d.dist] if d.dist != "ddp" else [])
 
 
-def pairs_output(logs_in: str) -> str:
-    """Where the pairs built from run logs go, in the container (as `make pairs` names them on the host)."""
-    return f"{IN_ARTIFACTS}/pairs/{Path(logs_in).name.rsplit('.', 1)[0]}.pairs.jsonl"
+def pairs_output(logs_in: str, method: str = "") -> str:
+    """Where the pairs (KTO: examples) built from run logs go, in the container (as `make pairs` names them)."""
+    return f"{IN_ARTIFACTS}/pairs/{Path(logs_in).name.rsplit('.', 1)[0]}.{'kto' if method == 'kto' else 'pairs'}.jsonl"
 
 
 def job_command(cfg: LaunchConfig, data_in: str, extra: list[str], model_in: str) -> list[str]:
     """The entrypoint command for the action, with container paths."""
     if cfg.action == "pairs":
-        out = pairs_output(data_in)
-        return ["pairs", data_in, "-o", out, "--report", out[:-len(".jsonl")] + ".report.json", *extra]
+        out = pairs_output(data_in, cfg.method)
+        return ["pairs", data_in, "-o", out, "--report", out[:-len(".jsonl")] + ".report.json",
+                *(["--emit", "kto"] if cfg.method == "kto" else []), *extra]
     if cfg.action == "check":
         return ["check", *(["--require_gpu"] if cfg.gpus else []), *extra]
     if cfg.action == "shell":
@@ -188,6 +191,8 @@ def job_command(cfg: LaunchConfig, data_in: str, extra: list[str], model_in: str
         cmd += ["--model_name_or_path", model_in]
     if cfg.run_name:
         cmd += ["--run_name", cfg.run_name]
+    if cfg.method:
+        cmd += ["--method", cfg.method]
     d = dist_config(cfg)
     if scaleout.is_distributed(d):  # accelerate launch in the container, one process per GPU
         return ["launch", *launch_flags(d), "--", *cmd, *extra]
@@ -378,7 +383,7 @@ def main(argv=None) -> int:
     if cfg.action == "train" and not cfg.data:  # run logs -> pairs in a container, then train on them
         pairs_cfg = dataclasses.replace(cfg, action="pairs")
         jobs.append(("pairs", run_spec(pairs_cfg, ref, paths, [], user, env)))
-        built = Path(pairs_output(paths["data"])).relative_to(IN_ARTIFACTS)
+        built = Path(pairs_output(paths["data"], cfg.method)).relative_to(IN_ARTIFACTS)
         paths = {**paths, "data": str(Path(paths["output"]) / built)}
     if cfg.action == "train" and cfg.gpus:
         jobs.append(("gpu check", run_spec(dataclasses.replace(cfg, action="check"), ref, paths, [], user, env)))

@@ -106,6 +106,10 @@ def test_job_commands_for_pairs_check_and_shell():
     assert launcher.job_command(LaunchConfig(action="pairs"), "/data/runs.jsonl", [], "") == [
         "pairs", "/data/runs.jsonl", "-o", "/artifacts/pairs/runs.pairs.jsonl",
         "--report", "/artifacts/pairs/runs.pairs.report.json"]
+    assert launcher.job_command(LaunchConfig(action="pairs", method="kto"), "/data/runs.jsonl", [], "") == [
+        "pairs", "/data/runs.jsonl", "-o", "/artifacts/pairs/runs.kto.jsonl",
+        "--report", "/artifacts/pairs/runs.kto.report.json", "--emit", "kto"]  # every run, unpaired
+    assert launcher.job_command(LaunchConfig(method="kto"), "/data/runs.kto.jsonl", [], "")[-2:] == ["--method", "kto"]
     assert launcher.job_command(LaunchConfig(action="check", gpus="all"), "", [], "") == ["check", "--require_gpu"]
     assert launcher.job_command(LaunchConfig(action="check"), "", [], "") == ["check"]
     assert launcher.job_command(LaunchConfig(action="shell"), "", ["-c", "id"], "") == ["-c", "id"]
