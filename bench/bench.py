@@ -49,6 +49,10 @@ Modes (issue 7's (a)-(d), plus what each of the kit's choices buys on its own):
   no_share          (a) with --no_share_prompts: TRL's layout, each prompt twice (not run by default)
   cpu_matmul_bf16   (a) with --cpu_matmul_precision bf16: float32 everywhere but the matmuls' inputs (not run
                     by default yet)
+  kto               --method kto on the same pairs, unpaired (each completion an example labelled desirable or
+                    not): TRL's KTOTrainer with the kit's module kernels; its pairs/s column is examples/s (one
+                    completion each, plus the KL term's mismatched completion, against DPO's two); no FLOP count
+                    or MFU (the formula below is DPO's). At the shorter lengths only
 
 FLOP count (model FLOPs per optimizer step: the work DPO needs, the same for every mode, so MFU
 compares useful work; matmuls only, multiply-add = 2 FLOPs; no padding: every sequence is exactly T =
@@ -111,6 +115,7 @@ MODES = {  # mode -> extra train_dpo flags (see the docstring; mode_flags fills 
     "cpu_matmul_bf16": ["--cpu_matmul_precision", "bf16"],
     "no_fused": ["--no_fused_ops"],
     "no_share": ["--no_share_prompts"],
+    "kto": ["--method", "kto"],
 }
 OPTIONAL_MODES = ("separate_ref", "full_logits", "bnb_kernels", "cpu_matmul_bf16", "no_fused", "no_share")  # --modes: each a minute more (15-minute budget)
 DEFAULT_MODES = [m for m in MODES if m not in OPTIONAL_MODES]
@@ -376,6 +381,7 @@ def result_cases(results: dict) -> list[dict]:
 
 def markdown(results: dict) -> str:
     m, cuda = results["machine"], results.get("device") == "cuda"
+    num = lambda v, f: "n/a" if v is None else f"{v:{f}}"  # noqa: E731
     peak = "bfloat16" if cuda else "float32"  # the dtype the default mode's matmuls run in there
     model = results.get("model")
     lines = [f"# dpo-kit benchmark ({'QUICK' if results['quick'] else 'full'}{', CUDA' if cuda else ''})", "",
@@ -404,14 +410,18 @@ def markdown(results: dict) -> str:
             r = by_case.get(case["key"])
             if not r:
                 continue
-            label = f"{mode} (no Liger)" if r.get("liger") is False else mode
+            label = f"{mode} (no Liger)" if r.get("liger") is False else \
+                f"{mode} (examples/s)" if mode == "kto" else mode
             head = f"| {label} | {case['seq_len']} | {case['prompt_fraction']:g} | {case['batch']} |"
             if "error" in r or "skipped" in r:
                 lines.append(f"{head} {'failed: ' + r['error'][:80] if 'error' in r else r['skipped']} |||||||||")
                 continue
             lines.append(f"{head} {r.get('dtype', 'float32')} | {r['pairs_per_s']:.3f} | {r['tokens_per_s']:.0f} "
-                         f"| {r['step_s']:.2f} | {r['gflops']:.1f} | {r['mfu']:.1%} | {r['peak_train_mb']:,.0f} "
+                         f"| {r['step_s']:.2f} | {num(r['gflops'], '.1f')} | {num(r['mfu'], '.1%')} | {r['peak_train_mb']:,.0f} "
                          f"| {r['startup_s']:.1f} | {r['precompute_s']:.1f} | {r.get('last_loss', float('nan')):.4f} |")
+    if "kto" in results["train"]:
+        lines += ["", "kto: `--method kto` on the same pairs, unpaired: a step of that batch trains that many single "
+                  "completions (each with the KL term's mismatched one), where DPO's trains that many pairs of two."]
     lines += [f"\n{note}" for note in results.get("notes", [])]
     if results["build_pairs"]:
         lines += ["", "| build_pairs runs | workers | runs/s | runs/s (wall, with interpreter start) | peak RSS, all "
@@ -592,15 +602,17 @@ def bench_train(cfg: BenchConfig, mode: str, case: Case, data: Path, work: Path,
         return {"error": error, "log_tail": tail}
     rec = json.loads(timing.read_text())
     out = summarize_steps(rec["step_ends"], start, rec["init_end"], rec["train_begin"], case.batch, case.seq_len)
-    flops = step_flops(shape, n_lora, case.seq_len, case.batch, reference="--precompute_ref_log_probs" not in flags,
-                       prompt_fraction=case.prompt_fraction)
+    kto = "kto" in flags
+    flops = None if kto else step_flops(shape, n_lora, case.seq_len, case.batch,
+                                        reference="--precompute_ref_log_probs" not in flags,
+                                        prompt_fraction=case.prompt_fraction)
     metrics_file = run_dir / "r.partial" / "metrics.jsonl"  # the run stops before it is renamed to r/
     metrics = [json.loads(r) for r in metrics_file.read_text().splitlines() if r.strip()]
     losses = [m["loss"] for m in metrics if "loss" in m]
     out |= {"wall_s": wall, "peak_train_mb": rec.get("peak_gpu_mb" if cfg.cuda else "peak_train_mb"),
             "peak_rss_mb": rec.get("peak_train_mb"), "batch": case.batch, "prompt_fraction": case.prompt_fraction,
-            "flops_per_step": flops, "gflops": flops["total"] / out["step_s"] / 1e9,
-            "dtype": dtype, "mfu": flops["total"] / out["step_s"] / (peaks[dtype] * 1e9),
+            "flops_per_step": flops, "gflops": flops["total"] / out["step_s"] / 1e9 if flops else None,
+            "dtype": dtype, "mfu": flops["total"] / out["step_s"] / (peaks[dtype] * 1e9) if flops else None,
             "first_loss": losses[0] if losses else None,
             "last_loss": losses[-1] if losses else None, "torch_threads": rec["torch_threads"],
             "train_runtime_s": next((m["train_runtime"] for m in metrics if "train_runtime" in m), None)}
@@ -780,7 +792,7 @@ def main(argv=None) -> int:
                 print(f"[bench] {mode:<16} L={case.seq_len:<5} prompt {case.prompt_fraction:<4g} batch {case.batch} "
                       + (r.get("error") or r.get("skipped") or
                          f"{r['pairs_per_s']:.3f} pairs/s, {r['tokens_per_s']:,.0f} tokens/s, {r['step_s']:.2f} s/step, "
-                         f"MFU {r['mfu']:.1%}, peak {r['peak_train_mb']:,.0f} MB, start-up {r['startup_s']:.1f} s, "
+                         f"MFU {'n/a' if r['mfu'] is None else format(r['mfu'], '.1%')}, peak {r['peak_train_mb']:,.0f} MB, start-up {r['startup_s']:.1f} s, "
                          f"loss {r['last_loss']}"), flush=True)
                 save(results, out_dir, stem, cfg, final=False)
         for n in cfg.run_sizes():

@@ -224,10 +224,10 @@ def test_gpu_script_parses_and_refuses_an_unknown_step(tmp_path):
 
 
 @pytest.mark.integration
-def test_a_tiny_cpu_bench_of_the_default_and_trl_best_on_a_random_shape(tmp_path):
+def test_a_tiny_cpu_bench_of_the_default_trl_best_and_kto_on_a_random_shape(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench.py"), "--device", "cpu", "--model",
                           "random:smollm2-135m", "--lengths", "64", "--prompt_fractions", "0.75", "--modes",
-                          "default,trl_best", "--steps", "1", "--batch_size", "2", "--pairs_runs", "none",
+                          "default,trl_best,kto", "--steps", "1", "--batch_size", "2", "--pairs_runs", "none",
                           "--matmul_size", "256", "--out_dir", str(tmp_path), "--out_stem", "r"],
                          capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -242,3 +242,6 @@ def test_a_tiny_cpu_bench_of_the_default_and_trl_best_on_a_random_shape(tmp_path
     assert "| trl_best (no Liger) | 64 | 0.75 | 2 | float32 |" in table
     assert "trl_best ran without Liger: liger-kernel is not installed" in table
     assert (tmp_path / "r.png").exists() and "speed_default_vs_trl_best_L64p0.75" in results["ratios"]
+    kto = results["train"]["kto"]["64p0.75"]  # the same pairs, unpaired, through TRL's KTOTrainer
+    assert kto["pairs_per_s"] > 0 and kto["peak_train_mb"] > 0 and kto["mfu"] is None and kto["last_loss"] > 0
+    assert "| kto (examples/s) | 64 | 0.75 | 2 | float32 |" in table and "| n/a | n/a |" in table
