@@ -506,7 +506,8 @@ def describe_run(manifest: dict) -> str:
         f"finished {manifest.get('finished_at')})",
         f"base model:     {base.get('name_or_path')}" + (f" = {origin}" if origin else ""),
         f"adapter:        LoRA r={cfg.get('r')} alpha={cfg.get('lora_alpha')} on {', '.join(cfg.get('target_modules') or [])}",
-        f"data:           {data.get('pairs_trained', data.get('pairs'))} pairs, {data.get('format')}, "
+        f"data:           {data.get('pairs_trained', data.get('pairs'))} "
+        f"{'KTO examples' if manifest.get('method') == 'kto' else 'pairs'}, {data.get('format')}, "
         f"sha256 {data.get('sha256')}",
     ]
     if manifest.get("eval"):

@@ -942,8 +942,8 @@ def test_kto_in_4bit_stops_on_sigterm_resumes_and_hands_off_a_tarball_that_verif
     assert evaluation["held_out"]["base"]["pairs"] == len(held)  # each held-out run's good answer vs its bad one
     assert "Held-out examples (KTO)" in (run_dir / "report.md").read_text()
     assert "LoRA KTO adapter" in (run_dir / "README.md").read_text()
-    info = runs.verify_tarball(run_dir.with_name("kto.tar.gz"))
-    assert info["run_name"] == "kto" if "run_name" in info else info
+    manifest = runs.verify_tarball(run_dir.with_name("kto.tar.gz"))
+    assert manifest["run_name"] == "kto" and f"{16 - 2 * len(held)} KTO examples, kto" in runs.describe_run(manifest)
     # Stopped and resumed, it trained what the same command trains uninterrupted
     whole = subprocess.run(list(map(str, command("whole"))), cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
