@@ -494,6 +494,18 @@ def assert_same_training(run_a: Path, run_f: Path):
     assert (learned - torch.cat([wf[k].flatten() for k in b])).norm() / learned.norm() < 1e-2
 
 
+def stopped_after_a_step(args: list, partial: Path) -> str:
+    """Start a training, SIGTERM it once its first step is logged; it must exit 128 + SIGTERM. Its output."""
+    proc = subprocess.Popen(list(map(str, args)), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics, deadline = partial / "metrics.jsonl", time.time() + 600
+    while not (metrics.exists() and metrics.read_text().strip()) and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    log = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, log[-3000:]
+    return log
+
+
 @needs_model
 @pytest.mark.integration
 def test_sigterm_saves_a_checkpoint_and_the_same_command_resumes(tmp_path):
@@ -506,15 +518,7 @@ def test_sigterm_saves_a_checkpoint_and_the_same_command_resumes(tmp_path):
                 "--max_length", 96, "--lora_r", 4, "--eval_fraction", 0, "--probes", ""]
 
     args = command("res")
-    proc = subprocess.Popen(list(map(str, args)), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    metrics = tmp_path / "art" / "res.partial" / "metrics.jsonl"
-    deadline = time.time() + 600
-    while not (metrics.exists() and metrics.read_text().strip()) and time.time() < deadline:
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    log = proc.communicate(timeout=600)[0]
-    assert proc.returncode == 128 + signal.SIGTERM, log[-3000:]
+    stopped_after_a_step(args, tmp_path / "art" / "res.partial")
     partial = tmp_path / "art" / "res.partial"
     status = json.loads((partial / "status.json").read_text())
     assert status["state"] == "cancelled" and 1 <= status["step"] < 6
@@ -915,14 +919,7 @@ def test_kto_in_4bit_stops_on_sigterm_resumes_and_hands_off_a_tarball_that_verif
                 "--eval_steps", 100, "--probes", ""]
 
     args = command("kto")
-    proc = subprocess.Popen(list(map(str, args)), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics = tmp_path / "art" / "kto.partial" / "metrics.jsonl"
-    deadline = time.time() + 600
-    while not (metrics.exists() and metrics.read_text().strip()) and time.time() < deadline:
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    log = proc.communicate(timeout=600)[0]
-    assert proc.returncode == 128 + signal.SIGTERM, log[-3000:]
+    log = stopped_after_a_step(args, tmp_path / "art" / "kto.partial")
     assert "KTO, format kto" in log and "from the class balance" in log and "of which 4-bit" in log
     status = json.loads((tmp_path / "art" / "kto.partial" / "status.json").read_text())
     assert status["state"] == "cancelled" and 1 <= status["step"] < 4
