@@ -114,6 +114,10 @@ class PairsConfig:
             out.append("--emit kto writes TRL's unpaired format (prompt/completion/label); --format openai has none")
         if self.emit == "kto" and self.garble == "model":
             out.append("--garble model is only used with --emit dpo (--emit kto garbles nothing)")
+        if self.emit == "kto" and not self.cross_run:
+            out.append("--no_cross_run is only used with --emit dpo (--emit kto makes no cross-run pairs)")
+        if self.emit == "kto" and self.max_pairs_per_prompt != PairsConfig.max_pairs_per_prompt:
+            out.append("--max_pairs_per_prompt is only used with --emit dpo (--emit kto makes no cross-run pairs)")
         same_file = self.runs not in ("", "-") and self.output != "-" and \
             os.path.abspath(self.runs) == os.path.abspath(self.output)
         if same_file:

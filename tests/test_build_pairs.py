@@ -458,6 +458,8 @@ def test_missing_input_file(tmp_path, capsys):
     (["--max_pairs_per_run", "0"], "max_pairs_per_run must be at least 1, got 0"),
     (["--max-pairs-per-prompt", "0"], "max_pairs_per_prompt must be at least 1, got 0"),
     (["--emit", "kto", "--garble", "model", "--model", "m"], "--garble model is only used with --emit dpo"),
+    (["--emit", "kto", "--no_cross_run"], "--no_cross_run is only used with --emit dpo"),
+    (["--emit", "kto", "--max_pairs_per_prompt", "2"], "--max_pairs_per_prompt is only used with --emit dpo"),
 ])
 def test_bad_options_are_reported_together(tmp_path, capsys, flags, problem):
     assert kit.run_cli(bp.main, ["runs.jsonl", *flags]) == 2
