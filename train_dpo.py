@@ -196,13 +196,13 @@ class TrainConfig:
 # ---------------------------------------------------------------------------------------------
 
 
-def dpo_config_kwargs(cfg: TrainConfig, checkpoint_dir: str, on_gpu: bool, bf16_ok: bool,
-                      with_eval: bool = False) -> dict:
-    """Map the kit's options onto TRL's DPOConfig (the only place that mapping lives)."""
+def trainer_kwargs(cfg: TrainConfig, checkpoint_dir: str, on_gpu: bool, bf16_ok: bool,
+                   with_eval: bool = False) -> dict:
+    """Map the kit's options onto what TRL's DPOConfig and KTOConfig share (the only place that mapping lives)."""
     compute = models.resolve_compute_dtype(cfg.compute_dtype, on_gpu, bf16_ok)
     kwargs = dict(
         output_dir=checkpoint_dir, seed=cfg.seed, data_seed=cfg.seed, max_length=cfg.max_length,
-        beta=cfg.beta, loss_type=[cfg.loss_type], learning_rate=cfg.learning_rate,
+        beta=cfg.beta, learning_rate=cfg.learning_rate,
         lr_scheduler_type=cfg.lr_scheduler_type, warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,
         max_grad_norm=cfg.max_grad_norm, num_train_epochs=cfg.num_train_epochs, max_steps=cfg.max_steps,
         per_device_train_batch_size=cfg.per_device_train_batch_size,
@@ -214,14 +214,21 @@ def dpo_config_kwargs(cfg: TrainConfig, checkpoint_dir: str, on_gpu: bool, bf16_
         report_to="none", disable_tqdm=True, dataloader_num_workers=0,  # progress: runs.training_callbacks
         ddp_find_unused_parameters=False,  # several processes: every LoRA weight is used, skip DDP's extra graph walk
     )
-    if cfg.sft_weight:  # TRL adds the losses with these weights (its MPO-style combination)
-        kwargs.update(loss_type=[cfg.loss_type, "sft"], loss_weights=[1.0, cfg.sft_weight])
     if with_eval:
         kwargs.update(eval_strategy="steps", eval_steps=cfg.eval_steps,
                       per_device_eval_batch_size=cfg.per_device_train_batch_size)
         if cfg.early_stopping_patience:  # the best checkpoint must exist: save at every evaluation
             kwargs.update(load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=False,
                           save_steps=cfg.eval_steps)
+    return kwargs
+
+
+def dpo_config_kwargs(cfg: TrainConfig, checkpoint_dir: str, on_gpu: bool, bf16_ok: bool,
+                      with_eval: bool = False) -> dict:
+    """TRL's DPOConfig: the shared Trainer settings, DPO's loss (and the SFT term, TRL's MPO-style sum)."""
+    kwargs = trainer_kwargs(cfg, checkpoint_dir, on_gpu, bf16_ok, with_eval) | {"loss_type": [cfg.loss_type]}
+    if cfg.sft_weight:
+        kwargs.update(loss_type=[cfg.loss_type, "sft"], loss_weights=[1.0, cfg.sft_weight])
     return kwargs
 
 
@@ -258,11 +265,9 @@ def kto_weights(n_desirable: int, n_undesirable: int, desirable: float = 0.0, un
 
 def kto_config_kwargs(cfg: TrainConfig, checkpoint_dir: str, on_gpu: bool, bf16_ok: bool, weights: tuple,
                       with_eval: bool = False) -> dict:
-    """The kit's options onto TRL's KTOConfig: dpo_config_kwargs' Trainer settings, KTO's loss and weights."""
-    kwargs = dpo_config_kwargs(cfg, checkpoint_dir, on_gpu, bf16_ok, with_eval)
-    for dpo_only in ("loss_type", "loss_weights"):
-        kwargs.pop(dpo_only, None)
-    return kwargs | {"loss_type": "kto", "desirable_weight": weights[0], "undesirable_weight": weights[1]}
+    """TRL's KTOConfig: the shared Trainer settings, KTO's loss and the two classes' weights."""
+    return trainer_kwargs(cfg, checkpoint_dir, on_gpu, bf16_ok, with_eval) | {
+        "loss_type": "kto", "desirable_weight": weights[0], "undesirable_weight": weights[1]}
 
 
 def truncation_stats(prompt_lens, chosen_lens, rejected_lens, max_length: int) -> int:
