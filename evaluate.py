@@ -18,6 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import fastpath
 import formats
 import kit
 import models
@@ -181,21 +182,26 @@ def model_card(run_name: str, cfg, data: dict, params: dict, targets, metrics: l
 
 
 def tokenize_pair(tokenizer, rec: dict, max_length: int) -> tuple[list, list, list]:
-    """(prompt, chosen, rejected) token ids as TRL builds them: the chat template for message lists,
-    completions where prompt and prompt+completion diverge, cut to max_length from the start."""
-    def ids(x, gen=False):
-        if isinstance(x, list):
-            return list(tokenizer.apply_chat_template(x, add_generation_prompt=gen, tokenize=True,
-                                                      return_dict=True)["input_ids"])
-        return tokenizer(x)["input_ids"]
+    """(prompt, chosen, rejected) token ids as training saw them (fastpath.tokenize_pair: the prompt as the model
+    sees it when it answers, the chat template for message lists, EOS after text), cut to max_length."""
+    out = fastpath.tokenize_pair(tokenizer, _with_eos(tokenizer, rec, ("chosen", "rejected")))
+    prompt = out["prompt_ids"][: max_length - 1]
+    return prompt, *(out[f"{k}_ids"][: max_length - len(prompt)] for k in ("chosen", "rejected"))
 
-    prompt = ids(rec["prompt"], gen=True)
-    sides = [ids(rec["prompt"] + rec[k]) if isinstance(rec["prompt"], list)
-             else ids(rec["prompt"] + rec[k]) + [tokenizer.eos_token_id] for k in ("chosen", "rejected")]
-    n = min(next((i for i, (a, b) in enumerate(zip(prompt, side)) if a != b), min(len(prompt), len(side)))
-            for side in sides)
-    prompt = prompt[:n][: max_length - 1]
-    return prompt, *(side[n:][: max_length - len(prompt)] for side in sides)
+
+def tokenize_example(tokenizer, rec: dict, max_length: int) -> tuple[list, list]:
+    """(prompt, completion) token ids of one KTO example as training saw them (fastpath.tokenize_example)."""
+    out = fastpath.tokenize_example(tokenizer, _with_eos(tokenizer, rec, ("completion",)))
+    prompt = out["prompt_ids"][: max_length - 1]
+    return prompt, out["completion_ids"][: max_length - len(prompt)]
+
+
+def _with_eos(tokenizer, rec: dict, sides: tuple) -> dict:
+    """Text completions end in EOS, as TRL's dataset preparation makes them; messages get theirs from the template."""
+    if isinstance(rec["prompt"], list):
+        return rec
+    eos = tokenizer.eos_token
+    return rec | {k: rec[k] if rec[k].endswith(eos) else rec[k] + eos for k in sides}
 
 
 def completion_logps(model, prompts: list[list], completions: list[list], pad_id: int, batch_size: int = 4):
@@ -295,8 +301,7 @@ def example_likelihoods(model, tokenizer, examples: list[dict], max_length: int)
     """Held-out KTO examples: the mean log-likelihood per token of the desirable and of the undesirable
     completions, and their gap (desirable minus undesirable, nats per token), for the base and base + adapter.
     Per token: the two classes' completions need not be the same length (a failed attempt is often shorter)."""
-    toks = [tokenize_pair(tokenizer, {"prompt": e["prompt"], "chosen": e["completion"],
-                                      "rejected": e["completion"]}, max_length)[:2] for e in examples]
+    toks = [tokenize_example(tokenizer, e, max_length) for e in examples]
     result = {}
     for name, context in (("base", model.disable_adapter), ("tuned", contextlib.nullcontext)):
         with context():

@@ -884,33 +884,65 @@ def tokenize_pair(tokenizer, example: dict) -> dict:
       not_exact  the template renders the prompt otherwise before an answer, or the rest tokenised alone is
                  other text (a tokenizer that adds a space at the start): TRL's split, counted
     """
-    from trl.data_utils import _tokenize
-
-    prompt = example["prompt"]
-    conversational = isinstance(prompt, list)
-    if conversational:
-        prompt_ids = _tokenize(tokenizer, prompt, add_generation_prompt=True)["input_ids"]
-        prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    else:
-        prompt_ids, prompt_text = _tokenize(tokenizer, prompt)["input_ids"], prompt
+    prompt_ids, prompt_text = _prompt_ids_and_text(tokenizer, example["prompt"])
     out, boundary = {"prompt_ids": prompt_ids}, "aligned"
-    joint = {side: _tokenize(tokenizer, prompt + example[side])["input_ids"] for side in ("chosen", "rejected")}
+    joint = {}
     for side in ("chosen", "rejected"):
-        whole = prompt + example[side]
-        if joint[side][:len(prompt_ids)] == prompt_ids:
-            out[f"{side}_ids"] = joint[side][len(prompt_ids):]
-            continue
-        text = tokenizer.apply_chat_template(whole, tokenize=False) if conversational else whole
-        rest = tokenizer(text[len(prompt_text):], add_special_tokens=False)["input_ids"] \
-            if text.startswith(prompt_text) else None
-        if rest is None or tokenizer.decode(prompt_ids + rest) != tokenizer.decode(joint[side]):
+        ids, side_boundary, joint[side] = _completion_ids(tokenizer, example["prompt"], prompt_ids, prompt_text,
+                                                          example[side])
+        if side_boundary == "not_exact":
             boundary = "not_exact"
             break
-        out[f"{side}_ids"], boundary = rest, "continued"
+        out[f"{side}_ids"] = ids
+        boundary = "continued" if "continued" in (boundary, side_boundary) else "aligned"
     if boundary == "not_exact":  # TRL's split: the completion starts where the tokenisations diverge
+        joint = {side: joint.get(side) or _joint_ids(tokenizer, example["prompt"], example[side])
+                 for side in ("chosen", "rejected")}
         n = min(_common_prefix(prompt_ids, joint["chosen"]), _common_prefix(prompt_ids, joint["rejected"]))
         out = {"prompt_ids": prompt_ids[:n], "chosen_ids": joint["chosen"][n:], "rejected_ids": joint["rejected"][n:]}
     return out | {"boundary": boundary}
+
+
+def tokenize_example(tokenizer, example: dict) -> dict:
+    """prompt_ids, completion_ids and `boundary` for one unpaired (KTO) example: tokenize_pair's split for a
+    single completion (TRL 1.14's KTO tokenize_fn cuts the prompt's merged end the same way DPO's does)."""
+    prompt_ids, prompt_text = _prompt_ids_and_text(tokenizer, example["prompt"])
+    ids, boundary, joint = _completion_ids(tokenizer, example["prompt"], prompt_ids, prompt_text, example["completion"])
+    if boundary == "not_exact":
+        n = _common_prefix(prompt_ids, joint)
+        return {"prompt_ids": prompt_ids[:n], "completion_ids": joint[n:], "boundary": boundary}
+    return {"prompt_ids": prompt_ids, "completion_ids": ids, "boundary": boundary}
+
+
+def _prompt_ids_and_text(tokenizer, prompt) -> tuple[list, str]:
+    """The prompt's tokens and text as the model sees them when it answers (with the generation prompt)."""
+    if isinstance(prompt, list):
+        return (_joint_ids(tokenizer, prompt, [], add_generation_prompt=True),
+                tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True))
+    return _joint_ids(tokenizer, prompt, ""), prompt
+
+
+def _joint_ids(tokenizer, prompt, completion, **template) -> list:
+    """prompt+completion tokenised as one text, as TRL 1.14's _tokenize does for a text-only tokenizer: the
+    chat template for messages, the tokenizer's own special tokens for text."""
+    if isinstance(prompt, list):
+        return list(tokenizer.apply_chat_template(prompt + completion, tokenize=True, return_dict=True,
+                                                  **template)["input_ids"])
+    return list(tokenizer(text=prompt + completion)["input_ids"])
+
+
+def _completion_ids(tokenizer, prompt, prompt_ids: list, prompt_text: str, completion) -> tuple:
+    """(completion ids or None, aligned | continued | not_exact, the joint tokenisation of prompt+completion)."""
+    joint = _joint_ids(tokenizer, prompt, completion)
+    if joint[:len(prompt_ids)] == prompt_ids:
+        return joint[len(prompt_ids):], "aligned", joint
+    whole = prompt + completion
+    text = tokenizer.apply_chat_template(whole, tokenize=False) if isinstance(prompt, list) else whole
+    rest = tokenizer(text[len(prompt_text):], add_special_tokens=False)["input_ids"] \
+        if text.startswith(prompt_text) else None
+    if rest is None or tokenizer.decode(prompt_ids + rest) != tokenizer.decode(joint):
+        return None, "not_exact", joint
+    return rest, "continued", joint
 
 
 def _common_prefix(a: list, b: list) -> int:
@@ -933,6 +965,41 @@ def prepare_pairs(dataset, tokenizer, args, name: str):
         dataset = dataset.filter(lambda x: len(x["prompt_ids"]) < args.max_length,
                                  desc=f"Dropping fully truncated examples from {name} dataset", **kwargs)
     return dataset
+
+
+def prepare_examples(dataset, tokenizer, args, name: str, calculate_kl: bool):
+    """TRL 1.14's KTOTrainer._prepare_dataset for the kit's examples (every record has a prompt, none is paired;
+    no tools): EOS after text completions, tokenize_example, the examples whose prompt alone fills max_length
+    dropped, and TRL's KL completions (each batch's completions rotated by one)."""
+    kwargs = {"num_proc": args.dataset_num_proc}
+    if not isinstance(dataset[0]["prompt"], list):
+        eos = tokenizer.eos_token
+        dataset = dataset.map(lambda x: {"completion": x["completion"] if x["completion"].endswith(eos)
+                                         else x["completion"] + eos}, desc=f"Adding EOS to {name} dataset", **kwargs)
+    dataset = dataset.map(lambda x: tokenize_example(tokenizer, x), desc=f"Tokenizing {name} dataset", **kwargs)
+    if args.max_length is not None:
+        dataset = dataset.filter(lambda x: len(x["prompt_ids"]) < args.max_length,
+                                 desc=f"Dropping fully truncated examples from {name} dataset", **kwargs)
+    if calculate_kl:
+        dataset = dataset.map(lambda x: {"KL_completion_ids": x["completion_ids"][-1:] + x["completion_ids"][:-1]},
+                              batched=True, batch_size=args.per_device_train_batch_size,
+                              desc=f"Extracting KL {name} dataset", **kwargs)
+    return dataset
+
+
+def kto_trainer_class():
+    """KTOTrainer whose dataset preparation keeps the prompt's tokens as the model sees them when it answers
+    (prepare_examples, tokenize_example), as the DPO path's does (one hook into TRL 1.14's internals)."""
+    from trl import KTOTrainer
+
+    class KitKTOTrainer(KTOTrainer):
+        def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+            if "completion" not in dataset.column_names or "prompt" not in dataset.column_names:
+                return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+            return prepare_examples(dataset, processing_class, args, dataset_name, self.calculate_KL)
+
+    KitKTOTrainer.__name__ = KitKTOTrainer.__qualname__ = "KTOTrainer"
+    return KitKTOTrainer
 
 
 def dpo_trainer_class(cache_dir: Path | None, keys: dict, record: dict):

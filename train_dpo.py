@@ -544,8 +544,8 @@ def build_trainer(cfg: TrainConfig, run: runs.Run, built: Built, pairs: list[dic
         model, built.targets, built.parent = models.load_init_adapter(model, cfg.init_adapter, models.LoadOptions.of(cfg),
                                                                       cfg.model_name_or_path)
         peft_config = None
-    if data.method == "kto":  # TRL's own tokenisation and log-probs; the kit's module kernels (arm_fast_path)
-        trainer_cls = KTOTrainer
+    if data.method == "kto":  # TRL's log-probs; the kit's tokenisation and module kernels (arm_fast_path)
+        trainer_cls = fastpath.kto_trainer_class() if built.internals else KTOTrainer
         built.compute.logps = "full logits (TRL's KTOTrainer)"
     elif not built.internals:
         trainer_cls = DPOTrainer

@@ -645,3 +645,41 @@ def test_a_template_that_renders_the_prompt_otherwise_falls_back_and_says_so(tok
     assert out["boundary"] == "not_exact"
     joint = tok.apply_chat_template(pair["prompt"] + pair["chosen"], tokenize=True, return_dict=True)["input_ids"]
     assert out["prompt_ids"] + out["chosen_ids"] == joint
+
+
+def test_a_kto_example_is_tokenised_as_the_pair_side_with_the_same_completion(tokenizer):
+    """tokenize_example is tokenize_pair for one completion: the merged '\\n    ' case keeps the prompt as the
+    model sees it when it answers (TRL's KTO split would cut its last token), the plain case is TRL's split."""
+    prompt = [{"role": "user", "content": "Free some disk space."}]
+    merged, plain = [{"role": "assistant", "content": "    import shutil"}], [{"role": "assistant", "content": "ok"}]
+    as_answered = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                                return_dict=True)["input_ids"]
+    pair = fastpath.tokenize_pair(tokenizer, {"prompt": prompt, "chosen": plain, "rejected": merged})
+    for completion, side, boundary in ((merged, "rejected", "continued"), (plain, "chosen", "aligned")):
+        out = fastpath.tokenize_example(tokenizer, {"prompt": prompt, "completion": completion})
+        assert out["boundary"] == boundary and out["prompt_ids"] == as_answered
+        assert out["completion_ids"] == pair[f"{side}_ids"]
+        assert tokenizer.decode(out["prompt_ids"] + out["completion_ids"]) == \
+            tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+
+
+def test_kto_examples_are_prepared_with_eos_kl_completions_and_the_overlong_dropped(tokenizer):
+    """prepare_examples, the KTO trainer's dataset preparation: EOS after text completions, the prompts that
+    fill max_length dropped, and TRL's KL completions (each batch's completions rotated by one)."""
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+
+    rows = [{"prompt": f"Q{i}: " + ("long " * 40 if i == 2 else "") + "?", "completion": f" a{i}", "label": i % 2 == 0}
+            for i in range(5)]
+    args = SimpleNamespace(dataset_num_proc=None, max_length=32, per_device_train_batch_size=2)
+    ds = fastpath.prepare_examples(Dataset.from_list(rows), tokenizer, args, "train", calculate_kl=True)
+    assert [r["label"] for r in ds] == [True, False, False, True]  # Q2's prompt alone fills 32 tokens
+    for r, src in zip(ds, [rows[i] for i in (0, 1, 3, 4)]):
+        assert r["completion_ids"][-1] == tokenizer.eos_token_id
+        assert tokenizer.decode(r["prompt_ids"] + r["completion_ids"]) == src["prompt"] + src["completion"] + \
+            tokenizer.eos_token
+    c = [r["completion_ids"] for r in ds]
+    assert [r["KL_completion_ids"] for r in ds] == [c[1], c[0], c[3], c[2]]
+    no_kl = fastpath.prepare_examples(Dataset.from_list(rows), tokenizer, args, "eval", calculate_kl=False)
+    assert "KL_completion_ids" not in no_kl.column_names

@@ -898,6 +898,7 @@ def kto_examples(runs_: int = 8) -> list[dict]:
     for i in range(runs_):
         q, good, bad = PAIRS[i % len(PAIRS)]
         u, a = [{"role": "user", "content": q}], lambda t: [{"role": "assistant", "content": t}]
+        bad = "    " + bad if i == 0 else bad  # an answer that starts with spaces merges with the prompt's end
         rows += [{"prompt": u, "completion": a(good), "label": True, "meta": {"run_id": f"r{i}"}},
                  {"prompt": u, "completion": a(bad), "label": False, "meta": {"run_id": f"r{i}"}}]
     return rows
@@ -932,6 +933,10 @@ def test_kto_in_4bit_stops_on_sigterm_resumes_and_hands_off_a_tarball_that_verif
     data_json = json.loads((run_dir / "data.json").read_text())
     assert data_json["method"] == "kto" and data_json["labels"] == {"desirable": 8, "undesirable": 8}
     assert data_json["held_out"] == 2 * len(held) and data_json["pairs_trained"] == 16 - 2 * len(held)
+    # r0's indented answer is tokenised after the prompt's own tokens (fastpath.tokenize_example), not TRL's split
+    assert "r0" not in held
+    assert data_json["boundary"] == {"aligned": 16 - 2 * len(held) - 1, "continued": 1, "not_exact": 0}
+    assert "not a prefix" not in out.stdout + out.stderr
     assert json.loads((run_dir / "manifest.json").read_text())["method"] == "kto"
     evaluation = json.loads((run_dir / "evaluation.json").read_text())
     kto = evaluation["held_out_kto"]
