@@ -9,6 +9,7 @@ ServeConfig (the scheduler reads its runner, gpus, train_args, output_dir and ti
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import secrets
@@ -314,9 +315,35 @@ class Scheduler(threading.Thread):
         if kind == "run_log":
             return self.pairs_from_runs(job, f, work)
         _, stats = formats.load_pairs(f["path"])
+        if stats["format"] == formats.UNPAIRED:
+            self.check_kto(job, f)
+            self.store.event(job["id"], f"{stats['pairs']} unpaired examples in {f['filename']} (format kto): "
+                             "the job trains KTO on them", data={"examples": stats["pairs"], "format": "kto"})
+            return f["path"]
         self.store.event(job["id"], f"{stats['pairs']} pairs in {f['filename']} (format {stats['format']})",
                          data={"pairs": stats["pairs"], "format": stats["format"]})
         return f["path"]
+
+    def check_kto(self, job: dict, f: dict) -> None:
+        """A file of labelled examples trains KTO (train_dpo.py --method auto): what its training command would
+        refuse (a fine-tuned model to continue, batch size 1, DPO-only hyperparameters) fails the validation."""
+        import train_dpo
+
+        argv = kit.normalise_argv(train_dpo.TrainConfig, job_flags(self.cfg, job | {"data": f["path"]}))
+        try:
+            values = vars(kit.build_parser(train_dpo.TrainConfig, "").parse_args(argv))
+        except SystemExit:  # not the kit's own flags: train_dpo.py reports them in the job's log
+            return
+        values.pop("config", None)
+        cfg = train_dpo.TrainConfig(**values)
+        dpo = dataclasses.replace(cfg, method="dpo").problems()  # the rest train_dpo.py reports itself
+        problems = [p for p in dataclasses.replace(cfg, method="kto").problems() if p not in dpo]
+        if job["init_adapter"]:
+            problems = [p for p in problems if "--init_adapter" not in p] + [
+                f"{job['model']} is a fine-tuned model, and KTO does not continue an adapter: start from its base, "
+                f"{job['base']}"]
+        if problems:
+            raise UserError("the file holds unpaired examples (KTO), and " + "; ".join(problems))
 
     def pairs_from_runs(self, job: dict, f: dict, work: Path) -> str:
         """An agent's raw run logs -> pairs by the retraining rules (build_pairs.py), with what was kept and

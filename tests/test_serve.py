@@ -269,6 +269,44 @@ def test_a_bad_line_fails_the_job_naming_the_line_and_http_errors_are_openai_sha
         assert r.json()["error"]["type"] == "invalid_request_error"
 
 
+def kto_examples(n: int) -> str:
+    rows = []
+    for i in range(n // 2):
+        q = [{"role": "user", "content": f"What is {i} + {i}?"}]
+        rows += [{"prompt": q, "completion": [{"role": "assistant", "content": f"{2 * i}."}], "label": True},
+                 {"prompt": q, "completion": [{"role": "assistant", "content": f"I think {2 * i + 1}."}], "label": False}]
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+@needs_model
+@pytest.mark.integration
+def test_a_file_of_labelled_examples_trains_kto_and_what_kto_refuses_fails_the_validation(service, client, tmp_path):
+    path = tmp_path / "kto.jsonl"
+    path.write_text(kto_examples(8))
+    f = client.files.create(file=open(path, "rb"), purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f.id, method={
+        "type": "dpo", "dpo": {"hyperparameters": {"batch_size": 2, "n_epochs": 1}}})
+    job = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in jobs.TERMINAL)
+    assert job.status == "succeeded", (job.error, job_log(service.out, job.id)[-2000:])
+    messages = [e.message for e in client.fine_tuning.jobs.list_events(job.id, limit=100)]
+    assert "8 unpaired examples in kto.jsonl (format kto): the job trains KTO on them" in messages
+    assert json.loads((service.out / job.id / "manifest.json").read_text())["method"] == "kto"
+    data = json.loads((service.out / job.id / "data.json").read_text())
+    assert data["labels"] == {"desirable": 4, "undesirable": 4} and data["pairs_trained"] == 8
+    assert runs.verify_tarball(service.out / f"{job.id}.tar.gz")["method"] == "kto"
+
+    for model, hyper, problem in (
+            (job.fine_tuned_model, {"batch_size": 2}, "KTO does not continue an adapter: start from its base"),
+            ("SmolLM2-135M-Instruct", {"batch_size": 1}, "--per_device_train_batch_size 2 or more")):
+        bad = client.fine_tuning.jobs.create(model=model, training_file=f.id,
+                                             method={"type": "dpo", "dpo": {"hyperparameters": hyper}})
+        bad = wait_for(lambda: client.fine_tuning.jobs.retrieve(bad.id), lambda j: j.status in jobs.TERMINAL)
+        assert bad.status == "failed" and bad.error.param == "training_file", bad.error
+        assert bad.error.message.startswith("kto.jsonl: the file holds unpaired examples (KTO)"), bad.error.message
+        assert problem in bad.error.message, bad.error.message
+        assert not (service.out / bad.id).exists()  # refused before any training started
+
+
 @needs_model
 @pytest.mark.integration
 def test_nip_endpoints_create_list_get_and_cancel_a_running_job_paused_and_resumed_on_the_way(service):
