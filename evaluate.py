@@ -184,24 +184,16 @@ def model_card(run_name: str, cfg, data: dict, params: dict, targets, metrics: l
 def tokenize_pair(tokenizer, rec: dict, max_length: int) -> tuple[list, list, list]:
     """(prompt, chosen, rejected) token ids as training saw them (fastpath.tokenize_pair: the prompt as the model
     sees it when it answers, the chat template for message lists, EOS after text), cut to max_length."""
-    out = fastpath.tokenize_pair(tokenizer, _with_eos(tokenizer, rec, ("chosen", "rejected")))
+    out = fastpath.tokenize_pair(tokenizer, fastpath.with_eos(tokenizer, rec, ("chosen", "rejected")))
     prompt = out["prompt_ids"][: max_length - 1]
     return prompt, *(out[f"{k}_ids"][: max_length - len(prompt)] for k in ("chosen", "rejected"))
 
 
 def tokenize_example(tokenizer, rec: dict, max_length: int) -> tuple[list, list]:
     """(prompt, completion) token ids of one KTO example as training saw them (fastpath.tokenize_example)."""
-    out = fastpath.tokenize_example(tokenizer, _with_eos(tokenizer, rec, ("completion",)))
+    out = fastpath.tokenize_example(tokenizer, fastpath.with_eos(tokenizer, rec, ("completion",)))
     prompt = out["prompt_ids"][: max_length - 1]
     return prompt, out["completion_ids"][: max_length - len(prompt)]
-
-
-def _with_eos(tokenizer, rec: dict, sides: tuple) -> dict:
-    """Text completions end in EOS, as TRL's dataset preparation makes them; messages get theirs from the template."""
-    if isinstance(rec["prompt"], list):
-        return rec
-    eos = tokenizer.eos_token
-    return rec | {k: rec[k] if rec[k].endswith(eos) else rec[k] + eos for k in sides}
 
 
 def completion_logps(model, prompts: list[list], completions: list[list], pad_id: int, batch_size: int = 4):

@@ -952,13 +952,21 @@ def _common_prefix(a: list, b: list) -> int:
     return n
 
 
+def with_eos(tokenizer, record: dict, sides: tuple) -> dict:
+    """A text record's completions (`sides`) ending in EOS, as TRL's dataset preparation makes them; a
+    message-list record is returned as it is (the chat template ends each turn)."""
+    if isinstance(record["prompt"], list):
+        return record
+    eos = tokenizer.eos_token
+    return record | {k: record[k] if record[k].endswith(eos) else record[k] + eos for k in sides}
+
+
 def prepare_pairs(dataset, tokenizer, args, name: str):
     """TRL 1.14's _prepare_dataset for the kit's pairs (every record has a prompt; no tools, no images): EOS
     after text completions, tokenize_pair, and the pairs whose prompt alone fills max_length dropped."""
     kwargs = {"num_proc": args.dataset_num_proc}
     if not isinstance(dataset[0]["prompt"], list):
-        eos = tokenizer.eos_token
-        dataset = dataset.map(lambda x: {s: x[s] if x[s].endswith(eos) else x[s] + eos for s in ("chosen", "rejected")},
+        dataset = dataset.map(lambda x: with_eos(tokenizer, x, ("chosen", "rejected")),
                               desc=f"Adding EOS to {name} dataset", **kwargs)
     dataset = dataset.map(lambda x: tokenize_pair(tokenizer, x), desc=f"Tokenizing {name} dataset", **kwargs)
     if args.max_length is not None and args.truncation_mode == "keep_start":
@@ -973,9 +981,8 @@ def prepare_examples(dataset, tokenizer, args, name: str, calculate_kl: bool):
     dropped, and TRL's KL completions (each batch's completions rotated by one)."""
     kwargs = {"num_proc": args.dataset_num_proc}
     if not isinstance(dataset[0]["prompt"], list):
-        eos = tokenizer.eos_token
-        dataset = dataset.map(lambda x: {"completion": x["completion"] if x["completion"].endswith(eos)
-                                         else x["completion"] + eos}, desc=f"Adding EOS to {name} dataset", **kwargs)
+        dataset = dataset.map(lambda x: with_eos(tokenizer, x, ("completion",)), desc=f"Adding EOS to {name} dataset",
+                              **kwargs)
     dataset = dataset.map(lambda x: tokenize_example(tokenizer, x), desc=f"Tokenizing {name} dataset", **kwargs)
     if args.max_length is not None:
         dataset = dataset.filter(lambda x: len(x["prompt_ids"]) < args.max_length,

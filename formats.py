@@ -61,8 +61,8 @@ SCORE_COLUMNS = (("score_chosen", "score_rejected"), ("chosen_score", "rejected_
 SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")  # what a directory of pair files is read for
 ROLES = {"system", "user", "assistant", "tool"}
 _HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
-GENERAL_MIX = "data/general.jsonl"
-RUN_KEY = "_run"  # on a loaded record: its build_pairs meta.run_id (see held_out); formats.trainable drops it  # bundled general-purpose pairs: the default co-training source
+GENERAL_MIX = "data/general.jsonl"  # bundled general-purpose pairs: the default co-training source
+RUN_KEY = "_run"  # on a loaded record: its build_pairs meta.run_id (see held_out); `trainable` drops it
 
 
 @dataclasses.dataclass

@@ -45,6 +45,9 @@ KIT_NAME = "dpo-kit"
 _LOAD = models.LoadOptions()  # how the base is loaded: its defaults are TrainConfig's
 
 
+KTO_BALANCE = 1.15  # desirable x weight / (undesirable x weight): inside the KTO paper's [1, 4/3], off its edges
+
+
 @dataclasses.dataclass
 class TrainConfig:
     # What to train on, what to train, where it goes
@@ -130,7 +133,7 @@ class TrainConfig:
     sft_weight: float = field(0.0, "weight of an SFT loss on the chosen responses, added to the DPO loss; 0 = off")
     # KTO (--method kto): the two weights of TRL's KTOConfig
     desirable_weight: float = field(0.0, "KTO: weight of the desirable examples' loss; 0 = from the class balance "
-                                    f"(the paper's rule: desirable x weight / (undesirable x weight) = {1.15}, "
+                                    f"(the paper's rule: desirable x weight / (undesirable x weight) = {KTO_BALANCE}, "
                                     "inside its [1, 4/3])")
     undesirable_weight: float = field(0.0, "KTO: weight of the undesirable examples' loss; 0 = from the class balance")
     # Rounds (iterate.py): each stage starts from the previous stage's adapter, which is also its reference
@@ -230,9 +233,6 @@ def dpo_config_kwargs(cfg: TrainConfig, checkpoint_dir: str, on_gpu: bool, bf16_
     if cfg.sft_weight:
         kwargs.update(loss_type=[cfg.loss_type, "sft"], loss_weights=[1.0, cfg.sft_weight])
     return kwargs
-
-
-KTO_BALANCE = 1.15  # desirable x weight / (undesirable x weight): inside the KTO paper's [1, 4/3], off its edges
 
 
 def kto_problems(cfg: TrainConfig) -> list[str]:
@@ -357,10 +357,10 @@ def load_data(cfg: TrainConfig) -> tuple[formats.TrainingData, list[dict], list[
                                 min_score_gap=cfg.min_score_gap, score_gap_dropped=stats["score_gap_dropped"],
                                 files=stats["files"])
     data.method = resolve_method(cfg, pairs)
-    if data.method == "kto" and not formats.is_example(pairs[0]):
-        pairs = formats.unpair(pairs)  # --method kto on pairs: chosen desirable, rejected undesirable
-        print(f"[data] --method kto: {stats['pairs']:,} pairs unpaired into {len(pairs):,} examples")
     if data.method == "kto":
+        if not formats.is_example(pairs[0]):  # --method kto on pairs: chosen desirable, rejected undesirable
+            pairs = formats.unpair(pairs)
+            print(f"[data] --method kto: {stats['pairs']:,} pairs unpaired into {len(pairs):,} examples")
         data.labels = {"desirable": sum(e["label"] for e in pairs), "undesirable": sum(not e["label"] for e in pairs)}
     train_pairs, held = formats.split_and_mix(pairs, data, cfg.eval_fraction, cfg.mix, cfg.seed, cfg.skip_invalid)
     if data.method == "kto":  # TRL's KTO samples in order (its KL term pairs each example with its neighbours)
