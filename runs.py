@@ -35,7 +35,7 @@ from kit import UserError, atomic_write_bytes, atomic_write_json, atomic_write_t
 RUN_CONFIG_KEYS = ("model_name_or_path", "load_in_4bit", "bnb_4bit_quant_type", "data", "skip_invalid",
                    "eval_fraction", "probes", "max_length", "seed", "output_dir")
 RESUMABLE_CHANGES = {"max_steps", "num_train_epochs", "save_steps", "logging_steps", "fused_ops", "share_prompts",
-                     "use_liger_kernel"}
+                     "use_liger_kernel", "report_to"}
 
 
 # ---------------------------------------------------------------------------------------------

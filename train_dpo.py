@@ -46,6 +46,11 @@ _LOAD = models.LoadOptions()  # how the base is loaded: its defaults are TrainCo
 
 
 KTO_BALANCE = 1.15  # desirable x weight / (undesirable x weight): inside the KTO paper's [1, 4/3], off its edges
+# --report_to: transformers' experiment trackers (integrations.INTEGRATION_TO_CALLBACK) -> the modules each needs
+TRACKERS = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "mlflow": ("mlflow",),
+            "trackio": ("trackio",), "comet_ml": ("comet_ml",), "clearml": ("clearml",), "swanlab": ("swanlab",),
+            "dvclive": ("dvclive",), "neptune": ("neptune",), "azure_ml": ("azureml",), "dagshub": ("dagshub",),
+            "codecarbon": ("codecarbon",), "flyte": ("flytekit",), "kubeflow": ("kubeflow",)}
 
 
 @dataclasses.dataclass
@@ -118,6 +123,9 @@ class TrainConfig:
     gradient_accumulation_steps: int = field(1, "pairs per step = batch size x this x devices")
     gradient_checkpointing: bool = field(False, "recompute activations in backward (less memory, ~20% slower)")
     logging_steps: int = field(1, "log loss and rewards every N steps (metrics.jsonl)")
+    report_to: str = field("none", "experiment trackers that also get every logged step, comma-separated "
+                           f"(TRL's report_to: {', '.join(TRACKERS)}); tensorboard writes <run>/logs/tensorboard/ "
+                           "(offline; `tensorboard --logdir artifacts`); none = only metrics.jsonl")
     save_steps: int = field(10, "checkpoint every N steps (what a resume starts from)")
     # What training changed, and keeping what the model could already do
     eval_fraction: float = field(0.1, "share of pairs held out of training, chosen by a hash of each pair "
@@ -189,6 +197,7 @@ class TrainConfig:
             p += kto_problems(self)
         if self.desirable_weight < 0 or self.undesirable_weight < 0:
             p.append("--desirable_weight and --undesirable_weight must not be negative (0 = from the class balance)")
+        p += tracker_problems(self.report_to)
         if self.run_name and (os.sep in self.run_name or self.run_name.startswith(".")):
             p.append(f"--run_name must be a plain name, not a path (got {self.run_name!r})")
         return p
@@ -197,6 +206,22 @@ class TrainConfig:
 # ---------------------------------------------------------------------------------------------
 # Pure helpers: tested without a model.
 # ---------------------------------------------------------------------------------------------
+
+
+def trackers(report_to: str) -> list[str]:
+    """--report_to as TRL's list ('none' and '' = no tracker)."""
+    return [t.strip() for t in report_to.split(",") if t.strip() and t.strip() != "none"]
+
+
+def tracker_problems(report_to: str) -> list[str]:
+    """Unknown tracker names, and trackers whose package is not installed (transformers would fail at start)."""
+    p = []
+    for name in trackers(report_to):
+        if name not in TRACKERS:
+            p.append(f"--report_to: unknown tracker {name!r} (choose from none, {', '.join(TRACKERS)})")
+        elif not any(importlib.util.find_spec(module) for module in TRACKERS[name]):
+            p.append(f"--report_to {name}: needs the {TRACKERS[name][-1]} package (pip install {TRACKERS[name][-1]})")
+    return p
 
 
 def trainer_kwargs(cfg: TrainConfig, checkpoint_dir: str, on_gpu: bool, bf16_ok: bool,
@@ -214,7 +239,7 @@ def trainer_kwargs(cfg: TrainConfig, checkpoint_dir: str, on_gpu: bool, bf16_ok:
         use_liger_kernel=cfg.use_liger_kernel,
         logging_steps=cfg.logging_steps, save_strategy="steps", save_steps=cfg.save_steps, save_total_limit=2,
         bf16=compute == "bfloat16", fp16=on_gpu and compute == "float16", use_cpu=not on_gpu,
-        report_to="none", disable_tqdm=True, dataloader_num_workers=0,  # progress: runs.training_callbacks
+        report_to=trackers(cfg.report_to) or "none", disable_tqdm=True, dataloader_num_workers=0,  # progress: runs.training_callbacks
         ddp_find_unused_parameters=False,  # several processes: every LoRA weight is used, skip DDP's extra graph walk
     )
     if with_eval:
@@ -506,6 +531,20 @@ def build_model(cfg: TrainConfig, model_path: str, ref_path: str | None, interna
                  params={"quantized_4bit": quantized}, compute=compute, on_gpu=on_gpu, internals=internals)
 
 
+@contextlib.contextmanager
+def tensorboard_dir(path: Path):
+    """TensorBoard's event files in the run directory (they travel with it into the tarball), not under the
+    checkpoints that finishing deletes; a TENSORBOARD_LOGGING_DIR the user set wins."""
+    if os.environ.get("TENSORBOARD_LOGGING_DIR"):
+        yield
+        return
+    os.environ["TENSORBOARD_LOGGING_DIR"] = str(path)
+    try:
+        yield
+    finally:
+        del os.environ["TENSORBOARD_LOGGING_DIR"]
+
+
 def build_trainer(cfg: TrainConfig, run: runs.Run, built: Built, pairs: list[dict], held: list[dict],
                   data: formats.TrainingData, interrupt: Interrupt, callbacks) -> None:
     """TRL's DPOTrainer over the model: LoRA (or the --init_adapter run's adapter), the DPOConfig mapping,
@@ -552,9 +591,12 @@ def build_trainer(cfg: TrainConfig, run: runs.Run, built: Built, pairs: list[dic
     else:
         trainer_cls = fastpath.dpo_trainer_class(*tokenized_cache(cfg, built.tokenizer, args, pairs, held), data.tokenized)
     train_set, held_set = formats.trainable(pairs), formats.trainable(held)
-    trainer = trainer_cls(model=model, ref_model=built.ref_model, args=args, train_dataset=Dataset.from_list(train_set),
-                          eval_dataset=Dataset.from_list(held_set) if held else None, processing_class=built.tokenizer,
-                          peft_config=peft_config, callbacks=[*extra, *callbacks])
+    args.run_name = run.name  # what trackers call the run
+    with tensorboard_dir(run.partial / "logs" / "tensorboard"):  # transformers' TensorBoardCallback reads it at init
+        trainer = trainer_cls(model=model, ref_model=built.ref_model, args=args,
+                              train_dataset=Dataset.from_list(train_set),
+                              eval_dataset=Dataset.from_list(held_set) if held else None,
+                              processing_class=built.tokenizer, peft_config=peft_config, callbacks=[*extra, *callbacks])
     trainer.remove_callback(PrinterCallback)  # raw dicts per step: runs.training_callbacks shows progress instead
     built.trainer = trainer
     if built.internals:

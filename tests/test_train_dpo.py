@@ -158,6 +158,7 @@ def test_resume_conflicts_ignore_step_budget_but_not_hyperparameters():
     # a run stopped before the fast path existed resumes with it: the same values, computed faster
     assert runs.config_conflicts(old, {**old, "fused_ops": True, "share_prompts": True}) == []
     assert runs.config_conflicts(old, {**old, "use_liger_kernel": False}) == []  # an option newer than the run
+    assert runs.config_conflicts(old, {**old, "report_to": "tensorboard"}) == []  # trackers only watch
 
 
 def test_truncation_counts_prompt_plus_longer_completion():
@@ -402,11 +403,47 @@ def test_a_column_mapping_with_a_score_gap_trains_a_step(tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in public_set_rows("custom")))
     columns = "prompt=instruction,chosen=good,rejected=bad,system=sys,score_chosen=g,score_rejected=b"
     run_dir, out = small_run(tmp_path, "", "custom", "--max_steps", 1, "--columns", columns, "--min_score_gap", 1,
-                             data=data)
+                             "--report_to", "tensorboard", data=data)
     data = json.loads((run_dir / "data.json").read_text())
     assert (data["format"], data["pairs"], data["score_gap_dropped"], data["ignored_columns"]) == (
         "system_question", 3, 1, {})
     assert data["columns"]["prompt"] == "instruction" and data["min_score_gap"] == 1.0
+    # --report_to tensorboard: the run's own directory holds the event file, with the loss metrics.jsonl logged
+    events = sorted((run_dir / "logs" / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1 and json.loads((run_dir / "manifest.json").read_text())["files"][
+        str(events[0].relative_to(run_dir))]
+    logged = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert tensorboard_scalars(events[0])["train/loss"] == [(1, pytest.approx(logged[0]["loss"], rel=1e-6))]
+
+
+def tensorboard_scalars(path: Path) -> dict[str, list[tuple[int, float]]]:
+    """An event file read as TensorBoard reads it: TFRecords (length, crc, Event protobuf, crc) -> tag: [(step, value)]."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    raw, at, scalars = path.read_bytes(), 0, {}
+    while at < len(raw):
+        (n,) = struct.unpack("<Q", raw[at:at + 8])
+        event = Event.FromString(raw[at + 12:at + 12 + n])
+        at += 12 + n + 4
+        for value in event.summary.value:
+            scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+def test_report_to_names_known_trackers_whose_package_is_installed():
+    assert train_dpo.trackers("none") == [] and train_dpo.trackers("tensorboard, wandb") == ["tensorboard", "wandb"]
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    assert set(train_dpo.TRACKERS) == set(INTEGRATION_TO_CALLBACK)  # the kit's list is transformers' own
+    assert train_dpo.tracker_problems("tensorboard") == []  # tensorboardX is in the lock
+    problems = train_dpo.tracker_problems("tensorbored,kubeflow")
+    assert problems[0].startswith("--report_to: unknown tracker 'tensorbored'")
+    assert problems[1] == "--report_to kubeflow: needs the kubeflow package (pip install kubeflow)"
+    cfg = train_dpo.TrainConfig(data="x.jsonl", report_to="tensorboard")
+    assert train_dpo.dpo_config_kwargs(cfg, "/tmp/ck", False, False)["report_to"] == ["tensorboard"]
+    assert train_dpo.dpo_config_kwargs(train_dpo.TrainConfig(data="x"), "/tmp/ck", False, False)["report_to"] == "none"
 
 
 def check_complete_run(run_dir: Path, steps: int):
