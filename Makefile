@@ -29,7 +29,7 @@ BASE_IMAGE ?=
 TORCH_VARIANT ?=
 # Optional image extras: EXTRAS=deepspeed (requirements-deepspeed.txt, for DIST=zero2|zero3)
 EXTRAS ?=
-# Several processes, GPUs and machines (scaleout.py runs `accelerate launch`; README "Many GPUs, many machines"):
+# Several processes, GPUs and machines (scaleout.py runs `accelerate launch`; docs/multi-node.md):
 #   GPUS=N      N GPUs and N processes, one per GPU (GPUS=0,1: those devices, one process each)
 #   GPUS=all    every GPU visible to one process, which trains alone (add NPROC=N to use N of them data-parallel)
 #   NPROC=N     N processes on this machine, overriding the count GPUS gives (no GPU: N CPU processes over gloo)

@@ -17,7 +17,7 @@ a score outside [--score_min, --score_max], are counted and left out; --judgemen
 judgements. `probs` (default): the judge's answer is started with the pattern's text before {reward}
 ("Score: ") and the score is the expected value of its next-token distribution over the allowed
 integer scores; it always gives a score. A 135M model rarely writes "Score: N" when asked to judge,
-so `generate` leaves the bundled demo with almost no pairs; see the README.
+so `generate` leaves the bundled demo with almost no pairs; see docs/self-made-pairs.md.
 
 M and J are a model directory or hub id, or a finished run (directory or .tar.gz): the base as it
 was trained (4-bit NF4) with the run's adapter, through the same loading code as train_dpo.py.

