@@ -437,8 +437,8 @@ def merge(path: str, out_dir: str | None = None, dtype: str = "bfloat16", tolera
         reloaded = AutoModelForCausalLM.from_pretrained(partial, dtype=torch.float32).eval()
         with torch.no_grad():
             merged_logits = reloaded(**probes).logits
-            quantised, _ = models.load_run(run_dir, cfg)
-            trained = quantised(**probes).logits.float()
+            quantised, _ = models.load_run(run_dir, cfg)  # on the GPU where there is one: the probes go there
+            trained = quantised(**probes.to(quantised.device)).logits.float().cpu()
         report = {
             "dtype": dtype, "tolerance": tolerance, "float32_merge_max_abs_diff": merge_error,
             "max_abs_diff_vs_unmerged": (merged_logits - unmerged)[mask].abs().max().item(),
