@@ -410,6 +410,23 @@ def _mlp_forward(self, x):
     return self.down_proj(fn().SiluMul.apply(gate, up))
 
 
+def lora_linear_classes() -> tuple:
+    """peft's LoRA layers over a linear base: the dense one, and the one peft wraps a bitsandbytes 4-bit base
+    in (peft.tuners.lora.bnb.Linear4bit is not a subclass of the dense layer; on a GPU, where the base stays
+    4-bit, it is every LoRA layer). Both add B(A(x)) * scaling to the base's output, which is what the fused
+    forward computes; the probe (agrees_with_own) checks that per instance."""
+    from peft.tuners.lora.layer import Linear
+
+    classes = [Linear]
+    try:
+        from peft.tuners.lora import bnb
+    except ImportError:  # bitsandbytes not installed: no 4-bit layers to match
+        return tuple(classes)
+    if hasattr(bnb, "Linear4bit"):  # peft defines it only where bitsandbytes' 4-bit is available
+        classes.append(bnb.Linear4bit)
+    return tuple(classes)
+
+
 def enable(model, autocast_dtype=None) -> dict:
     """Swap the fused forwards onto the model's peft LoRA linear, RMSNorm and gated-MLP instances (the
     instance's forward; the class is untouched), each only after it reproduced that instance's own forward
@@ -417,11 +434,10 @@ def enable(model, autocast_dtype=None) -> dict:
     autocasts to, if any (the probe runs under it too, at its tolerance). Returns how many of each kind
     were swapped, and under "own_forward" the classes (with counts) that kept their own forward because the
     kernel did not reproduce it. Idempotent."""
-    from peft.tuners.lora.layer import Linear as LoraLinearLayer
-
+    lora_classes = lora_linear_classes()
     counts = {"lora_linear": 0, "rms_norm": 0, "mlp": 0, "own_forward": {}}
     for module in model.modules():
-        if isinstance(module, LoraLinearLayer):
+        if isinstance(module, lora_classes):
             kind, forward, offsets = "lora_linear", _lora_forward, [None]
         elif is_rms_norm(module):
             kind, forward, offsets = "rms_norm", _rms_norm_forward, [0.0, 1.0]

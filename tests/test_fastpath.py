@@ -185,6 +185,56 @@ def test_lora_on_a_16_bit_base_takes_the_kernel_under_autocast():
     assert fastpath.enable(model)["lora_linear"] == 0  # without autocast its own forward raises: nothing to match
 
 
+def tiny_4bit_llama_with_lora(tmp_path, compute_dtype):
+    """A tiny Llama loaded in NF4 through bitsandbytes (its 4-bit CPU kernels: the layers a GPU run keeps
+    4-bit), LoRA on every linear, B moved off zero, the LoRA weights float32 as the kit trains them."""
+    pytest.importorskip("bitsandbytes")
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=compute_dtype, quantization_config=BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype))
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    return model.train()
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_lora_over_a_4_bit_base_takes_the_kernel_and_gives_peft_values(tmp_path, autocast):
+    """peft wraps a bitsandbytes 4-bit base in its own LoRA class (not the dense one): on a GPU, where the base
+    stays 4-bit, every LoRA layer is one. The fused forward is taken there and gives peft's values."""
+    model = tiny_4bit_llama_with_lora(tmp_path, torch.bfloat16)
+    layers = [m for m in model.modules() if type(m).__module__ == "peft.tuners.lora.bnb"]
+    assert len(layers) == 14
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+
+    def run():
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
+            logits = model(input_ids=ids).logits.float()
+        logits.log_softmax(-1)[..., 0].sum().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    eager_logits, eager_grads = run()
+    counts = fastpath.enable(model, autocast_dtype=autocast)
+    assert counts["lora_linear"] == 14 and counts["own_forward"] == {}
+    fused_logits, fused_grads = run()
+    tol = 1e-4 if autocast is None else 3e-2
+    assert (fused_logits - eager_logits).abs().max() <= tol * eager_logits.abs().max()
+    assert fused_grads.keys() == eager_grads.keys() and len(fused_grads) == 28
+    for name, grad in eager_grads.items():
+        assert (fused_grads[name] - grad).abs().max() <= 4 * tol * grad.abs().max() + 1e-6, name
+
+
 def trl_batch(prompts, completions):
     """A DPO batch laid out as TRL's collator does: [prompt + chosen] rows, then [prompt + rejected] rows,
     right-padded with 0; completions[i] and completions[B + i] are pair i's two completions."""
