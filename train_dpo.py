@@ -499,6 +499,12 @@ def build_model(cfg: TrainConfig, model_path: str, ref_path: str | None, interna
     from transformers import AutoTokenizer
 
     on_gpu, bf16_ok = models.device()
+    if not on_gpu:
+        import torch
+
+        reason = models.gpu_unused_reason(models.nvidia_driver(), torch.version.cuda)
+        if reason:
+            print(f"\n{'!' * 100}\n[model] WARNING: {reason}\n{'!' * 100}\n", file=sys.stderr, flush=True)
     compute_dtype = models.resolve_compute_dtype(cfg.compute_dtype, on_gpu, bf16_ok)
     t0 = time.time()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -603,10 +609,7 @@ def build_trainer(cfg: TrainConfig, run: runs.Run, built: Built, pairs: list[dic
         arm_fast_path(cfg, built)
     if cfg.use_liger_kernel:  # TRL's chunked log-probs, whatever --chunked_logps says
         built.compute.logps, built.compute.chunked = "chunked by TRL, Liger kernels in the model (--use_liger_kernel)", True
-    if not on_gpu:  # TRL casts LoRA weights to bf16 for 4-bit bases; on a CPU that is slow and rounds updates away
-        for p in trainer.model.parameters():
-            if p.requires_grad:
-                p.data = p.data.float()
+    models.float32_trainable(trainer.model)  # TRL casts them to bfloat16 for a 4-bit base, on a GPU too
 
 
 def tokenized_cache(cfg: TrainConfig, tokenizer, args, pairs: list[dict], held: list[dict]) -> tuple:

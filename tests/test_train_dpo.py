@@ -493,6 +493,10 @@ def test_conversational_run_loads_with_peft_generates_and_is_reproducible(tmp_pa
     assert "forward passes ran each prompt once for both completions" in out  # pairs share their prompt
     assert "each prompt once" not in out_d
     assert_same_training(run_a, run_d)
+    # The layers a GPU keeps 4-bit (peft's bitsandbytes LoRA class) take the fused forward too.
+    run_e, out_e = small_run(tmp_path, "trl_conversational", "e", "--no_dequantize_on_cpu", "--tokenized_cache", "none")
+    assert "fused ops (fastpath.py): 210 LoRA layers" in out_e and "kept their own forward" not in out_e
+    assert_same_training(run_e, run_c)
 
 
 @needs_model
@@ -848,6 +852,47 @@ def test_resume_trims_later_rows_and_the_interrupted_attempts_summary(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     runs.trim_metrics(path, 2)
     assert [json.loads(x) for x in path.read_text().splitlines()] == rows[:2]
+
+
+def test_a_gpu_that_goes_unused_is_named_with_the_reason(tmp_path):
+    version = tmp_path / "version"
+    version.write_text("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  535.183.01  Release Build  (dvs-builder@U16)\n"
+                       "GCC version:  gcc version 12.3.0\n")
+    assert models.nvidia_driver(str(version)) == "535.183.01"
+    version.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  470.256.02  Thu May  2 14:37:44 UTC 2024\n")
+    assert models.nvidia_driver(str(version)) == "470.256.02"
+    assert models.nvidia_driver(str(tmp_path / "absent")) is None
+    assert models.gpu_unused_reason(None, "12.8") is None  # no driver: a CPU machine, nothing to say
+    assert "too old" in models.gpu_unused_reason("535.183.01", "13.0") and "580.65.06" in models.gpu_unused_reason(
+        "535.183.01", "13.0")
+    assert "too old" in models.gpu_unused_reason("470.256.02", "12.8")
+    assert "CPU build" in models.gpu_unused_reason("550.54.14", None)
+    other = models.gpu_unused_reason("580.95.05", "13.0")  # new enough: something else (devices hidden, ...)
+    assert "too old" not in other and "cannot use it" in other
+
+
+def test_lora_weights_are_trained_in_float32_after_trls_bfloat16_cast(tmp_path):
+    """TRL's trainers cast a 4-bit model's trainable weights to bfloat16 (on any device); the kit casts them
+    back, so AdamW's weights and moments are float32 as --compute_dtype's help says. Frozen weights stay."""
+    pytest.importorskip("bitsandbytes")
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, quantization_config=BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16))
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    for p in model.parameters():  # what TRL's DPOTrainer and KTOTrainer do to a quantised model
+        if p.requires_grad:
+            p.data = p.data.to(torch.bfloat16)
+    frozen = {n: p.dtype for n, p in model.named_parameters() if not p.requires_grad}
+    assert models.float32_trainable(model) == 4
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
+    assert {n: p.dtype for n, p in model.named_parameters() if not p.requires_grad} == frozen
+    assert models.float32_trainable(model) == 0
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
