@@ -155,6 +155,17 @@ def device() -> tuple[bool, bool]:
     return on_gpu, on_gpu and torch.cuda.is_bf16_supported()
 
 
+def cuda_allocator_defaults() -> str | None:
+    """PyTorch's CUDA caching allocator with expandable segments, unless the user configured it: DPO batches
+    change length from step to step, and fixed-size segments leave the freed blocks of one length unusable
+    for the next (reserved memory grows well past what is allocated). Set before the first CUDA allocation
+    (the allocator reads it once). Returns the setting now in force, or None when the user's own applies."""
+    if os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+        return None
+    os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
+    return os.environ["PYTORCH_ALLOC_CONF"]
+
+
 # The oldest Linux driver each CUDA major version runs on (NVIDIA's CUDA toolkit release notes, table 3).
 CUDA_MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
 

@@ -351,6 +351,7 @@ def run(cfg: TrainConfig, callbacks: list = ()) -> runs.Run:
     finish. Returns the run; its state is succeeded or cancelled (a failure raises). callbacks: extra
     transformers TrainerCallbacks (the bench's timing)."""
     started = runs.now_iso()
+    models.cuda_allocator_defaults()  # before anything allocates on a GPU
     data, train_pairs, held = load_data(cfg)
     probes = evaluate.load_probes(cfg.probes)
     internals = trl_internals_usable(cfg)

@@ -9,7 +9,7 @@ Each training mode runs train_dpo.run in a fresh child process on generated pair
 token length (a prompt of --prompt_fractions of L tokens, a quarter by default; completions filling the rest,
 truncated to exactly L = --max_length), batch 4, no held-out pairs, no probes. The child passes one timing
 callback (run's `callbacks`); its peak memory is taken at the end of training: on a CPU resident memory from
-/proc (VmHWM), on CUDA torch.cuda.max_memory_allocated.
+/proc (VmHWM), on CUDA torch.cuda.max_memory_allocated and max_memory_reserved (the allocator expandable, as training sets it).
 The tokenised-data cache is the bench's own: the default mode runs first at each length and tokenises
 (a cold start-up); the modes after it find the same tokens cached, as a user's second run would.
 build_pairs.py runs on generated logs of 10k, 100k and 1M runs (QUICK: 10k and 100k; not on CUDA). Writes
@@ -402,7 +402,7 @@ def markdown(results: dict) -> str:
               "the given share of each" + (", gradient checkpointing" if results.get("gradient_checkpointing") else "")
               + ".", "",
               f"| mode | L | prompt | batch | matmuls | pairs/s | tokens/s | s/step | GFLOP/s | MFU | "
-              f"{'peak GPU memory, max_memory_allocated' if cuda else 'peak RSS train'} (MB) | start-up (s) "
+              f"{'peak GPU memory, allocated / reserved' if cuda else 'peak RSS train'} (MB) | start-up (s) "
               "| precompute (s) | loss (last step) |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for mode, by_case in results["train"].items():
@@ -417,8 +417,9 @@ def markdown(results: dict) -> str:
                 lines.append(f"{head} {'failed: ' + r['error'][:80] if 'error' in r else r['skipped']} |||||||||")
                 continue
             lines.append(f"{head} {r.get('dtype', 'float32')} | {r['pairs_per_s']:.3f} | {r['tokens_per_s']:.0f} "
-                         f"| {r['step_s']:.2f} | {num(r['gflops'], '.1f')} | {num(r['mfu'], '.1%')} | {r['peak_train_mb']:,.0f} "
-                         f"| {r['startup_s']:.1f} | {r['precompute_s']:.1f} | {r.get('last_loss', float('nan')):.4f} |")
+                         f"| {r['step_s']:.2f} | {num(r['gflops'], '.1f')} | {num(r['mfu'], '.1%')} | {r['peak_train_mb']:,.0f}"
+                         + (f" / {r['peak_gpu_reserved_mb']:,.0f}" if r.get("peak_gpu_reserved_mb") else "")
+                         + f" | {r['startup_s']:.1f} | {r['precompute_s']:.1f} | {r.get('last_loss', float('nan')):.4f} |")
     if "kto" in results["train"]:
         lines += ["", "kto: `--method kto` on the same pairs, unpaired: a step of that batch trains that many single "
                   "completions (each with the KL term's mismatched one), where DPO's trains that many pairs of two."]
@@ -526,6 +527,8 @@ def child_train(argv: list[str], timing_path: str) -> None:
             rec["peak_train_mb"] = vm_hwm_mb()
             if torch.cuda.is_available():
                 rec["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2 ** 20
+                rec["peak_gpu_reserved_mb"] = torch.cuda.max_memory_reserved() / 2 ** 20  # what nvidia-smi sees
+                rec["alloc_conf"] = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
             Path(timing_path).write_text(json.dumps(rec))
             os._exit(0)
 
@@ -610,7 +613,8 @@ def bench_train(cfg: BenchConfig, mode: str, case: Case, data: Path, work: Path,
     metrics = [json.loads(r) for r in metrics_file.read_text().splitlines() if r.strip()]
     losses = [m["loss"] for m in metrics if "loss" in m]
     out |= {"wall_s": wall, "peak_train_mb": rec.get("peak_gpu_mb" if cfg.cuda else "peak_train_mb"),
-            "peak_rss_mb": rec.get("peak_train_mb"), "batch": case.batch, "prompt_fraction": case.prompt_fraction,
+            "peak_rss_mb": rec.get("peak_train_mb"), "peak_gpu_reserved_mb": rec.get("peak_gpu_reserved_mb"),
+            "alloc_conf": rec.get("alloc_conf"), "batch": case.batch, "prompt_fraction": case.prompt_fraction,
             "flops_per_step": flops, "gflops": flops["total"] / out["step_s"] / 1e9 if flops else None,
             "dtype": dtype, "mfu": flops["total"] / out["step_s"] / (peaks[dtype] * 1e9) if flops else None,
             "first_loss": losses[0] if losses else None,

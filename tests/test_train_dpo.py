@@ -854,6 +854,14 @@ def test_resume_trims_later_rows_and_the_interrupted_attempts_summary(tmp_path):
     assert [json.loads(x) for x in path.read_text().splitlines()] == rows[:2]
 
 
+def test_the_cuda_allocator_gets_expandable_segments_unless_the_user_set_it(monkeypatch):
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    assert models.cuda_allocator_defaults() is None and "PYTORCH_ALLOC_CONF" not in os.environ
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    assert models.cuda_allocator_defaults() == "expandable_segments:True" == os.environ["PYTORCH_ALLOC_CONF"]
+
+
 def test_a_gpu_that_goes_unused_is_named_with_the_reason(tmp_path):
     version = tmp_path / "version"
     version.write_text("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  535.183.01  Release Build  (dvs-builder@U16)\n"
