@@ -51,6 +51,11 @@ from pathlib import Path
 
 LOGP_TOKEN_CHUNK = 1024  # tokens per head tile: 1,024 x 2,048 x 4 bytes = 8 MB of logits at a time
 LOGP_VOCAB_CHUNK = 2048  # vocabulary rows per head tile
+# On a GPU a tile sized for a CPU's caches is dozens of small kernels per token range (at a 128k vocabulary,
+# 63 vocabulary tiles, each several launches, forward and backward, from Python): there a tile is 4,096
+# tokens x 16,384 rows (256 MB of float32 logits), 8 vocabulary tiles at 128k. Not yet timed on a GPU
+# (bench/gpu.sh measures it).
+LOGP_TILES_CUDA = (4096, 16384)
 LOGP_KEEP_BYTES = 1536 << 20  # logits kept for the backward up to this size (6,144 tokens x 49,152 x 4 bytes = 1.2 GB)
 # The versions whose internals this file reaches into (major.minor of trl; major of transformers), as pinned
 # in requirements.txt. Another version may have renamed or changed any of them.
@@ -193,17 +198,18 @@ def _functions():
             low = dtype != acc
             with no_autocast(hidden):
                 hd, w = hidden.to(dtype), weight.to(dtype)  # one cast of each, not one per tile
+                tok, voc = tile_shape(hidden.device.type)
                 lse = hidden.new_empty(n, dtype=acc)
                 entropy = hidden.new_empty(n, dtype=acc) if with_entropy else hidden.new_zeros(0)
                 keep = hidden.requires_grad and n * w.shape[0] * w.element_size() <= LOGP_KEEP_BYTES
                 kept = w.new_empty(n * w.shape[0]) if keep else None
-                exps, logit_tile = _tiles(n, w, acc, 2 if low or not keep else 1)
-                mm_tile = _tiles(n, w, dtype, 1)[0] if low and not keep else logit_tile
-                for t0, t1 in _token_chunks(n):
+                exps, logit_tile = _tiles(n, w, acc, 2 if low or not keep else 1, tok, voc)
+                mm_tile = _tiles(n, w, dtype, 1, tok, voc)[0] if low and not keep else logit_tile
+                for t0, t1 in _token_chunks(n, tok):
                     h = hd[t0:t1]
                     big_m = big_s = big_x = None  # running max, sum of exp(logit - max), sum of exp(...) * logit
-                    for v0 in range(0, w.shape[0], LOGP_VOCAB_CHUNK):
-                        wv = w[v0:v0 + LOGP_VOCAB_CHUNK]
+                    for v0 in range(0, w.shape[0], voc):
+                        wv = w[v0:v0 + voc]
                         out = _kept_tile(kept, n, t0, t1, v0, len(wv)) if keep else _tile(mm_tile, len(h), len(wv))
                         logits = torch.mm(h, wv.t(), out=out)
                         if low:
@@ -239,17 +245,18 @@ def _functions():
             n = hidden.shape[0]
             with no_autocast(hidden):
                 hd, w = hidden.to(dtype), weight.to(dtype)
+                tok, voc = tile_shape(hidden.device.type)
                 g = g.to(acc)
                 grad_hidden = w[targets].to(acc) * g.unsqueeze(-1)  # d(label logit)/dh, times g
-                exps = _tiles(n, w, acc, 1)[0] if low or kept is None else None
-                mm_tile = _tiles(n, w, dtype, 1)[0] if kept is None and low else exps
-                rows = max((t1 - t0 for t0, t1 in _token_chunks(n)), default=0)
+                exps = _tiles(n, w, acc, 1, tok, voc)[0] if low or kept is None else None
+                mm_tile = _tiles(n, w, dtype, 1, tok, voc)[0] if kept is None and low else exps
+                rows = max((t1 - t0 for t0, t1 in _token_chunks(n, tok)), default=0)
                 part = hd.new_empty(rows, w.shape[1]) if low else None  # one tile's share of the gradient
-                for t0, t1 in _token_chunks(n):
+                for t0, t1 in _token_chunks(n, tok):
                     h, gc, lc = hd[t0:t1], g[t0:t1].unsqueeze(-1), lse[t0:t1].unsqueeze(-1)
                     out = grad_hidden[t0:t1]
-                    for v0 in range(0, w.shape[0], LOGP_VOCAB_CHUNK):
-                        wv = w[v0:v0 + LOGP_VOCAB_CHUNK]
+                    for v0 in range(0, w.shape[0], voc):
+                        wv = w[v0:v0 + voc]
                         if kept is None:
                             logits = torch.mm(h, wv.t(), out=_tile(mm_tile, len(h), len(wv)))
                         else:
@@ -266,10 +273,10 @@ def _functions():
                         out.sub_(part[:len(h)])
             return grad_hidden.to(hidden.dtype), None, None, None, None
 
-    def _token_chunks(n):
-        """Token ranges of at most LOGP_TOKEN_CHUNK, equal in size (1,536 -> 768 + 768, not 1,024 + 512:
+    def _token_chunks(n, chunk):
+        """Token ranges of at most chunk tokens, equal in size (1,536 -> 768 + 768, not 1,024 + 512:
         a half-height tile's matmul ran at 1.2x the time per token)."""
-        count = max(1, -(-n // LOGP_TOKEN_CHUNK))
+        count = max(1, -(-n // chunk))
         bounds = [round(i * n / count) for i in range(count + 1)]
         return list(zip(bounds, bounds[1:]))
 
@@ -279,17 +286,22 @@ def _functions():
         base = v0 * n + t0 * cols
         return kept[base:base + (t1 - t0) * cols].view(t1 - t0, cols)
 
-    def _tiles(n, weight, dtype, count):
+    def _tiles(n, weight, dtype, count, tok, voc):
         """count flat buffers for one [token range x vocabulary tile] tile each, in dtype; None for the rest
         of two."""
-        rows = max((t1 - t0 for t0, t1 in _token_chunks(n)), default=0)
-        size = rows * min(weight.shape[0], LOGP_VOCAB_CHUNK)
+        rows = max((t1 - t0 for t0, t1 in _token_chunks(n, tok)), default=0)
+        size = rows * min(weight.shape[0], voc)
         return [weight.new_empty(size, dtype=dtype) for _ in range(count)] + [None] * (2 - count)
 
     def _tile(buffer, rows, cols):
         return buffer[:rows * cols].view(rows, cols)  # contiguous for any tile size, the ragged last ones too
 
     return types.SimpleNamespace(LoraDelta=LoraDelta, RMSNorm=RMSNorm, SiluMul=SiluMul, ChunkedLogps=ChunkedLogps)
+
+
+def tile_shape(device_type: str) -> tuple[int, int]:
+    """(tokens, vocabulary rows) of one head tile on this device type."""
+    return LOGP_TILES_CUDA if device_type == "cuda" else (LOGP_TOKEN_CHUNK, LOGP_VOCAB_CHUNK)
 
 
 _FN = None
