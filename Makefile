@@ -242,9 +242,10 @@ bench: $(STAMP) $(if $(filter-out random:%,$(MODEL)),,$(BUNDLED_MODEL)/config.js
 bench-serve: $(STAMP) $(BUNDLED_MODEL)/config.json ## status polling while a job trains: 50 clients for 30 s, p50/p99/errors -> bench/results-serve.md
 	$(PY) bench/serve_bench.py $(ARGS)
 
-# A lent GPU machine (bench/gpu.sh) has torch, transformers, peft and accelerate but none of these, and no network:
-# their wheels (the lock's pins; liger-kernel for TRL's best switches) and the bundled tokenizer go in .whl/.
-GPU_WHEELS := $(shell grep -E '^(bitsandbytes|trl|datasets|dill|multiprocess)==' requirements.txt 2>/dev/null) liger-kernel==0.8.5
+# A lent GPU machine (bench/gpu.sh) has torch, accelerate (the lock's 1.15.0), an older transformers (5.17) and peft,
+# and no network: the lock's transformers and peft, what it lacks (bitsandbytes, trl, datasets and theirs;
+# liger-kernel for TRL's best switches) and the bundled tokenizer (gzipped) go in .whl/, under the 64 MiB a call carries.
+GPU_WHEELS := $(shell grep -E '^(bitsandbytes|trl|datasets|dill|multiprocess|transformers|peft)==' requirements.txt 2>/dev/null) liger-kernel==0.8.5
 GPU_PLATFORMS := $(foreach p,manylinux_2_28 manylinux_2_24 manylinux_2_17,--platform $(p)_x86_64)
 
 .PHONY: gpu-wheels
@@ -253,7 +254,8 @@ gpu-wheels: $(STAMP) $(BUNDLED_MODEL)/config.json ## fetch what bench/gpu.sh ins
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $(GPU_PLATFORMS) \
 	  -d .whl $(GPU_WHEELS)
 	cp $(addprefix $(BUNDLED_MODEL)/,tokenizer.json tokenizer_config.json chat_template.jinja) .whl/tokenizer/
-	@du -sh .whl
+	gzip -9 .whl/tokenizer/tokenizer.json
+	@du -sh .whl; test $$(du -sm .whl | cut -f1) -le 60 || { echo "gpu-wheels: .whl is over 60 MB (a device call carries 64 MiB with the tree)"; exit 1; }
 
 .PHONY: clean
 clean: ## remove caches and built pairs (keeps runs, .venv and models/)

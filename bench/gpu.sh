@@ -14,8 +14,8 @@
 #   bench-8b     the same at random:llama-3-8b, 1,024 tokens (issue 19's goals) -> $OUT/results-gpu.{md,json}
 #   bench-8b-4k  random:llama-3-8b at 4,096 tokens -> $OUT/results-gpu-8b-4k.{md,json}
 #
-# Here first: `make gpu-wheels` (bitsandbytes, trl, datasets, dill, multiprocess, liger-kernel for Python 3.12,
-# and the bundled tokenizer, ~50 MB in .whl/). Through the device tool, one call per ten minutes, e.g.
+# Here first: `make gpu-wheels` (the lock's transformers, peft, bitsandbytes, trl, datasets, dill, multiprocess,
+# liger-kernel for Python 3.12, and the bundled tokenizer, ~58 MB in .whl/). Through the device tool, one call per ten minutes, e.g.
 #   run(command="bench/gpu.sh tests e2e", carry=[".whl"]), then bench-1b, then bench-8b, then bench-8b-4k.
 # At most 8 files come back from $OUT: each step writes one log, a bench step its .md and .json too. Copy the
 # results into bench/ to commit them (bench/README.md). Without a device tool, OUT defaults to ./gpu-out.
@@ -52,8 +52,8 @@ setup() {
   fi
   # Every random shape uses the bundled SmolLM2 tokenizer; its 540 MB of weights stay behind, its tokenizer travels.
   local bundled=models/SmolLM2-135M-Instruct
-  if [ ! -f "$bundled/tokenizer.json" ] && [ -f .whl/tokenizer/tokenizer.json ]; then
-    mkdir -p "$bundled" && cp .whl/tokenizer/* "$bundled/"
+  if [ ! -f "$bundled/tokenizer.json" ] && [ -f .whl/tokenizer/tokenizer.json.gz ]; then
+    mkdir -p "$bundled" && cp .whl/tokenizer/* "$bundled/" && gunzip -f "$bundled/tokenizer.json.gz"
   fi
   "$PY" - <<'EOF' 2>&1 | tee "$OUT/versions.log"
 import importlib.metadata as md, platform, torch
