@@ -185,7 +185,7 @@ def test_lora_on_a_16_bit_base_takes_the_kernel_under_autocast():
     assert fastpath.enable(model)["lora_linear"] == 0  # without autocast its own forward raises: nothing to match
 
 
-def tiny_4bit_llama_with_lora(tmp_path, compute_dtype):
+def tiny_4bit_llama_with_lora(tmp_path, compute_dtype, device="cpu"):
     """A tiny Llama loaded in NF4 through bitsandbytes (its 4-bit CPU kernels: the layers a GPU run keeps
     4-bit), LoRA on every linear, B moved off zero, the LoRA weights float32 as the kit trains them."""
     pytest.importorskip("bitsandbytes")
@@ -196,7 +196,8 @@ def tiny_4bit_llama_with_lora(tmp_path, compute_dtype):
     config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     LlamaForCausalLM(config).save_pretrained(tmp_path)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=compute_dtype, quantization_config=BitsAndBytesConfig(
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=compute_dtype, device_map={"": device},
+                                                 quantization_config=BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype))
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
@@ -572,7 +573,14 @@ def test_a_dpo_loss_on_tiny_families_matches_the_plain_path(family):
         assert torch.allclose(a, b, rtol=1e-3, atol=1e-5 * max(1.0, b.abs().max())), family
 
 
-def test_liger_only_on_cuda_with_the_package_and_without_lora_on_the_head():
+@pytest.mark.parametrize("installed", [True, False])
+def test_liger_only_on_cuda_with_the_package_and_without_lora_on_the_head(monkeypatch, installed):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec  # the package's presence is drawn both ways, whatever this install has
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (object() if installed else None) if name == "liger_kernel" else find_spec(name, *a))
+    assert fastpath.liger_applies(True, ["q_proj", "v_proj"]) is installed  # CUDA with the package: Liger's
     assert not fastpath.liger_applies(False, ["q_proj"])  # a CPU: the kit's own kernels
     assert not fastpath.liger_applies(True, ["q_proj", "lm_head"])  # TRL refuses Liger with LoRA on the head
 

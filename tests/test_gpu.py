@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import fastpath  # noqa: E402
-from test_fastpath import tiny_llama_with_lora  # noqa: E402
+from test_fastpath import tiny_4bit_llama_with_lora, tiny_llama_with_lora  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -31,6 +31,27 @@ def test_liger_kernels_replace_norms_and_mlps_after_a_probe_and_keep_the_loss():
     assert liger == {"checked": 5 + 2, "reverted": {}}  # 2 norms per layer and the final one; 2 MLPs
     counts = fastpath.enable(model, autocast_dtype=torch.bfloat16)
     assert counts["rms_norm"] == counts["mlp"] == 0 and counts["lora_linear"] == 14  # Liger has the norms and MLPs
+    loss, grads = loss_and_grads(model, ids)
+    assert abs(loss - plain_loss) <= 2e-2 * abs(plain_loss)
+    for a, b in zip(grads, plain_grads):
+        assert (a - b).abs().max() <= 5e-2 * b.abs().max() + 1e-6
+
+
+def test_on_a_4_bit_bfloat16_base_as_trained_on_a_gpu_every_kernel_applies_and_keeps_the_loss(tmp_path):
+    """The GPU default: NF4 base computing in bfloat16, float32 LoRA weights, bfloat16 autocast. peft's 4-bit
+    LoRA layers take the kit's fused forward, Liger (where installed) the norms and MLPs, else the kit."""
+    import importlib.util
+
+    model = tiny_4bit_llama_with_lora(tmp_path, torch.bfloat16, device="cuda")
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3)).cuda()
+    plain_loss, plain_grads = loss_and_grads(model, ids)
+    liger = fastpath.apply_liger(model, torch.bfloat16) if importlib.util.find_spec("liger_kernel") else None
+    counts = fastpath.enable(model, autocast_dtype=torch.bfloat16)
+    assert counts["lora_linear"] == 14 and counts["own_forward"] == {}
+    if liger is not None:
+        assert liger == {"checked": 5 + 2, "reverted": {}} and counts["rms_norm"] == counts["mlp"] == 0
+    else:
+        assert counts["rms_norm"] == 5 and counts["mlp"] == 2
     loss, grads = loss_and_grads(model, ids)
     assert abs(loss - plain_loss) <= 2e-2 * abs(plain_loss)
     for a, b in zip(grads, plain_grads):

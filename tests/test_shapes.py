@@ -227,10 +227,24 @@ def test_random_values_are_the_same_bits_on_cuda_and_cpu():
 def test_two_dpo_steps_on_a_random_base_in_4bit_on_cuda(tmp_path, fused):
     import torch
 
+    import importlib.util
+
     run_dir, printed = random_run(tmp_path, "g", fused)
     data = check_random_run(run_dir, printed)
     assert data["compute"].startswith("4-bit kernels") and "bfloat16" in data["compute"]
     assert json.loads((run_dir / "manifest.json").read_text())["device"] == torch.cuda.get_device_name(0)
+    if fused == "--no_fused_ops":
+        assert not data["fused_ops"] and "fused ops" not in printed
+        return
+    # Which fused parts ran: every LoRA layer (4-bit bases: peft's bitsandbytes class), the lean head, and the
+    # norms and gated MLPs by Liger where it is installed, else by the kit; none kept its own forward.
+    f = data["fused_ops"]
+    assert f["lora_linear"] == 30 * 7 and f["own_forward"] == {} and f["chunked_head"] and f["dtype"] == "bfloat16"
+    if importlib.util.find_spec("liger_kernel"):
+        assert (f["rms_norm"], f["mlp"]) == (0, 0) and "Liger's Triton kernels: 91 norms and MLPs" in printed
+    else:
+        assert (f["rms_norm"], f["mlp"]) == (61, 30)
+    assert "kept their own forward" not in printed
 
 
 @needs_tokenizer
