@@ -594,26 +594,80 @@ def apply_liger(model, autocast_dtype=None) -> dict:
     """Liger's Triton kernels on the model's norms, gated MLPs and RoPE, through transformers'
     apply_liger_kernel (what TrainingArguments.use_liger_kernel calls inside train(), called here instead so
     that each patched norm and MLP is then probed against its class's forward, as enable() does the kit's
-    own kernels; where they disagree the module gets its class forward back). Returns {"checked": n
-    agreeing, "reverted": {class: count}}. CUDA only (Triton): liger_applies says when."""
+    own kernels; where they disagree the module gets its class forward back). Then the whole model (RoPE is
+    patched into its modeling module, not an instance) runs a short probe forward and backward: where that
+    raises, or its logits differ from the unpatched model's, every Liger patch is undone (instances and the
+    modeling module) and "failed" says why. Returns {"checked": n agreeing, "reverted": {class: count},
+    "failed": reason or None}. CUDA only (Triton): liger_applies says when."""
+    import sys
+
     from transformers.integrations.liger import apply_liger_kernel
 
-    apply_liger_kernel(model, dict(LIGER_LAYERS))
-    out = {"checked": 0, "reverted": {}}
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    namespace = vars(sys.modules[type(inner).__module__])
+    saved = dict(namespace)
+    out = {"checked": 0, "reverted": {}, "failed": None}
+    try:
+        before = _model_probe(model, autocast_dtype)
+        apply_liger_kernel(model, dict(LIGER_LAYERS))
+        for module in model.modules():
+            forward = vars(module).get("forward")
+            if forward is None or getattr(forward, "__func__", None) in OURS:
+                continue
+            kind = "rms_norm" if is_rms_norm(module) else "mlp" if hasattr(module, "gate_proj") else None
+            if kind is None:
+                continue
+            if agrees_with_own(module, forward.__func__, kind, autocast_dtype):
+                out["checked"] += 1
+            else:
+                del module.forward
+                name = type(module).__name__
+                out["reverted"][name] = out["reverted"].get(name, 0) + 1
+        after = _model_probe(model, autocast_dtype)
+        rtol = PROBE_RTOL[str(autocast_dtype or after.dtype).removeprefix("torch.")][1]
+        if not _close(after, before, rtol):
+            out["failed"] = "the patched model's logits differ from the model's own on a probe"
+    except Exception as e:  # noqa: BLE001 - Triton or Liger cannot run here: the model's own forwards instead
+        out["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    if out["failed"]:
+        disable_liger(model)
+        for name, value in saved.items():  # the modeling module's functions Liger swapped (RoPE)
+            if namespace.get(name) is not value:
+                namespace[name] = value
+        out["checked"], out["reverted"] = 0, {}
+    return out
+
+
+def _model_probe(model, autocast_dtype):
+    """The logits of an 8-token probe through the whole model (LoRA on, dropout off), after a backward through
+    them (a kernel whose backward cannot run raises here, not at the first step)."""
+    import torch
+
+    p = next(model.parameters())
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids = torch.arange(8, device=p.device)[None] * 7 % vocab
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.autocast(p.device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+            logits = model(input_ids=ids).logits.float()
+        if any(q.requires_grad for q in model.parameters()):
+            logits.square().mean().backward()
+            model.zero_grad(set_to_none=True)
+        return logits.detach()
+    finally:
+        model.train(was_training)
+
+
+def disable_liger(model) -> None:
+    """Undo apply_liger where it got part way: every instance forward that is not the kit's goes (Liger patches
+    instances' forwards; its RoPE patch of the modeling module stays, and is only used by those forwards'
+    attention, which Liger leaves to the model)."""
     for module in model.modules():
         forward = vars(module).get("forward")
-        if forward is None or getattr(forward, "__func__", None) in OURS:
-            continue
-        kind = "rms_norm" if is_rms_norm(module) else "mlp" if hasattr(module, "gate_proj") else None
-        if kind is None:
-            continue
-        if agrees_with_own(module, forward.__func__, kind, autocast_dtype):
-            out["checked"] += 1
-        else:
+        if forward is not None and getattr(forward, "__func__", None) not in OURS and (
+                is_rms_norm(module) or hasattr(module, "gate_proj")):
             del module.forward
-            name = type(module).__name__
-            out["reverted"][name] = out["reverted"].get(name, 0) + 1
-    return out
 
 
 def keep_freed_memory() -> bool:
@@ -630,6 +684,41 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
+
+
+def head_agrees(device, autocast_dtype=None) -> str | None:
+    """Why the lean head cannot be trusted on this device and dtype, or None: chunked_logps against
+    log_softmax of the full logits on a small random probe (several token and vocabulary tiles), values and
+    the hidden's gradient, under autocast_dtype where training autocasts. Run before training, so that a
+    kernel this device's build cannot run, or one that disagrees, steps aside before the first step."""
+    import torch
+
+    global LOGP_TOKEN_CHUNK, LOGP_VOCAB_CHUNK, LOGP_TILES_CUDA
+    saved = LOGP_TOKEN_CHUNK, LOGP_VOCAB_CHUNK, LOGP_TILES_CUDA
+    LOGP_TOKEN_CHUNK, LOGP_VOCAB_CHUNK, LOGP_TILES_CUDA = 8, 16, (8, 16)  # 3 x 4 tiles of a [20, 56] probe
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+        h = torch.randn(20, 32, generator=gen, device=device, requires_grad=True)
+        w = torch.randn(56, 32, generator=gen, device=device) / 4
+        t = torch.randint(0, 56, (20,), generator=gen, device=device)
+        results = []
+        for lean in (True, False):
+            hi = h.detach().requires_grad_()
+            with torch.autocast(torch.device(device).type, dtype=autocast_dtype or torch.float32,
+                                enabled=autocast_dtype is not None):
+                logp = chunked_logps(hi, w, t)[0] if lean else \
+                    (hi @ w.t()).float().log_softmax(-1).gather(1, t[:, None])[:, 0]
+            (g,) = torch.autograd.grad(logp.sum(), hi)
+            results.append((logp.detach().float(), g.float()))
+        (lv, lg), (fv, fg) = results
+        rtol = PROBE_RTOL[str(autocast_dtype or torch.float32).removeprefix("torch.")]
+        if not (_close(lv, fv, rtol[0]) and _close(lg, fg, rtol[1])):
+            return "its log-probs or gradients disagreed with log_softmax on a probe"
+        return None
+    except Exception as e:  # noqa: BLE001 - a probe that cannot run: the head steps aside
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    finally:
+        LOGP_TOKEN_CHUNK, LOGP_VOCAB_CHUNK, LOGP_TILES_CUDA = saved
 
 
 def chunked_logps(hidden, weight, targets, with_entropy: bool = False):
@@ -736,10 +825,31 @@ def _lower_right_sdpa(module, query, key, value, attention_mask, dropout=0.0, sc
 
     groups = getattr(module, "num_key_value_groups", 1)
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # CausalBias's flash call takes equal heads
-    mask = causal_lower_right(query.shape[2], key.shape[2])
+    # CausalBias dispatches to its kernels outside autocast: on the 4-bit path q, k and v arrive in float32 (the
+    # residual stream is), which flash attention refuses. In autocast's dtype, as sdpa under autocast (the
+    # batches whose prompts differ in length, through transformers' mask) computes them: the same precision
+    # from batch to batch.
+    low = autocast_dtype(query.device.type)
+    if low is not None:
+        query, key, value = query.to(low), key.to(low), value.to(low)
+    q, s = query.shape[2], key.shape[2]
+    global _LOWER_RIGHT_FAILED
+    if not _LOWER_RIGHT_FAILED:
+        try:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, attn_mask=causal_lower_right(q, s), dropout_p=dropout, scale=scaling)
+            return out.transpose(1, 2).contiguous(), None
+        except RuntimeError as e:  # no kernel of this build takes it here: the same mask, materialised
+            _LOWER_RIGHT_FAILED = True
+            print(f"[model] torch's lower-right causal attention raised ({str(e).splitlines()[0][:120]}): "
+                  "its mask materialised instead, from here on", flush=True)
+    mask = torch.ones(q, s, dtype=torch.bool, device=query.device).tril(s - q)
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
                                                            scale=scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+_LOWER_RIGHT_FAILED = False
 
 
 @contextlib.contextmanager
@@ -1083,7 +1193,18 @@ def dpo_trainer_class(cache_dir: Path | None, keys: dict, record: dict):
             return out
 
         def _get_per_token_logps_and_entropies(self, model, model_kwargs, input_ids, completion_mask):
-            out = dpo_logps(self, model, model_kwargs, input_ids, completion_mask) if self.kit_fused_logps else None
+            out = None
+            if self.kit_fused_logps:
+                import torch
+
+                try:
+                    out = dpo_logps(self, model, model_kwargs, input_ids, completion_mask)
+                except torch.OutOfMemoryError:
+                    raise  # TRL's path needs more memory, not less
+                except Exception as e:  # noqa: BLE001 - a speed-up that breaks steps aside; training goes on
+                    self.kit_fused_logps = False
+                    print(f"[model] the kit's lean head raised {type(e).__name__}: {str(e).splitlines()[0][:160]}; "
+                          "TRL's own log-probs from here on (--no_fused_ops starts that way)", flush=True)
             return out if out is not None else super()._get_per_token_logps_and_entropies(
                 model, model_kwargs, input_ids, completion_mask)
 

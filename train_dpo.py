@@ -640,10 +640,19 @@ def arm_fast_path(cfg: TrainConfig, built: Built) -> None:
         autocast = torch.bfloat16 if trainer.args.bf16 else torch.float16 if trainer.args.fp16 else None
         if fastpath.liger_applies(built.on_gpu, built.targets):  # CUDA: Liger's norms and MLPs, not the kit's
             liger = fastpath.apply_liger(trainer.model, autocast)
-            compute.liger = liger["checked"]
-            print(f"[model] Liger's Triton kernels: {liger['checked']} norms and MLPs, and RoPE"
-                  + (f"; kept their own forward (a probe disagreed): {liger['reverted']}" if liger["reverted"] else ""))
+            if liger["failed"]:
+                print(f"[model] Liger's kernels stepped aside ({liger['failed']}); the kit's own kernels instead")
+            else:
+                compute.liger = liger["checked"]
+                print(f"[model] Liger's Triton kernels: {liger['checked']} norms and MLPs, and RoPE"
+                      + (f"; kept their own forward (a probe disagreed): {liger['reverted']}" if liger["reverted"]
+                         else ""))
         fused = fastpath.enable(trainer.model, autocast_dtype=autocast)  # each kernel checked on a probe first
+        if compute.chunked:
+            problem = fastpath.head_agrees(trainer.model.device, autocast)
+            if problem:
+                compute.chunked, compute.logps = False, f"chunked by TRL (the kit's lean head stepped aside: {problem})"
+                print(f"[model] the kit's lean head stepped aside ({problem}): TRL's chunked log-probs instead")
         trainer.kit_fused_logps = compute.chunked  # both: DPO's trainer class (fastpath.py) reads them
         trainer.kit_share_prompts = cfg.share_prompts and built.method == "dpo"
         args = trainer.args  # bf16 / fp16: accelerate's autocast, on a CPU too

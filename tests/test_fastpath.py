@@ -4,6 +4,7 @@ giving the same outputs and gradients with the fused forwards swapped on as with
 autocast, the same to bfloat16 rounding (compared with float32: the fast path's error no larger than the
 eager modules')."""
 
+import types
 from pathlib import Path
 
 import pytest
@@ -600,6 +601,80 @@ def test_lower_right_attention_sees_the_prompt_cache_and_the_causal_part():
     scores = (q @ k4.transpose(-1, -2)) * 0.5
     scores[..., 0, 5:] = scores[..., 1, 6:] = float("-inf")  # 7 keys, 3 queries: the last query sees all
     assert torch.allclose(out, (scores.softmax(-1) @ v4).transpose(1, 2), atol=1e-6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # float32 q, k, v (the 4-bit path's) run in autocast's dtype
+        low, _ = fastpath._lower_right_sdpa(module, q, k, v, None, scaling=0.5)
+    assert low.dtype == torch.bfloat16 and torch.allclose(low.float(), out, atol=3e-2)
+
+
+def test_lower_right_attention_that_raises_steps_aside_to_the_same_mask(monkeypatch, capsys):
+    """A torch build whose kernels refuse CausalBias: the same mask materialised, said once."""
+    import torch.nn.attention.bias as bias
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    g = torch.Generator().manual_seed(6)
+    module = LlamaAttention(LlamaConfig(hidden_size=16, num_attention_heads=4, num_key_value_heads=2), 0)
+    q, k, v = torch.randn(2, 4, 3, 4, generator=g), torch.randn(2, 2, 7, 4, generator=g), torch.randn(2, 2, 7, 4, generator=g)
+    want, _ = fastpath._lower_right_sdpa(module, q, k, v, None, scaling=0.5)
+
+    def refuses(*a, **k):
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    monkeypatch.setattr(bias, "causal_lower_right", refuses)
+    monkeypatch.setattr(fastpath, "_LOWER_RIGHT_FAILED", False)
+    for _ in range(2):
+        got, _ = fastpath._lower_right_sdpa(module, q, k, v, None, scaling=0.5)
+        assert torch.allclose(got, want, atol=1e-6)
+    assert capsys.readouterr().out.count("lower-right causal attention raised") == 1
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_the_lean_head_probe_passes_here_and_catches_a_wrong_or_failing_kernel(monkeypatch, autocast):
+    assert fastpath.head_agrees("cpu", autocast) is None
+    real = fastpath.fn()
+
+    class Off:  # log-probs off by a constant: what a mis-tiled kernel would give
+        @staticmethod
+        def apply(*a):
+            logp, entropy = real.ChunkedLogps.apply(*a)
+            return logp - 0.5, entropy
+
+    class Raises:
+        @staticmethod
+        def apply(*a):
+            raise RuntimeError("triton: out of resources")
+
+    for broken, says in ((Off, "disagreed"), (Raises, "RuntimeError: triton: out of resources")):
+        monkeypatch.setattr(fastpath, "fn", lambda b=broken: types.SimpleNamespace(ChunkedLogps=b))
+        assert says in fastpath.head_agrees("cpu", autocast)
+    assert fastpath.LOGP_TOKEN_CHUNK == 1024 and fastpath.LOGP_TILES_CUDA == (4096, 16384)  # the probe's tiles undone
+
+
+def test_liger_that_fails_on_the_model_is_undone_everywhere_it_patched(monkeypatch):
+    """Liger patches instance forwards and the modeling module's RoPE; a failure anywhere (here: a RoPE that
+    raises on the whole-model probe, as a Triton kernel that cannot compile would) undoes all of it."""
+    import transformers.integrations.liger as liger_integration
+    from transformers.models.llama import modeling_llama
+
+    model = tiny_llama_with_lora().eval()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+    want = model(input_ids=ids).logits
+    rope = modeling_llama.apply_rotary_pos_emb
+
+    def fake_apply(model, config):  # what Liger does, with a kernel that cannot run here
+        def broken_rope(*a, **k):
+            raise RuntimeError("triton.compiler.errors.CompilationError")
+        modeling_llama.apply_rotary_pos_emb = broken_rope
+        for m in model.modules():
+            if fastpath.is_rms_norm(m):
+                m.forward = types.MethodType(lambda self, x: type(self).forward(self, x), m)
+
+    monkeypatch.setattr(liger_integration, "apply_liger_kernel", fake_apply)
+    out = fastpath.apply_liger(model)
+    assert "CompilationError" in out["failed"] and out["checked"] == 0
+    assert modeling_llama.apply_rotary_pos_emb is rope
+    assert not any("forward" in vars(m) for m in model.modules())
+    assert torch.equal(model(input_ids=ids).logits, want)
 
 
 @pytest.mark.parametrize("prompt_lengths", [(6, 6, 6), (5, 9, 3)])  # the lower-right kernel; holes and a mask

@@ -501,6 +501,24 @@ def test_conversational_run_loads_with_peft_generates_and_is_reproducible(tmp_pa
 
 @needs_model
 @pytest.mark.integration
+def test_a_speed_up_that_raises_mid_training_steps_aside_and_the_run_finishes(tmp_path, monkeypatch):
+    """The kit's lean head raising at a step (a kernel this GPU's build cannot run, say) does not end the run:
+    one line says so and TRL's own log-probs carry on."""
+    calls = []
+
+    def raises(*a, **k):
+        calls.append(1)
+        raise RuntimeError("CUDA error: no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(fastpath, "dpo_logps", raises)
+    run_dir, out = small_run(tmp_path, "trl_conversational", "aside", "--tokenized_cache", "none")
+    assert len(calls) == 1 and out.count("the kit's lean head raised RuntimeError: CUDA error") == 1
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "succeeded"
+    assert len([r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]) == 2
+
+
+@needs_model
+@pytest.mark.integration
 def test_chunked_log_probs_learn_what_the_full_logits_path_learns(tmp_path, trained):
     """The default (completion tokens only, output head in chunks) against TRL's full-logits path:
     the same losses and rewards at every step, to float rounding, and the same adapter update."""
