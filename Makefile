@@ -56,6 +56,10 @@ UV := uv==0.13.9
 PACKAGING := packaging==26.3
 TOOLS_STAMP := .venv-tools/.installed-$(shell echo '$(UV) $(PACKAGING)' | cksum | cut -d' ' -f1)
 HAS_CUDA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+# make test-triton: triton and liger-kernel (the CUDA lock's pins, ~700 MB) beside the CPU install, not in it.
+TRITON_SITE := .venv-triton
+TRITON_PINS := $(shell grep -E '^(triton|liger-kernel)==' requirements.txt 2>/dev/null)
+TRITON_STAMP := $(TRITON_SITE)/.installed-$(shell echo '$(TRITON_PINS)' | cksum | cut -d' ' -f1)
 LVENV := .venv-launcher
 # The launcher needs only the Docker SDK (same pins as the lock), not torch: a GPU VM's host stays light.
 LAUNCHER_PINS := $(shell grep -E '^(docker|requests|urllib3|certifi|idna|charset-normalizer)==' requirements.txt 2>/dev/null)
@@ -229,6 +233,15 @@ test-container: ## build the image on a local base with podman, train in it thro
 test: $(STAMP) $(BUNDLED_MODEL)/config.json ## run the tests (unit, then integration on the bundled model in 4-bit)
 	$(PY) -m pytest -q tests $(ARGS)
 
+.PHONY: test-triton
+test-triton: $(TRITON_STAMP) ## Liger's Triton kernels on the CPU under Triton's interpreter (installs triton + liger-kernel into .venv-triton/)
+	TRITON_INTERPRET=1 PYTHONPATH=$(TRITON_SITE) $(PY) -m pytest -q tests/test_liger_interpreted.py $(ARGS)
+
+$(TRITON_STAMP): $(STAMP)
+	rm -rf $(TRITON_SITE)
+	$(PY) -m pip install -q --no-deps --target $(TRITON_SITE) $(TRITON_PINS)
+	touch $@
+
 .PHONY: precision
 precision: $(STAMP) $(BUNDLED_MODEL)/config.json ## bfloat16 against float32 over several seeds: bench/precision.{md,json,png} (six demo-sized runs: long)
 	$(PY) bench/precision.py $(ARGS)
@@ -264,7 +277,7 @@ clean: ## remove caches and built pairs (keeps runs, .venv and models/)
 
 .PHONY: distclean
 distclean: clean ## also remove .venv, .venv-tools and the converted model
-	rm -rf $(VENV) .venv-tools $(LVENV) models
+	rm -rf $(VENV) .venv-tools $(LVENV) $(TRITON_SITE) models
 
 .PHONY: FORCE
 FORCE:
