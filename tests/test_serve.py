@@ -1,4 +1,4 @@
-"""serve.py and jobs.py: the pure mappings, then a real service (uvicorn in a subprocess on a free port) driven by the official
+"""serve.py, service.py, api_*.py and jobs.py: the pure mappings, then a real service (uvicorn in a subprocess on a free port) driven by the official
 openai SDK and by nip's JSON shapes over httpx, training the bundled model for a few steps per job."""
 import json
 import os
@@ -11,10 +11,13 @@ from pathlib import Path
 
 import pytest
 
+import api_nip
+import api_openai
 import jobs
 import models
 import runs
 import serve
+import service as service_app
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / models.BUNDLED_MODEL_DIR
@@ -28,13 +31,13 @@ needs_model = pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="b
 # ------------------------------------------------------------------ pure helpers
 
 def test_openai_hyperparameters_become_train_dpo_flags_and_auto_adds_none():
-    assert serve.hyperparameter_flags("dpo", {"beta": "auto", "batch_size": None}) == []
-    flags = serve.hyperparameter_flags("dpo", {"beta": 0.2, "batch_size": 1, "n_epochs": 3,
+    assert api_openai.hyperparameter_flags("dpo", {"beta": "auto", "batch_size": None}) == []
+    flags = api_openai.hyperparameter_flags("dpo", {"beta": 0.2, "batch_size": 1, "n_epochs": 3,
                                                "learning_rate_multiplier": 0.5})
     assert flags == ["--beta", "0.2", "--per_device_train_batch_size", "1", "--num_train_epochs", "3",
                      "--learning_rate", "0.0001"]  # half the kit's 2e-4
-    assert serve.hyperparameter_flags("supervised", {"beta": 0.2}) == ["--loss_type", "sft"]
-    assert serve.resolved_hyperparameters("dpo", {"beta": "auto", "n_epochs": 2}) == {
+    assert api_openai.hyperparameter_flags("supervised", {"beta": 0.2}) == ["--loss_type", "sft"]
+    assert api_openai.resolved_hyperparameters("dpo", {"beta": "auto", "n_epochs": 2}) == {
         "batch_size": 2, "learning_rate_multiplier": 1.0, "n_epochs": 2, "beta": 0.1}
 
 
@@ -43,7 +46,7 @@ def test_nip_config_becomes_train_dpo_flags():
                                                                  "max_prompt_length": 32, "max_completion_length": 16},
               "training_lora_config": {"r": 8, "lora_alpha": 16, "lora_dropout": 0.1}, "seed": 3,
               "per_device_train_batch_size": 1, "mixed_precision": "no", "gradient_checkpointing": False}
-    assert serve.nip_flags(config) == [
+    assert api_nip.nip_flags(config) == [
         "--beta", "0.2", "--learning_rate", "1e-05", "--seed", "3", "--per_device_train_batch_size", "1",
         "--gradient_checkpointing", "false", "--max_length", "48", "--lora_r", "8", "--lora_alpha", "16",
         "--lora_dropout", "0.1", "--compute_dtype", "float32"]
@@ -54,11 +57,21 @@ def test_nip_config_becomes_train_dpo_flags():
                                                ("succeeded", 3, "succeeded"), ("failed", 0, "crashed"),
                                                ("paused", 2, "interrupted"), ("cancelled", 2, "cancelled")])
 def test_nip_statuses_come_from_the_same_job_record(status, step, nip):
-    assert serve.nip_status({"status": status, "metrics_step": step}) == nip
+    assert api_nip.nip_status({"status": status, "metrics_step": step}) == nip
+
+
+def test_vllm_command_serves_a_base_by_the_started_name_and_a_tuned_model_as_its_lora_module():
+    base = api_nip.vllm_command("vllm", "/m/base", "SmolLM2", None, "127.0.0.1", 8001)
+    assert base == ["vllm", "serve", "/m/base", "--host", "127.0.0.1", "--port", "8001", "--served-model-name", "SmolLM2"]
+    tuned = api_nip.vllm_command("vllm", "/m/base", "ft:b:s:1", "/runs/ftjob-1", "127.0.0.1", 8001)
+    lora = json.loads(tuned[tuned.index("--lora-modules") + 1])
+    assert "--enable-lora" in tuned and lora == {"name": "ft:b:s:1", "path": "/runs/ftjob-1"}
+    assert api_nip.job_suffix("round 1: verifier") == "round-1-verifier" and api_nip.job_suffix("  ") is None
+    assert len(api_nip.job_suffix("x" * 100)) == 64
 
 
 def test_names_commands_and_pages():
-    assert serve.fine_tuned_name("models/SmolLM2-135M-Instruct", None, "ftjob-abc") == \
+    assert service_app.fine_tuned_name("models/SmolLM2-135M-Instruct", None, "ftjob-abc") == \
         "ft:SmolLM2-135M-Instruct:dpo-kit:abc"
     cfg = serve.ServeConfig(output_dir="out")
     flags = ["--data", "d.jsonl", "--output_dir", "out", "--run_name", "ftjob-1", "--beta", "0.2"]
@@ -68,7 +81,7 @@ def test_names_commands_and_pages():
     docker = jobs.train_command(serve.ServeConfig(runner="docker", gpus="all"), flags, "py")
     assert docker[1:] == [str(ROOT / "launcher.py"), "train", "--data", "d.jsonl", "--output_dir", "out",
                           "--run_name", "ftjob-1", "--gpus", "all", "--", "--beta", "0.2"]
-    assert serve.page([1, 2, 3], 2) == {"object": "list", "data": [1, 2], "has_more": True}
+    assert service_app.page([1, 2, 3], 2) == {"object": "list", "data": [1, 2], "has_more": True}
     assert jobs.new_id("file") != jobs.new_id("file")
 
 
@@ -118,8 +131,8 @@ def free_port() -> int:
 class Service:
     """serve.py in a subprocess (its own session, as a user would start it), on a free port."""
 
-    def __init__(self, out: Path, port: int | None = None, *extra):
-        self.out, self.port, self.extra = out, port or free_port(), extra
+    def __init__(self, out: Path, port: int | None = None, *extra, key: str = ""):
+        self.out, self.port, self.extra, self.key = out, port or free_port(), extra, key
         self.url = f"http://127.0.0.1:{self.port}"
         self.start()
 
@@ -130,11 +143,11 @@ class Service:
         self.proc = subprocess.Popen([sys.executable, "serve.py", "--port", str(self.port), "--output_dir",
                                       str(self.out), f"--train_args={TRAIN_ARGS}", "--poll_seconds", "0.2",
                                       *self.extra], cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, env={**os.environ, "DPO_KIT_API_KEY": self.key})
         deadline = time.time() + 60
         while time.time() < deadline:
             try:
-                if httpx.get(f"{self.url}/version", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}/version", timeout=2).status_code == (401 if self.key else 200):
                     return
             except httpx.TransportError:
                 time.sleep(0.3)
@@ -319,7 +332,7 @@ def test_nip_endpoints_create_list_get_and_cancel_a_running_job_paused_and_resum
                           "per_device_train_batch_size": 1, "mixed_precision": "no", "gradient_checkpointing": False},
                "dataset": [json.loads(r) for r in openai_pairs(8).splitlines()], "job_name": "nip-round"}
     created = httpx.post(f"{service.url}/training/jobs", json=request)
-    assert created.status_code == 200, created.text
+    assert created.status_code == 201, created.text
     info = created.json()
     assert set(info) == {"job_id", "status", "config", "new_model_name", "error_message"}
     assert info["status"] == "pending" and info["config"]["dpo_config"]["beta"] == 0.1
@@ -349,6 +362,89 @@ def test_nip_endpoints_create_list_get_and_cancel_a_running_job_paused_and_resum
         (1e-4, 1, "float32")
     missing = httpx.get(f"{service.url}/training/jobs/ftjob-nope")
     assert missing.status_code == 404 and "error" in missing.json()
+
+
+def nip_types():
+    """nip's response types as its client validates them (nip/language_model_server/types.py): a response that
+    does not fit is what nip's client raises BadResponseError for."""
+    from typing import Literal, Optional
+
+    from pydantic import BaseModel
+
+    class Version(BaseModel):
+        version: str
+
+    class TrainingJobInfo(BaseModel):
+        job_id: str
+        status: Literal["pending", "starting", "running", "succeeded", "crashed", "interrupted", "cancelled",
+                        "unknown"]
+        config: dict
+        new_model_name: str
+        error_message: str = ""
+
+    class VllmStartResponse(BaseModel):
+        message: str
+        model_name: str
+        port: int
+
+    class VllmStatusResponse(BaseModel):
+        status: Literal["online", "not_started", "crashed", "not_accepting_connections", "timeout", "server_error",
+                        "other_error"]
+        error: Optional[str]
+
+    return Version, TrainingJobInfo, VllmStartResponse, VllmStatusResponse
+
+
+@needs_model
+@pytest.mark.integration
+def test_nip_client_loop_trains_serves_chats_with_and_stops_the_model_it_made(service):
+    import httpx
+    from openai import OpenAI
+
+    Version, TrainingJobInfo, VllmStartResponse, VllmStatusResponse = nip_types()
+    url = service.url
+    # nip's client refuses a server whose major version differs from its own (nip is 1.x.y).
+    assert Version(**httpx.get(f"{url}/version").json()).version.split(".")[0] == "1"
+    # What nip's client sends: CreateTrainingJobRequest.model_dump(), every field present, None included.
+    request = {"config": {"model_name": "SmolLM2-135M-Instruct", "method": "dpo",
+                          "dpo_config": {"beta": 0.1, "learning_rate": 5e-5, "max_prompt_length": None,
+                                         "max_completion_length": None, "max_length": 64},
+                          "training_lora_config": None, "model_already_lora_strategy": "reuse",
+                          "mixed_precision": "fp16", "gradient_checkpointing": True},
+               "dataset": [json.loads(r) for r in openai_pairs(4).splitlines()], "job_name": "round 1: verifier"}
+    created = httpx.post(f"{url}/training/jobs", json=request)
+    assert created.status_code == 201, created.text
+    info = TrainingJobInfo(**created.json())
+    assert info.new_model_name.startswith("ft:SmolLM2-135M-Instruct:round-1-verifier:")
+    info = wait_for(lambda: TrainingJobInfo(**httpx.get(f"{url}/training/jobs/{info.job_id}").json()),
+                    lambda j: j.status not in ("pending", "starting", "running"))
+    assert info.status == "succeeded", (info.error_message, job_log(service.out, info.job_id)[-2000:])
+
+    assert VllmStatusResponse(**httpx.get(f"{url}/vllm/status").json()).status == "not_started"
+    started = httpx.post(f"{url}/vllm/start", json={"model_name": info.new_model_name})
+    assert started.status_code == 201, started.text
+    start = VllmStartResponse(**started.json())
+    assert start.model_name == info.new_model_name
+    status = wait_for(lambda: VllmStatusResponse(**httpx.get(f"{url}/vllm/status").json()),
+                      lambda s: s.status != "not_accepting_connections", timeout=300, what="the model to load")
+    assert (status.status, status.error) == ("online", None)
+    # nip's agents then talk to http://<host>:<port>/v1 with an OpenAI client and the model name they started.
+    agent = OpenAI(base_url=f"http://127.0.0.1:{start.port}/v1", api_key="unused", max_retries=0)
+    reply = agent.chat.completions.create(model=start.model_name, max_tokens=4, temperature=0,
+                                          messages=[{"role": "user", "content": "What is 3 + 3?"}])
+    assert reply.choices[0].message.content and reply.model == start.model_name
+    again = httpx.post(f"{url}/vllm/start", json={"model_name": info.new_model_name}).json()
+    assert "already" in again["message"]
+
+    stop = httpx.post(f"{url}/vllm/stop", json={"ignore_not_running": False, "terminate_timeout": 10.0})
+    assert stop.status_code == 200 and "message" in stop.json()
+    assert VllmStatusResponse(**httpx.get(f"{url}/vllm/status").json()) == VllmStatusResponse(
+        status="not_started", error=None)
+    not_running = httpx.post(f"{url}/vllm/stop", json={"ignore_not_running": False, "terminate_timeout": 10.0})
+    assert not_running.status_code == 400 and not_running.json()["error"]["param"] == "ignore_not_running"
+    assert httpx.post(f"{url}/vllm/stop", json={"ignore_not_running": True}).status_code == 200
+    unknown = httpx.post(f"{url}/vllm/start", json={"model_name": "ft:nope:x:y"})
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "model_name"
 
 
 @needs_model

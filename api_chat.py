@@ -1,0 +1,219 @@
+"""OpenAI's models and chat completions for the jobs service (service.py assembles it): a base or a fine-tuned
+model loaded as `make chat` loads it, kept warm (--warm_models), one generation at a time; streamed as
+server-sent events when asked. Text only: a content part that is not text, or a field the kit cannot honour,
+is a 400 naming it."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+import models
+import runs
+from jobs import new_id, now
+from service import ApiError
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class OtherPart(BaseModel):  # what the SDK also allows in content; refused below, naming its type
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image_url", "input_audio", "file", "refusal"]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id, refusal, audio: the SDK's params
+    role: Literal["system", "user", "assistant", "developer", "tool", "function"]
+    content: Union[str, list[Annotated[Union[TextPart, OtherPart], Field(discriminator="type")]], None] = None
+
+
+class ChatRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: Optional[Annotated[int, Field(ge=1, le=4096)]] = None
+    max_completion_tokens: Optional[Annotated[int, Field(ge=1, le=4096)]] = None
+    temperature: Optional[Annotated[float, Field(ge=0, le=2)]] = None
+    top_p: Optional[Annotated[float, Field(gt=0, le=1)]] = None
+    seed: Optional[Annotated[int, Field(ge=-2 ** 63, lt=2 ** 64)]] = None  # torch.manual_seed's range
+    n: Optional[Annotated[int, Field(ge=1, le=1)]] = None
+    stream: Optional[bool] = None
+    stream_options: Optional[dict] = None
+    stop: Union[str, list[str], None] = None
+    # accepted and recorded nowhere: they do not change what the model generates
+    user: Optional[str] = None
+    metadata: Optional[dict[str, str]] = None
+    store: Optional[bool] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    service_tier: Optional[str] = None
+
+
+def plain_messages(messages: list[Message]) -> list[dict]:
+    """The request's messages as a chat template takes them: developer -> system, text parts joined, tool calls
+    and tool results kept; a non-text part is refused naming it."""
+    out = []
+    for i, m in enumerate(messages):
+        content, extra = m.content, m.model_extra or {}
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if part.type != "text":
+                    raise ApiError(400, f"messages[{i}].content[{j}]: only text parts are read by this service "
+                                   f"(got type {part.type!r})", f"messages[{i}].content[{j}].type")
+            content = "".join(part.text for part in content)
+        if content is None and not (m.role == "assistant" and extra.get("tool_calls")):
+            raise ApiError(400, f"messages[{i}].content is required (only an assistant message with tool_calls "
+                           "may have none)", f"messages[{i}].content")
+        msg = {"role": {"developer": "system", "function": "tool"}.get(m.role, m.role), "content": content}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if extra.get(key) is not None:
+                msg[key] = extra[key]
+        out.append(msg)
+    return out
+
+
+class Chat:
+    """Models loaded on first use (torch is imported only then), the least recently used dropped beyond
+    --warm_models."""
+
+    def __init__(self, cfg):
+        self.cfg, self.loaded, self.lock = cfg, {}, threading.Lock()
+
+    def model(self, name: str, run_dir: Path | None, base: str):
+        if name in self.loaded:
+            self.loaded[name] = self.loaded.pop(name)  # most recently used last
+            return self.loaded[name]
+        models.quiet_libraries(terminal=False)  # no weight-loading bars in the service's log
+        if run_dir is not None:
+            run_dir, config = runs.open_run(run_dir, run_dir.parent)
+            pair = models.load_run(run_dir, config)
+        else:
+            from transformers import AutoTokenizer
+
+            on_gpu, bf16_ok = models.device()
+            path = models.resolve_model_path(base)
+            model = models.load_model(path, models.LoadOptions(), on_gpu, bf16_ok).eval()
+            if not on_gpu:
+                models.dequantize_4bit_(model)
+            pair = (model, AutoTokenizer.from_pretrained(path))
+        while len(self.loaded) >= self.cfg.warm_models:
+            self.loaded.pop(next(iter(self.loaded)))
+        self.loaded[name] = pair
+        return pair
+
+    def generate(self, model, tokenizer, text: str, options: dict, streamer=None) -> tuple[str, int, int]:
+        """(answer, prompt tokens, completion tokens): greedy at temperature 0, else sampled (seeded when asked)."""
+        import torch
+
+        batch = tokenizer([text], return_tensors="pt", add_special_tokens=not tokenizer.chat_template).to(model.device)
+        if options.get("seed") is not None:
+            torch.manual_seed(options["seed"])
+        temperature = options.get("temperature", 1.0)
+        sampling = {"do_sample": True, "temperature": temperature, "top_p": options.get("top_p", 1.0)} \
+            if temperature and temperature > 0 else {"do_sample": False}
+        with torch.no_grad():
+            out = model.generate(**batch, max_new_tokens=options["max_tokens"], streamer=streamer,
+                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, **sampling)
+        completion = out[0, batch["input_ids"].shape[1]:]
+        answer = tokenizer.decode(completion, skip_special_tokens=True).strip()
+        return answer, int(batch["input_ids"].shape[1]), int(completion.shape[0])
+
+    def load(self, svc, name: str):
+        """(model, tokenizer) for a model name the service knows: a succeeded job's or a base; 404 otherwise."""
+        job = svc.tuned_job(name)
+        bases = svc.base_models()
+        if job is None and name not in bases:
+            raise ApiError(404, f"model {name!r} does not exist here (GET /v1/models lists them)", "model",
+                           "model_not_found")
+        with self.lock:  # loading is slow: one at a time, and each model once
+            return self.model(name, svc.out / job["id"] if job else None, job["base"] if job else bases[name])
+
+
+def render(tokenizer, messages: list[dict], name: str) -> str:
+    """The prompt text through the model's chat template; a conversation the template cannot render (a tool
+    call in a template without tool support) is the client's 400, not the service's 500."""
+    try:
+        return models.prompt_texts(tokenizer, [messages])[0]
+    except Exception as e:  # noqa: BLE001 - jinja's errors, a None content concatenated, ...
+        raise ApiError(400, f"messages: model {name!r}'s chat template cannot render them "
+                       f"({type(e).__name__}: {str(e)[:200]})", "messages") from None
+
+
+def router(svc):
+    """/v1/models and /v1/chat/completions over svc (service.Service)."""
+    from fastapi import APIRouter
+    from fastapi.responses import StreamingResponse
+
+    api = APIRouter(prefix="/v1", tags=["models and chat"])
+    svc.chat = chat = Chat(svc.cfg)
+
+    @api.get("/models")
+    def list_models():
+        bases = [{"object": "model", "id": name, "created": 0, "owned_by": "dpo-kit"} for name in svc.base_models()]
+        tuned = [{"object": "model", "id": j["fine_tuned_model"], "created": j["finished_at"], "owned_by": "user"}
+                 for j in svc.store.query("SELECT * FROM jobs WHERE status = 'succeeded' ORDER BY seq")]
+        return {"object": "list", "data": bases + tuned}
+
+    @api.post("/chat/completions")
+    def chat_completions(body: ChatRequest):
+        messages = plain_messages(body.messages)
+        model, tokenizer = chat.load(svc, body.model)
+        text = render(tokenizer, messages, body.model)
+        options = {"max_tokens": body.max_completion_tokens or body.max_tokens or 128,
+                   "temperature": 1.0 if body.temperature is None else body.temperature,
+                   "top_p": body.top_p or 1.0, "seed": body.seed}
+        stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        completion_id, created = new_id("chatcmpl"), now()
+
+        def cut(answer: str) -> tuple[str, bool]:
+            hits = [answer.index(s) for s in stops if s and s in answer]
+            return (answer[:min(hits)], True) if hits else (answer, False)
+
+        def chunk(delta: dict, finish=None) -> str:
+            return "data: " + json.dumps({"object": "chat.completion.chunk", "id": completion_id, "created": created,
+                                          "model": body.model, "choices": [{"index": 0, "delta": delta,
+                                                                           "finish_reason": finish}]}) + "\n\n"
+
+        if body.stream:
+            from transformers import TextIteratorStreamer
+
+            def events():
+                with chat.lock:
+                    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+                    result = {}
+                    worker = threading.Thread(target=lambda: result.update(zip(
+                        ("text", "prompt", "completion"), chat.generate(model, tokenizer, text, options, streamer))))
+                    worker.start()
+                    yield chunk({"role": "assistant", "content": ""})
+                    sent, stopped = "", False
+                    for piece in streamer:
+                        if stopped:
+                            continue
+                        shown, stopped = cut(sent + piece)
+                        if shown[len(sent):]:
+                            yield chunk({"content": shown[len(sent):]})
+                        sent = shown
+                    worker.join()
+                finish = "stop" if stopped or result.get("completion", 0) < options["max_tokens"] else "length"
+                yield chunk({}, finish)
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        with chat.lock:
+            answer, n_prompt, n_completion = chat.generate(model, tokenizer, text, options)
+        answer, stopped = cut(answer)
+        return {"object": "chat.completion", "id": completion_id, "created": created, "model": body.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": answer},
+                             "finish_reason": "stop" if stopped or n_completion < options["max_tokens"] else "length",
+                             "logprobs": None}],
+                "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
+                          "total_tokens": n_prompt + n_completion}}
+
+    return api

@@ -1,0 +1,298 @@
+"""OpenAI's files and fine-tuning jobs API for the jobs service (service.py assembles it): the request shapes
+the openai SDK's types allow, each value accepted or refused with a 400 naming the field, and the mapping of
+a job's method and hyperparameters onto train_dpo.py's flags. "auto", which the SDK documents for every
+hyperparameter, means the kit's own default (or the service's --train_args)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Literal, Optional, Union
+
+from fastapi import UploadFile  # at module level: the upload route's annotation is resolved from here
+from pydantic import BaseModel, ConfigDict, Field
+
+import runs
+from jobs import new_id, now
+from service import SUFFIX, ApiError, page
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# "auto" or a value; the bound applies to the number only (a bound on the whole union compared "auto" with 0).
+AutoFloat = Union[Literal["auto"], Annotated[float, Field(gt=0, allow_inf_nan=False)], None]
+AutoInt = Union[Literal["auto"], Annotated[int, Field(ge=1, le=10_000)], None]
+
+
+class SupervisedHyper(Strict):
+    batch_size: AutoInt = None
+    learning_rate_multiplier: AutoFloat = None
+    n_epochs: AutoInt = None
+
+
+class DpoHyper(SupervisedHyper):
+    beta: AutoFloat = None
+
+
+class ReinforcementHyper(SupervisedHyper):
+    compute_multiplier: AutoFloat = None
+    eval_interval: AutoInt = None
+    eval_samples: AutoInt = None
+    reasoning_effort: Optional[Literal["default", "low", "medium", "high"]] = None
+
+
+class DpoBody(Strict):
+    hyperparameters: Optional[DpoHyper] = None
+
+
+class SupervisedBody(Strict):
+    hyperparameters: Optional[SupervisedHyper] = None
+
+
+class ReinforcementBody(BaseModel):  # its grader takes many shapes; refused as a whole below
+    model_config = ConfigDict(extra="allow")
+    hyperparameters: Optional[ReinforcementHyper] = None
+
+
+class Method(Strict):
+    type: Literal["dpo", "supervised", "reinforcement"]
+    dpo: Optional[DpoBody] = None
+    supervised: Optional[SupervisedBody] = None
+    reinforcement: Optional[ReinforcementBody] = None
+
+
+class Wandb(Strict):
+    project: str
+    entity: Optional[str] = None
+    name: Optional[str] = None
+    tags: Optional[list[str]] = None
+
+
+class Integration(Strict):
+    type: Literal["wandb"]
+    wandb: Wandb
+
+
+class JobCreate(Strict):
+    model: str = Field(min_length=1)
+    training_file: str = Field(min_length=1)
+    validation_file: Optional[str] = None
+    method: Optional[Method] = None
+    hyperparameters: Optional[DpoHyper] = None  # OpenAI's older place for them (beta only with a DPO method)
+    suffix: Optional[str] = Field(None, pattern=SUFFIX.pattern)
+    seed: Optional[Annotated[int, Field(ge=0, le=2 ** 32 - 1)]] = None
+    metadata: Optional[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]]] = Field(
+        None, max_length=16)
+    integrations: Optional[list[Integration]] = None
+
+
+def kit_defaults() -> dict:
+    """The kit's own values for OpenAI's "auto" hyperparameters (train_dpo.TrainConfig's defaults)."""
+    import train_dpo
+
+    d = train_dpo.TrainConfig()
+    return {"beta": d.beta, "batch_size": d.per_device_train_batch_size, "n_epochs": d.num_train_epochs,
+            "learning_rate_multiplier": 1.0, "learning_rate": d.learning_rate}
+
+
+def hyperparameter_flags(method_type: str, hyper: dict) -> list[str]:
+    """OpenAI's method hyperparameters as train_dpo.py flags; "auto" and missing ones add no flag (the kit's
+    default, or the service's --train_args, applies). learning_rate_multiplier scales the kit's learning rate."""
+    flags = []
+    if method_type == "supervised":
+        flags += ["--loss_type", "sft"]
+    for key, flag in (("beta", "--beta"), ("batch_size", "--per_device_train_batch_size"),
+                      ("n_epochs", "--num_train_epochs")):
+        if hyper.get(key) not in (None, "auto") and not (key == "beta" and method_type == "supervised"):
+            flags += [flag, str(hyper[key])]
+    if hyper.get("learning_rate_multiplier") not in (None, "auto"):
+        flags += ["--learning_rate", repr(kit_defaults()["learning_rate"] * float(hyper["learning_rate_multiplier"]))]
+    return flags
+
+
+def resolved_hyperparameters(method_type: str, hyper: dict) -> dict:
+    """What a job reports: its own values, the kit's defaults for "auto"."""
+    d = kit_defaults()
+    keys = ("batch_size", "learning_rate_multiplier", "n_epochs") + (("beta",) if method_type == "dpo" else ())
+    return {k: d[k] if hyper.get(k) in (None, "auto") else hyper[k] for k in keys}
+
+
+def job_hyperparameters(body: JobCreate) -> tuple[str, dict]:
+    """(method type, the hyperparameters given): the method's own, else the top-level ones; what the kit cannot
+    train is refused naming the field."""
+    method = body.method or Method(type="dpo")
+    t = method.type
+    if t == "reinforcement":
+        raise ApiError(400, "method.type 'reinforcement' is not trained by this service yet: use 'dpo' or "
+                       "'supervised'", "method.type", "unsupported_method")
+    if body.integrations:
+        raise ApiError(400, "integrations: this service does not report jobs to Weights & Biases; train with "
+                       "train_dpo.py --report_to wandb, or read the job's events and metrics", "integrations",
+                       "unsupported_integration")
+    for other in ("dpo", "supervised", "reinforcement"):
+        if other != t and getattr(method, other) is not None:
+            raise ApiError(400, f"method.{other} is given but method.type is {t!r}", f"method.{other}")
+    own = getattr(method, t)
+    if own is not None and own.hyperparameters is not None and body.hyperparameters is not None:
+        raise ApiError(400, f"hyperparameters are given twice: in method.{t}.hyperparameters and at the top level "
+                       "(give them in the method)", "hyperparameters")
+    given = own.hyperparameters if own is not None and own.hyperparameters is not None else body.hyperparameters
+    hyper = given.model_dump(exclude_none=True) if given is not None else {}
+    if t == "supervised" and hyper.get("beta") is not None:
+        raise ApiError(400, "hyperparameters.beta is DPO's; a supervised job has none", "hyperparameters.beta")
+    return t, hyper
+
+
+def file_view(f: dict) -> dict:
+    return {"object": "file", "id": f["id"], "bytes": f["bytes"], "created_at": f["created_at"],
+            "filename": f["filename"], "purpose": f["purpose"], "status": "processed", "expires_at": None,
+            "status_details": None}
+
+
+def job_view(job: dict) -> dict:
+    t = job["method"]["type"]
+    return {"object": "fine_tuning.job", "id": job["id"], "created_at": job["created_at"], "model": job["model"],
+            "status": job["status"], "error": job["error"],
+            "fine_tuned_model": job["fine_tuned_model"] if job["status"] == "succeeded" else None,
+            "finished_at": job["finished_at"], "trained_tokens": job["trained_tokens"],
+            "training_file": job["training_file"], "validation_file": job["validation_file"],
+            "result_files": job["result_files"] or [], "seed": job["seed"], "metadata": job["metadata"],
+            "hyperparameters": job["hyperparameters"], "organization_id": "org-dpo-kit", "integrations": [],
+            "estimated_finish": None, "suffix": job["suffix"],
+            "method": {"type": t, t: {"hyperparameters": job["hyperparameters"]}}}
+
+
+def router(svc, limit_bytes: int):
+    """/v1/files and /v1/fine_tuning/jobs over svc (service.Service)."""
+    from fastapi import APIRouter, File, Form
+    from fastapi.responses import FileResponse
+
+    api = APIRouter(prefix="/v1")
+    store, cfg = svc.store, svc.cfg
+
+    @api.post("/files", tags=["files"])
+    def upload(file: UploadFile = File(...), purpose: str = Form(...)):
+        if purpose != "fine-tune":
+            raise ApiError(400, f"purpose must be 'fine-tune' (got {purpose!r})", "purpose")
+        file_id = new_id("file")
+        dest = store.files_dir / file_id
+        tmp = dest.with_suffix(".tmp")
+        size = 0
+        with open(tmp, "wb") as f:
+            while chunk := file.file.read(1 << 20):
+                size += len(chunk)
+                if size > limit_bytes:
+                    f.close()
+                    tmp.unlink()
+                    raise ApiError(413, f"the file is over the service's limit of {cfg.max_file_mb:g} MB "
+                                   "(--max_file_mb)", "file", "file_too_large")
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dest)
+        name = Path(file.filename or "upload.jsonl").name[:255] or "upload.jsonl"
+        return file_view(store.add_file(name, purpose, dest, size, file_id))
+
+    @api.get("/files", tags=["files"])
+    def list_files(purpose: Optional[str] = None, limit: Annotated[int, Field(ge=1, le=10_000)] = 10_000,
+                   after: Optional[str] = None, order: Literal["asc", "desc"] = "desc"):
+        rows = store.query(f"SELECT * FROM files ORDER BY created_at {order.upper()}, id")
+        rows = [f for f in rows if purpose in (None, f["purpose"])]
+        ids = [f["id"] for f in rows]
+        rows = rows[ids.index(after) + 1:] if after in ids else rows
+        return page([file_view(f) for f in rows], limit)
+
+    @api.get("/files/{file_id}", tags=["files"])
+    def get_file(file_id: str):
+        return file_view(svc.file_or_404(file_id))
+
+    @api.get("/files/{file_id}/content", tags=["files"])
+    def file_content(file_id: str):
+        f = svc.file_or_404(file_id)
+        return FileResponse(f["path"], media_type="application/octet-stream", filename=f["filename"])
+
+    @api.delete("/files/{file_id}", tags=["files"])
+    def delete_file(file_id: str):
+        f = svc.file_or_404(file_id)
+        users = store.query("SELECT id FROM jobs WHERE (training_file = ? OR validation_file = ?) AND status IN "
+                            "('validating_files', 'queued', 'running', 'paused')", file_id, file_id)
+        if users:
+            raise ApiError(400, f"file {file_id} is in use by job {users[0]['id']} (it resumes from it)", "file_id")
+        store.execute("DELETE FROM files WHERE id = ?", file_id)
+        if f["purpose"] == "fine-tune":  # result files belong to their run directory
+            Path(f["path"]).unlink(missing_ok=True)
+        return {"object": "file", "id": file_id, "deleted": True}
+
+    @api.post("/fine_tuning/jobs", tags=["fine-tuning"])
+    def create_job(body: JobCreate):
+        t, given = job_hyperparameters(body)
+        flags = hyperparameter_flags(t, given) + (["--seed", str(body.seed)] if body.seed is not None else [])
+        seed = body.seed if body.seed is not None else 42
+        return job_view(svc.new_job("openai", body.model, body.training_file, body.validation_file, {"type": t},
+                                    resolved_hyperparameters(t, given), flags, body.suffix, seed, body.metadata))
+
+    @api.get("/fine_tuning/jobs", tags=["fine-tuning"])
+    def list_jobs(after: Optional[str] = None, limit: Annotated[int, Field(ge=1, le=100)] = 20):
+        job = store.job(after) if after else None
+        cursor = job["seq"] if job else None
+        rows = store.query("SELECT * FROM jobs WHERE (? IS NULL OR seq < ?) ORDER BY seq DESC LIMIT ?",
+                           cursor, cursor, limit + 1)
+        return page([job_view(j) for j in rows], limit)
+
+    @api.get("/fine_tuning/jobs/{job_id}", tags=["fine-tuning"])
+    def get_job(job_id: str):
+        return job_view(svc.job_or_404(job_id))
+
+    @api.post("/fine_tuning/jobs/{job_id}/cancel", tags=["fine-tuning"])
+    def cancel_job(job_id: str):
+        return job_view(svc.request_stop(svc.job_or_404(job_id), "cancel"))
+
+    @api.post("/fine_tuning/jobs/{job_id}/pause", tags=["fine-tuning"])
+    def pause_job(job_id: str):
+        return job_view(svc.request_stop(svc.job_or_404(job_id), "pause"))
+
+    @api.post("/fine_tuning/jobs/{job_id}/resume", tags=["fine-tuning"])
+    def resume_job(job_id: str):
+        job = svc.job_or_404(job_id)
+        if job["status"] != "paused":
+            raise ApiError(400, f"only a paused job resumes; this one is {job['status']}", "fine_tuning_job_id")
+        if not store.move(job_id, ("paused",), status="queued" if job["data"] else "validating_files"):
+            raise ApiError(400, "the job is no longer paused", "fine_tuning_job_id")
+        store.event(job_id, "Job resumed; it continues from its checkpoint")
+        return job_view(store.job(job_id))
+
+    @api.get("/fine_tuning/jobs/{job_id}/events", tags=["fine-tuning"])
+    def list_events(job_id: str, after: Optional[str] = None, limit: Annotated[int, Field(ge=1, le=10_000)] = 20):
+        svc.job_or_404(job_id)
+        cursor = store.query("SELECT seq FROM events WHERE id = ?", after) if after else []
+        rows = store.query("SELECT * FROM events WHERE job_id = ? AND (? IS NULL OR seq < ?) ORDER BY seq DESC "
+                           "LIMIT ?", job_id, *(2 * [cursor[0]["seq"] if cursor else None]), limit + 1)
+        return page([{"object": "fine_tuning.job.event", "id": e["id"], "created_at": e["created_at"],
+                      "level": e["level"], "message": e["message"], "type": e["type"],
+                      "data": json.loads(e["data"]) if e["data"] else {}} for e in rows], limit)
+
+    @api.get("/fine_tuning/jobs/{job_id}/checkpoints", tags=["fine-tuning"])
+    def list_checkpoints(job_id: str, after: Optional[str] = None, limit: Annotated[int, Field(ge=1, le=100)] = 10):
+        """The final adapter of a succeeded job; the saved checkpoints of one still in progress (or cancelled)."""
+        job = svc.job_or_404(job_id)
+        run = runs.Run(svc.out, job_id)
+        metrics = {r["step"]: r for r in run.metrics() if "loss" in r}
+        if job["status"] == "succeeded":
+            steps = [runs.read_json(run.final / "manifest.json").get("steps", 0)]
+        else:
+            steps = sorted((int(p.name.split("-")[1]) for p in run.checkpoints.glob("checkpoint-*")
+                            if p.name.split("-")[1].isdigit()), reverse=True)
+        rows = [{"object": "fine_tuning.job.checkpoint", "id": f"ftckpt-{job_id.split('-', 1)[1]}-{s}",
+                 "created_at": job["finished_at"] or now(), "fine_tuning_job_id": job_id, "step_number": s,
+                 "fine_tuned_model_checkpoint": f"{job['fine_tuned_model']}:ckpt-step-{s}",
+                 "metrics": {"step": s, "train_loss": metrics.get(s, {}).get("loss"),
+                             "valid_loss": metrics.get(s, {}).get("eval_loss")}} for s in steps]
+        if after:
+            ids = [r["id"] for r in rows]
+            rows = rows[ids.index(after) + 1:] if after in ids else rows
+        return page(rows, limit)
+
+    return api

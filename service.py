@@ -1,0 +1,156 @@
+"""What the jobs service's APIs share: the configuration, the SQLite store, the chat models (api_chat.py puts
+them here), the lookups and job records both the OpenAI and the nip API make, and OpenAI-shaped errors. serve.py's
+`create_app` assembles it with one router per API:
+
+    api_openai.py   /v1/files, /v1/fine_tuning/jobs (the openai SDK's files and fine-tuning jobs)
+    api_chat.py     /v1/models, /v1/chat/completions (base and fine-tuned models, loaded on first use)
+    api_nip.py      /version, /training/jobs, /vllm/start|stop|status (nip's language-model-server client)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import models
+from jobs import Store, new_id, now
+
+ROOT = Path(__file__).resolve().parent
+VERSION = "1.1.0"  # the OpenAI-shaped API's version (openapi.json); nip's /version reports ServeConfig.nip_version
+BUNDLED_NAMES = (Path(models.BUNDLED_MODEL_DIR).name, "HuggingFaceTB/SmolLM2-135M-Instruct")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+SUFFIX = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class ApiError(Exception):
+    """A request the service refuses: an OpenAI-style error body with this HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def page(rows: list[dict], limit: int) -> dict:
+    """An OpenAI list page from up to limit + 1 rows (the extra one says there is more)."""
+    return {"object": "list", "data": rows[:limit], "has_more": len(rows) > limit}
+
+
+def fine_tuned_name(base: str, suffix: str | None, job_id: str) -> str:
+    """OpenAI's shape: ft:<base>:<suffix>:<job id without its prefix>."""
+    return f"ft:{Path(base).name}:{suffix or 'dpo-kit'}:{job_id.split('-', 1)[1]}"
+
+
+UNION_TAGS = re.compile(r"^(float|int|str|bool|none|bytes|[a-z]+-[a-z-]+(\[.*\])?|(literal|list|dict|tuple|"
+                        r"function-[a-z]+|nullable|union)\[.*\])$")
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """(message, param) for pydantic's complaints about a request: the first field's dotted path, as OpenAI's
+    errors name it, with what each branch of a union ("auto" or a number) wanted said together."""
+    def where(err):
+        return ".".join(str(x) for x in err.get("loc", ()) if x not in ("body", "query", "path")
+                        and not (isinstance(x, str) and UNION_TAGS.match(x)))
+
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON in the request body: {first.get('ctx', {}).get('error', first['msg'])}", None
+    param = where(first)
+    if first.get("type") == "extra_forbidden":
+        return f"unknown field {param!r} (this service does not take it)", param or None
+    wanted = list(dict.fromkeys(e["msg"] for e in errors if where(e) == param))
+    return (f"{param}: {' or '.join(wanted)}" if param else " or ".join(wanted)), param or None
+
+
+class Service:
+    """What the routers share: the configuration, the store, the models loaded for chat, and the lookups and
+    job records both the OpenAI and the nip API make."""
+
+    def __init__(self, cfg):
+        self.cfg, self.out = cfg, Path(cfg.output_dir)
+        self.store = Store(self.out / "serve")
+        self.chat = self.nip_serving = None  # set by api_chat.router and api_nip.router
+        self.api_key = os.environ.get("DPO_KIT_API_KEY", "")
+
+    def job_or_404(self, job_id: str) -> dict:
+        job = self.store.job(job_id)
+        if job is None:
+            raise ApiError(404, f"no fine-tuning job {job_id!r}", "fine_tuning_job_id", "job_not_found")
+        return job
+
+    def file_or_404(self, file_id: str, param: str = "file_id") -> dict:
+        f = self.store.file(file_id)
+        if f is None:
+            raise ApiError(404 if param == "file_id" else 400, f"no file {file_id!r}", param, "file_not_found")
+        return f
+
+    def base_models(self) -> dict[str, str]:
+        """Model names a request may use for a base -> the path or hub id train_dpo.py gets."""
+        found = {BUNDLED_NAMES[0]: models.BUNDLED_MODEL_DIR, BUNDLED_NAMES[1]: models.BUNDLED_MODEL_DIR}
+        models_dir = Path(self.cfg.models_dir)
+        models_dir = models_dir if models_dir.is_absolute() else ROOT / models_dir
+        for d in sorted(models_dir.glob("*/config.json")) if models_dir.is_dir() else []:
+            found.setdefault(d.parent.name, str(d.parent))
+        return found
+
+    def tuned_job(self, name: str) -> dict | None:
+        """The succeeded job whose fine-tuned model is name, or None."""
+        rows = self.store.query("SELECT * FROM jobs WHERE fine_tuned_model = ? AND status = 'succeeded'", name)
+        return rows[0] if rows else None
+
+    def resolve_model(self, name: str, param: str = "model") -> tuple[str, str | None]:
+        """(base for train_dpo.py, the job whose adapter a new job continues from, or None)."""
+        parent = self.store.query("SELECT * FROM jobs WHERE fine_tuned_model = ?", name)
+        if parent:
+            if parent[0]["status"] != "succeeded":
+                raise ApiError(400, f"model {name!r} is not ready: its job is {parent[0]['status']}", param)
+            return parent[0]["base"], parent[0]["id"]
+        bases = self.base_models()
+        if name in bases:
+            return bases[name], None
+        if name.startswith("random:") or (HUB_ID.match(name) and ".." not in name):
+            return name, None
+        raise ApiError(400, f"unknown model {name!r}: use {', '.join(bases)}, a hub id (org/name) or a fine-tuned "
+                       "model of this service", param, "model_not_found")
+
+    def check_file(self, file_id: str, param: str) -> None:
+        f = self.file_or_404(file_id, param)
+        if f["purpose"] != "fine-tune":
+            raise ApiError(400, f"file {file_id} has purpose {f['purpose']!r}, not 'fine-tune'", param)
+
+    def new_job(self, api: str, model: str, training_file: str, validation_file: str | None, method: dict,
+                hyper: dict, flags: list[str], suffix: str | None, seed: int, metadata, nip_config=None,
+                model_param: str = "model") -> dict:
+        base, parent = self.resolve_model(model, model_param)
+        self.check_file(training_file, "training_file")
+        if validation_file:
+            self.check_file(validation_file, "validation_file")
+        job_id = new_id("ftjob")
+        self.store.insert("jobs", {
+            "id": job_id, "created_at": now(), "api": api, "status": "validating_files", "model": model,
+            "base": base, "init_adapter": parent, "training_file": training_file, "validation_file": validation_file,
+            "method": method, "hyperparameters": hyper, "flags": flags, "suffix": suffix, "seed": seed,
+            "metadata": metadata, "nip_config": nip_config, "result_files": [],
+            "fine_tuned_model": fine_tuned_name(model if not parent else model.split(":")[1], suffix, job_id)})
+        self.store.event(job_id, f"Created fine-tuning job {job_id} on {model}"
+                         + (f" (continues {parent})" if parent else ""))
+        return self.store.job(job_id)
+
+    def request_stop(self, job: dict, kind: str) -> dict:
+        """cancel / pause: a job with no process stops at once; a running one is signalled by the scheduler
+        (its training saves a checkpoint at the end of the step)."""
+        store = self.store
+        waiting = ("validating_files", "queued", "paused") if kind == "cancel" else ("validating_files", "queued")
+        if store.move(job["id"], ("running",), stop_request=kind):
+            store.event(job["id"], f"{kind.capitalize()} requested; the training saves a checkpoint and stops")
+        elif store.move(job["id"], waiting, **({"status": "cancelled", "finished_at": now()} if kind == "cancel"
+                                               else {"status": "paused"})):
+            store.event(job["id"], "Job cancelled" if kind == "cancel" else "Job paused before it started")
+        else:
+            job = store.job(job["id"])
+            raise ApiError(400, f"cannot {kind} a job that is {job['status']}", "fine_tuning_job_id")
+        return store.job(job["id"])

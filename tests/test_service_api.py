@@ -1,0 +1,207 @@
+"""The jobs service as its clients may call it, beyond the happy path: every value the openai SDK's types allow
+("auto" for each hyperparameter), the refusals naming their field, the OpenAPI schema behind the API key, and a
+schema-driven fuzzer (schemathesis, from the service's own /openapi.json) that must meet no server error.
+
+A keyed service of its own (tests/test_serve.py's Service). Its jobs train nothing: they are given a file whose
+line fails validation, so each is created (what these tests check) and then fails before a trainer starts."""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import api_openai
+from test_serve import MODEL, Service, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+BUNDLED = "SmolLM2-135M-Instruct"
+ALL_AUTO = {"batch_size": "auto", "learning_rate_multiplier": "auto", "n_epochs": "auto"}
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    svc = Service(tmp_path_factory.mktemp("api") / "art", None, "--max_file_mb", "1", key=KEY)
+    yield svc
+    svc.stop()
+    assert "Traceback" not in svc.tail(), svc.tail()  # the service's own log: no request ended in a server error
+
+
+@pytest.fixture(scope="module")
+def sdk(keyed):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{keyed.url}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def bad_file(sdk, tmp_path_factory) -> str:
+    """A fine-tune file whose only line is not a pair: a job on it is created, then fails its validation."""
+    path = tmp_path_factory.mktemp("files") / "not-pairs.jsonl"
+    path.write_text(json.dumps({"prompt": "only a prompt"}) + "\n")
+    return sdk.files.create(file=open(path, "rb"), purpose="fine-tune").id
+
+
+def test_without_the_key_every_path_is_refused_and_with_it_the_schema_and_docs_are_served(keyed):
+    for path in ("/openapi.json", "/docs", "/version", "/v1/models", "/vllm/status", "/nowhere"):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            r = httpx.get(f"{keyed.url}{path}", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, headers)
+    schema = httpx.get(f"{keyed.url}/openapi.json", headers=AUTH).json()
+    assert {"/v1/files", "/v1/fine_tuning/jobs", "/v1/fine_tuning/jobs/{job_id}/pause", "/v1/chat/completions",
+            "/version", "/training/jobs", "/vllm/start", "/vllm/stop", "/vllm/status"} <= set(schema["paths"])
+    docs = httpx.get(f"{keyed.url}/docs", headers=AUTH)
+    assert docs.status_code == 200 and "swagger-ui" in docs.text and "/openapi.json" in docs.text
+
+
+@pytest.mark.parametrize("shape", ["dpo method", "top level", "top level with a dpo method", "supervised method",
+                                   "numbers"])
+def test_every_hyperparameter_auto_as_the_sdk_types_allow_creates_the_job_with_the_kits_defaults(
+        sdk, bad_file, shape):
+    method, top = {
+        "dpo method": ({"type": "dpo", "dpo": {"hyperparameters": {**ALL_AUTO, "beta": "auto"}}}, None),
+        "top level": (None, ALL_AUTO),
+        "top level with a dpo method": ({"type": "dpo"}, {**ALL_AUTO, "beta": "auto"}),
+        "supervised method": ({"type": "supervised", "supervised": {"hyperparameters": ALL_AUTO}}, None),
+        "numbers": ({"type": "dpo", "dpo": {"hyperparameters": {"batch_size": 3, "learning_rate_multiplier": 0.5,
+                                                                "n_epochs": "auto", "beta": 0.25}}}, None),
+    }[shape]
+    kwargs = {"method": method} if method else {}
+    kwargs |= {"hyperparameters": top} if top else {}
+    job = sdk.fine_tuning.jobs.create(model=BUNDLED, training_file=bad_file, seed=7, suffix="auto-test",
+                                      metadata={"round": "1"}, **kwargs)
+    defaults = api_openai.kit_defaults()
+    expected = {k: defaults[k] for k in ("batch_size", "learning_rate_multiplier", "n_epochs")}
+    if shape == "numbers":
+        expected |= {"batch_size": 3, "learning_rate_multiplier": 0.5, "beta": 0.25}
+    elif shape != "supervised method":
+        expected["beta"] = defaults["beta"]
+    assert job.hyperparameters.model_dump(exclude_none=True) == expected
+    assert (job.method.type, job.seed, job.metadata, job.suffix) == (
+        "supervised" if shape == "supervised method" else "dpo", 7, {"round": "1"}, "auto-test")
+    failed = wait_for(lambda: sdk.fine_tuning.jobs.retrieve(job.id), lambda j: j.status == "failed", timeout=60)
+    assert failed.error.param == "training_file"  # what these tests give it; nothing trained
+
+
+REFUSED = [
+    ({"method": {"type": "reinforcement", "reinforcement": {"grader": {"type": "string_check", "name": "g",
+                                                                       "input": "{{sample.output_text}}",
+                                                                       "reference": "x", "operation": "eq"}}}},
+     "method.type"),
+    ({"integrations": [{"type": "wandb", "wandb": {"project": "p"}}]}, "integrations"),
+    ({"method": {"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.1}}}, "hyperparameters": {"n_epochs": 1}},
+     "hyperparameters"),
+    ({"method": {"type": "dpo", "supervised": {}}}, "method.supervised"),
+    ({"method": {"type": "dpo", "dpo": {"hyperparameters": {"learning_rate_multiplier": 0}}}},
+     "method.dpo.hyperparameters.learning_rate_multiplier"),
+    ({"method": {"type": "dpo", "dpo": {"hyperparameters": {"beta": "high"}}}}, "method.dpo.hyperparameters.beta"),
+    ({"method": {"type": "dpo", "dpo": {"hyperparameters": {"batch_size": 0}}}},
+     "method.dpo.hyperparameters.batch_size"),
+    ({"method": {"type": "supervised", "supervised": {"hyperparameters": {"beta": 0.1}}}},
+     "method.supervised.hyperparameters.beta"),
+    ({"hyperparameters": {"n_epochs": 1.5}}, "hyperparameters.n_epochs"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 2 ** 40}, "seed"),
+    ({"suffix": "has spaces"}, "suffix"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"metadata": {"k": "v" * 513}}, "metadata.k"),
+    ({"model": "no-such-model"}, "model"),
+    ({"training_file": "file-nope"}, "training_file"),
+    ({"validation_file": "file-nope"}, "validation_file"),
+]
+
+
+@pytest.mark.parametrize("change, param", REFUSED, ids=[p for _, p in REFUSED])
+def test_what_the_kit_cannot_train_is_an_openai_400_naming_the_field(sdk, bad_file, change, param):
+    import openai
+
+    kwargs = {"model": BUNDLED, "training_file": bad_file} | change
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.fine_tuning.jobs.create(**kwargs)
+    assert e.value.body["param"] == param, e.value.body
+    assert e.value.body["type"] == "invalid_request_error" and e.value.body["message"]
+
+
+def test_a_schema_driven_fuzzer_meets_no_server_error(keyed, tmp_path):
+    """schemathesis's own CLI against /openapi.json: every operation, its coverage, fuzzing and stateful phases,
+    bounded in examples and time. not_a_server_error is the check; the service's log is checked at the end too."""
+    schemathesis = Path(sys.executable).parent / "schemathesis"
+    seed = ["--seed", "20261124"] if os.environ.get("CI") else []
+    run = subprocess.run([str(schemathesis), "run", f"{keyed.url}/openapi.json", "-H", f"Authorization: Bearer {KEY}",
+                          "--checks", "not_a_server_error", "--max-examples", "15", "--max-time", "30",
+                          "--generation-database", "none", "--no-color", "--request-timeout", "30", *seed],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-4000:]
+    selected = re.search(r"Selected: (\d+)/(\d+)", out)
+    assert selected and selected[1] == selected[2] and int(selected[1]) >= 23, out[-2000:]
+    generated = int(re.search(r"(\d+) generated", out)[1])
+    assert generated > 500, out[-2000:]  # 30 s of requests, not a handful
+
+
+def schema_operation(keyed, path: str, method: str):
+    import schemathesis
+
+    return schemathesis.openapi.from_url(f"{keyed.url}/openapi.json", headers=AUTH)[path][method]
+
+
+def refusal_is_openai_shaped(response, seen: set) -> None:
+    assert response.status_code < 500, response.text
+    seen.add(response.status_code)
+    if response.status_code >= 400:
+        error = response.json()["error"]
+        assert error["message"] and error["type"] == "invalid_request_error", error
+
+
+def test_job_bodies_the_schema_allows_with_a_real_file_and_model_get_no_server_error(keyed, bad_file):
+    """The fuzzer's bodies reach the service's own logic only with a file and a model that exist: half of them get
+    the real ones, so the mapping onto the kit's flags, not only pydantic, meets every shape."""
+    operation, seen = schema_operation(keyed, "/v1/fine_tuning/jobs", "POST"), set()
+
+    @settings(max_examples=60, suppress_health_check=list(HealthCheck))
+    @given(case=operation.as_strategy(), real_file=st.booleans(), real_model=st.booleans())
+    def check(case, real_file, real_model):
+        if isinstance(case.body, dict):
+            case.body |= {"training_file": bad_file} if real_file else {}
+            case.body |= {"model": BUNDLED} if real_model else {}
+        refusal_is_openai_shaped(case.call(headers=AUTH), seen)
+
+    check()
+    assert 200 in seen and 400 in seen, seen  # jobs were created, and refused
+
+
+def test_nip_bodies_the_schema_allows_get_no_server_error(keyed):
+    operation, seen = schema_operation(keyed, "/training/jobs", "POST"), set()
+
+    @settings(max_examples=40, suppress_health_check=list(HealthCheck))
+    @given(case=operation.as_strategy(), real_model=st.booleans())
+    def check(case, real_model):
+        if real_model and isinstance(case.body, dict) and isinstance(case.body.get("config"), dict):
+            case.body["config"]["model_name"] = BUNDLED
+        refusal_is_openai_shaped(case.call(headers=AUTH), seen)
+
+    check()
+    assert 201 in seen and 400 in seen, seen
+
+
+@pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="bundled model not converted (make model)")
+def test_chat_bodies_the_schema_allows_on_a_real_model_get_no_server_error(keyed):
+    """Messages of every shape the schema allows, through the bundled model's own chat template (a few tokens)."""
+    operation, seen = schema_operation(keyed, "/v1/chat/completions", "POST"), set()
+
+    @settings(max_examples=40, suppress_health_check=list(HealthCheck))
+    @given(case=operation.as_strategy())
+    def check(case):
+        if isinstance(case.body, dict):
+            case.body |= {"model": BUNDLED, "max_tokens": 2, "max_completion_tokens": None}
+        refusal_is_openai_shaped(case.call(headers=AUTH), seen)
+
+    check()
+    assert 200 in seen, seen  # the model answered
