@@ -160,7 +160,9 @@ def model_card(run_name: str, cfg, data: dict, params: dict, targets, metrics: l
         f"- reference: {reference_mode(cfg)}; compute: {data['compute']}",
         f"- parameters: {params['trainable']:,} trainable of {params['total']:,} "
         f"({100 * params['trainable'] / max(params['total'], 1):.2f}%)",
-        f"- LoRA target modules: {', '.join(targets)}", "",
+        f"- LoRA target modules: {', '.join(targets)}",
+        *([f"- chat template: `{cfg.chat_template}` (saved with the tokenizer: chat, merge and serving render with it)"]
+          if getattr(cfg, "chat_template", "") else []), "",
         "| metric | first step | last step |", "| --- | --- | --- |",
         *(f"| {k} | {fmt(first, k)} | {fmt(last, k)} |" for k in ("loss", "rewards/margins", "rewards/accuracies")),
         "", "Training-set numbers: they show the optimisation worked, not that the model got better; "

@@ -1043,19 +1043,23 @@ def tokenize_pair(tokenizer, example: dict) -> dict:
       not_exact  the template renders the prompt otherwise before an answer, or the rest tokenised alone is
                  other text (a tokenizer that adds a space at the start): TRL's split, counted
     """
-    prompt_ids, prompt_text = _prompt_ids_and_text(tokenizer, example["prompt"])
+    import formats  # not at the top: the image's model conversion copies this file without formats.py
+
+    example = formats.record_from_row(example)  # tool calls as the chat template takes them
+    tools = example.get("tools")
+    prompt_ids, prompt_text = _prompt_ids_and_text(tokenizer, example["prompt"], tools)
     out, boundary = {"prompt_ids": prompt_ids}, "aligned"
     joint = {}
     for side in ("chosen", "rejected"):
         ids, side_boundary, joint[side] = _completion_ids(tokenizer, example["prompt"], prompt_ids, prompt_text,
-                                                          example[side])
+                                                          example[side], tools)
         if side_boundary == "not_exact":
             boundary = "not_exact"
             break
         out[f"{side}_ids"] = ids
         boundary = "continued" if "continued" in (boundary, side_boundary) else "aligned"
     if boundary == "not_exact":  # TRL's split: the completion starts where the tokenisations diverge
-        joint = {side: joint.get(side) or _joint_ids(tokenizer, example["prompt"], example[side])
+        joint = {side: joint.get(side) or _joint_ids(tokenizer, example["prompt"], example[side], tools)
                  for side in ("chosen", "rejected")}
         n = min(_common_prefix(prompt_ids, joint["chosen"]), _common_prefix(prompt_ids, joint["rejected"]))
         out = {"prompt_ids": prompt_ids[:n], "chosen_ids": joint["chosen"][n:], "rejected_ids": joint["rejected"][n:]}
@@ -1065,38 +1069,43 @@ def tokenize_pair(tokenizer, example: dict) -> dict:
 def tokenize_example(tokenizer, example: dict) -> dict:
     """prompt_ids, completion_ids and `boundary` for one unpaired (KTO) example: tokenize_pair's split for a
     single completion (TRL 1.14's KTO tokenize_fn cuts the prompt's merged end the same way DPO's does)."""
-    prompt_ids, prompt_text = _prompt_ids_and_text(tokenizer, example["prompt"])
-    ids, boundary, joint = _completion_ids(tokenizer, example["prompt"], prompt_ids, prompt_text, example["completion"])
+    import formats
+
+    example = formats.record_from_row(example)
+    tools = example.get("tools")
+    prompt_ids, prompt_text = _prompt_ids_and_text(tokenizer, example["prompt"], tools)
+    ids, boundary, joint = _completion_ids(tokenizer, example["prompt"], prompt_ids, prompt_text, example["completion"],
+                                           tools)
     if boundary == "not_exact":
         n = _common_prefix(prompt_ids, joint)
         return {"prompt_ids": prompt_ids[:n], "completion_ids": joint[n:], "boundary": boundary}
     return {"prompt_ids": prompt_ids, "completion_ids": ids, "boundary": boundary}
 
 
-def _prompt_ids_and_text(tokenizer, prompt) -> tuple[list, str]:
+def _prompt_ids_and_text(tokenizer, prompt, tools=None) -> tuple[list, str]:
     """The prompt's tokens and text as the model sees them when it answers (with the generation prompt)."""
     if isinstance(prompt, list):
-        return (_joint_ids(tokenizer, prompt, [], add_generation_prompt=True),
-                tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True))
+        return (_joint_ids(tokenizer, prompt, [], tools, add_generation_prompt=True),
+                tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True))
     return _joint_ids(tokenizer, prompt, ""), prompt
 
 
-def _joint_ids(tokenizer, prompt, completion, **template) -> list:
+def _joint_ids(tokenizer, prompt, completion, tools=None, **template) -> list:
     """prompt+completion tokenised as one text, as TRL 1.14's _tokenize does for a text-only tokenizer: the
-    chat template for messages, the tokenizer's own special tokens for text."""
+    chat template (with the row's tools) for messages, the tokenizer's own special tokens for text."""
     if isinstance(prompt, list):
-        return list(tokenizer.apply_chat_template(prompt + completion, tokenize=True, return_dict=True,
+        return list(tokenizer.apply_chat_template(prompt + completion, tools=tools, tokenize=True, return_dict=True,
                                                   **template)["input_ids"])
     return list(tokenizer(text=prompt + completion)["input_ids"])
 
 
-def _completion_ids(tokenizer, prompt, prompt_ids: list, prompt_text: str, completion) -> tuple:
+def _completion_ids(tokenizer, prompt, prompt_ids: list, prompt_text: str, completion, tools=None) -> tuple:
     """(completion ids or None, aligned | continued | not_exact, the joint tokenisation of prompt+completion)."""
-    joint = _joint_ids(tokenizer, prompt, completion)
+    joint = _joint_ids(tokenizer, prompt, completion, tools)
     if joint[:len(prompt_ids)] == prompt_ids:
         return joint[len(prompt_ids):], "aligned", joint
     whole = prompt + completion
-    text = tokenizer.apply_chat_template(whole, tokenize=False) if isinstance(prompt, list) else whole
+    text = tokenizer.apply_chat_template(whole, tools=tools, tokenize=False) if isinstance(prompt, list) else whole
     rest = tokenizer(text[len(prompt_text):], add_special_tokens=False)["input_ids"] \
         if text.startswith(prompt_text) else None
     if rest is None or tokenizer.decode(prompt_ids + rest) != tokenizer.decode(joint):

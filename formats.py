@@ -48,12 +48,13 @@ FORMATS = ("trl_standard", "trl_conversational", "implicit_prompt", "openai", "h
            "system_question")
 UNPAIRED = "kto"  # the one format of unpaired examples {"prompt", "completion", "label"} (KTO); FORMATS are pairs
 # What each format reads; any other column is ignored (and counted in data.json).
-FORMAT_COLUMNS = {"trl_standard": {"prompt", "chosen", "rejected"}, "trl_conversational": {"prompt", "chosen", "rejected"},
-                  "implicit_prompt": {"chosen", "rejected"}, "hh": {"chosen", "rejected"},
+FORMAT_COLUMNS = {"trl_standard": {"prompt", "chosen", "rejected"},
+                  "trl_conversational": {"prompt", "chosen", "rejected", "tools"},
+                  "implicit_prompt": {"chosen", "rejected", "tools"}, "hh": {"chosen", "rejected"},
                   "openai": {"input", "preferred_output", "non_preferred_output"},
                   "ultrafeedback": {"prompt", "chosen", "rejected"},
                   "system_question": {"system", "question", "input", "prompt", "chosen", "rejected"},
-                  "kto": {"prompt", "completion", "label"}}
+                  "kto": {"prompt", "completion", "label", "tools"}}
 COLUMN_NAMES = ("prompt", "chosen", "rejected", "system", "score_chosen", "score_rejected")  # --columns targets
 # Score columns of the public sets, (chosen, rejected): read by --min_score_gap, ignored otherwise.
 SCORE_COLUMNS = (("score_chosen", "score_rejected"), ("chosen_score", "rejected_score"),
@@ -142,19 +143,103 @@ def _text(content, what: str) -> str:
 
 
 def messages(value, what: str) -> list[dict]:
-    """Validate a message list and keep only role and content."""
+    """Validate a message list; keep role and content, and an agent's tool use: an assistant message's
+    `tool_calls` (its content may then be null or missing: ""), a tool message's `tool_call_id` and `name`.
+    A tool result must answer a call made earlier in the list when both carry ids."""
     if value is None:
         raise ValueError(f"missing field {what!r}")
     if not isinstance(value, list) or not value:
         raise ValueError(f"{what} must be a non-empty list of messages")
-    out = []
+    out, call_ids = [], set()
     for i, m in enumerate(value):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise ValueError(f"{what}[{i}] must be an object with 'role' and 'content'")
+        where = f"{what}[{i}]"
+        if not isinstance(m, dict) or "role" not in m:
+            raise ValueError(f"{where} must be an object with 'role' and 'content'")
         if not isinstance(m["role"], str) or m["role"] not in ROLES:  # a list or object role is not hashable
-            raise ValueError(f"{what}[{i}]: unknown role {short(m['role'])} (expected one of {', '.join(sorted(ROLES))})")
-        out.append({"role": m["role"], "content": _text(m["content"], f"{what}[{i}]")})
+            raise ValueError(f"{where}: unknown role {short(m['role'])} (expected one of {', '.join(sorted(ROLES))})")
+        msg = {"role": m["role"]}
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if m["role"] != "assistant":
+                raise ValueError(f"{where}: only an assistant message makes tool_calls (this one is {m['role']!r})")
+            msg["tool_calls"] = tool_calls(calls, f"{where}.tool_calls")
+            call_ids |= {c["id"] for c in msg["tool_calls"] if "id" in c}
+        if m.get("content") is None and calls is not None:
+            msg["content"] = ""
+        elif "content" not in m:
+            raise ValueError(f"{where} must be an object with 'role' and 'content'")
+        else:
+            msg["content"] = _text(m["content"], where)
+        for key in ("tool_call_id", "name"):
+            if m.get(key) is not None:
+                if not isinstance(m[key], str) or not m[key]:
+                    raise ValueError(f"{where}.{key} must be a non-empty string, got {short(m[key])}")
+                msg[key] = m[key]
+        if "tool_call_id" in msg and call_ids and msg["tool_call_id"] not in call_ids:
+            raise ValueError(f"{where}.tool_call_id {msg['tool_call_id']!r} answers no tool call made before it "
+                             f"(made: {', '.join(sorted(call_ids))})")
+        out.append(msg)
     return out
+
+
+def tool_calls(value, what: str) -> list[dict]:
+    """An assistant's tool calls, OpenAI's shape ({"id", "type": "function", "function": {"name", "arguments"}})
+    normalised to what chat templates read: arguments as an object (OpenAI sends a JSON string of one)."""
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{what} must be a non-empty list of calls")
+    out = []
+    for j, call in enumerate(value):
+        where = f"{what}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict):
+            raise ValueError(f"{where} must be an object with a 'function' object ({{\"name\", \"arguments\"}})")
+        if call.get("type", "function") != "function":
+            raise ValueError(f"{where}.type must be 'function', got {short(call.get('type'))}")
+        if not isinstance(fn.get("name"), str) or not fn["name"].strip():
+            raise ValueError(f"{where}.function.name must be a non-empty string, got {short(fn.get('name'))}")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = decode_json(args) if args.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}.function.arguments is not valid JSON ({e.msg}): {short(args)}") from None
+        if not isinstance(args, dict):
+            raise ValueError(f"{where}.function.arguments must be a JSON object, got {short(args)}")
+        norm = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if call.get("id") is not None:
+            if not isinstance(call["id"], str) or not call["id"]:
+                raise ValueError(f"{where}.id must be a non-empty string, got {short(call['id'])}")
+            norm["id"] = call["id"]
+        out.append(norm)
+    return out
+
+
+def tools_list(value, what: str = "tools") -> list[dict]:
+    """The functions a conversation could call, as OpenAI and chat templates take them:
+    [{"type": "function", "function": {"name", "description"?, "parameters"? (a JSON schema object)}}]."""
+    if not isinstance(value, list):
+        raise ValueError(f"{what} must be a list of tools, got {short(value)}")
+    for j, tool in enumerate(value):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or tool.get("type", "function") != "function":
+            raise ValueError(f"{what}[{j}] must be {{\"type\": \"function\", \"function\": {{\"name\", ...}}}}")
+        if not isinstance(fn.get("name"), str) or not fn["name"].strip():
+            raise ValueError(f"{what}[{j}].function.name must be a non-empty string, got {short(fn.get('name'))}")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise ValueError(f"{what}[{j}].function.parameters must be a JSON schema object")
+    return [{"type": "function", **{k: v for k, v in tool.items() if k != "type"}} for tool in value]
+
+
+def uses_tools(record: dict) -> bool:
+    """Whether a normalised record holds tools, tool calls or tool results (its chat template must render them)."""
+    sides = [record.get(k) for k in ("prompt", "chosen", "rejected", "completion")]
+    return "tools" in record or any(isinstance(side, list) and any(
+        "tool_calls" in m or m["role"] == "tool" for m in side) for side in sides)
+
+
+def _ends_with_answer(side: list) -> bool:
+    """A completion ends with the assistant's turn: words, or tool calls."""
+    return side[-1]["role"] == "assistant" and (bool(side[-1]["content"].strip()) or "tool_calls" in side[-1])
 
 
 def _nonempty_str(value, what: str) -> str:
@@ -219,11 +304,11 @@ def normalise_example(record: dict) -> dict:
     prompt, completion = record.get("prompt"), record.get("completion")
     if isinstance(prompt, list) or isinstance(completion, list):
         prompt, completion = messages(prompt, "prompt"), messages(completion, "completion")
-        if completion[-1]["role"] != "assistant" or not completion[-1]["content"].strip():
-            raise ValueError("completion must end with a non-empty assistant message")
+        if not _ends_with_answer(completion):
+            raise ValueError("completion must end with a non-empty assistant message (or its tool calls)")
     else:
         prompt, completion = _nonempty_str(prompt, "prompt"), _nonempty_str(completion, "completion")
-    return {"prompt": prompt, "completion": completion, "label": label}
+    return with_tools({"prompt": prompt, "completion": completion, "label": label}, record.get("tools"), "tools")
 
 
 def normalise(record: dict, fmt: str) -> dict:
@@ -269,13 +354,24 @@ def normalise(record: dict, fmt: str) -> dict:
         raise ValueError(f"unknown format {fmt!r}")
     if isinstance(chosen, list):
         for side, name in ((chosen, "chosen"), (rejected, "rejected")):
-            if side[-1]["role"] != "assistant" or not side[-1]["content"].strip():
-                raise ValueError(f"{name} must end with a non-empty assistant message")
+            if not _ends_with_answer(side):
+                raise ValueError(f"{name} must end with a non-empty assistant message (or its tool calls)")
     elif not chosen.strip() or not rejected.strip():
         raise ValueError("chosen or rejected completion is empty after the shared prompt")
     if chosen == rejected:
         raise ValueError("chosen is identical to rejected")
-    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+    tools, where = (record["input"].get("tools"), "input.tools") if fmt == "openai" else (record.get("tools"), "tools")
+    return with_tools({"prompt": prompt, "chosen": chosen, "rejected": rejected}, tools, where)
+
+
+def with_tools(record: dict, tools, what: str) -> dict:
+    """record with its `tools` (validated) when the row gives some (OpenAI's files often carry an empty list:
+    none); tools go with messages, not plain text."""
+    if tools is None or tools == []:
+        return record
+    if not isinstance(record["prompt"], list):
+        raise ValueError(f"{what} needs the conversation as message lists (a chat template renders the tools)")
+    return record | {"tools": tools_list(tools, what)}
 
 
 def parse_columns(spec: str) -> dict:
@@ -556,6 +652,43 @@ def load_rows(path: str, rows, sha256: str, skip_invalid: bool, columns: dict,
                      "score_gap_dropped": gap_dropped}
 
 
+MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
+
+
+def dataset_rows(records: list[dict]) -> list[dict]:
+    """Records as an Arrow table (datasets.Dataset) can hold them. Arrow gives every message of a column the
+    same keys and merges objects' keys across rows, which would change tool calls' arguments and tools' schemas;
+    so where any record uses tools, each message carries all MESSAGE_KEYS (None where absent) with tool_calls as
+    a JSON string, and tools is a JSON string ('' where none). record_from_row undoes it; records without tools
+    pass unchanged."""
+    if not any(uses_tools(r) for r in records):
+        return records
+
+    def side(value):
+        if not isinstance(value, list):
+            return value
+        return [{k: json.dumps(m[k], ensure_ascii=False) if k == "tool_calls" and k in m else m.get(k)
+                 for k in MESSAGE_KEYS} for m in value]
+
+    return [{k: side(v) for k, v in r.items() if k != "tools"} | {"tools": json.dumps(r["tools"], ensure_ascii=False)
+                                                                   if r.get("tools") else ""} for r in records]
+
+
+def record_from_row(row: dict) -> dict:
+    """A dataset row back as the record dataset_rows was given (a record that was never encoded: unchanged)."""
+    def side(value):
+        if not isinstance(value, list):
+            return value
+        return [{k: json.loads(v) if k == "tool_calls" and isinstance(v, str) else v for k, v in m.items()
+                 if v is not None} for m in value]
+
+    out = {k: side(v) for k, v in row.items() if k != "tools"}
+    tools = row.get("tools")
+    if tools:
+        out["tools"] = json.loads(tools) if isinstance(tools, str) else tools
+    return out
+
+
 def is_example(record: dict) -> bool:
     """An unpaired (KTO) example rather than a preference pair."""
     return "label" in record
@@ -567,7 +700,8 @@ def unpair(pairs: list[dict]) -> list[dict]:
     out, seen = [], set()
     for pair in pairs:
         for side, label in (("chosen", True), ("rejected", False)):
-            example = {"prompt": pair["prompt"], "completion": pair[side], "label": label}
+            example = {"prompt": pair["prompt"], "completion": pair[side], "label": label} | (
+                {"tools": pair["tools"]} if "tools" in pair else {})
             key = json.dumps(example, sort_keys=True, ensure_ascii=False)
             if key in seen:
                 continue

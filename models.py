@@ -607,6 +607,51 @@ def load_run(run_dir: Path, config: dict):
 
 
 # ---------------------------------------------------------------------------------------------
+# Chat templates: the kit's own (templates/), and whether a template renders tool use.
+# ---------------------------------------------------------------------------------------------
+
+TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
+# Template families and the shipped template that adds tool use to each (--chat_template <name>).
+SHIPPED_TEMPLATES = {"chatml-tools": "ChatML (SmolLM2, and other <|im_start|> models)"}
+PROBE_TOOL = {"type": "function", "function": {"name": "kit_probe_tool", "description": "kit_probe_description",
+                                               "parameters": {"type": "object", "properties": {}}}}
+PROBE_CONVERSATION = [
+    {"role": "user", "content": "probe"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_kit_probe", "type": "function", "function": {"name": "kit_probe_tool",
+                                                                  "arguments": {"kit_probe_arg": 1}}}]},
+    {"role": "tool", "tool_call_id": "call_kit_probe", "content": "kit_probe_result"},
+    {"role": "assistant", "content": "done"}]
+
+
+def chat_template_text(spec: str) -> str | None:
+    """--chat_template: '' = the model's own (None), a name in SHIPPED_TEMPLATES, or a .jinja file's text."""
+    if not spec:
+        return None
+    path = TEMPLATES_DIR / f"{spec}.jinja" if spec in SHIPPED_TEMPLATES else Path(spec)
+    if not path.is_file():
+        raise kit.UserError(f"--chat_template {spec!r} is neither a template the kit ships "
+                        f"({', '.join(SHIPPED_TEMPLATES)}) nor a file")
+    return path.read_text(encoding="utf-8")
+
+
+def tool_template_problem(tokenizer) -> str | None:
+    """Why this tokenizer's chat template cannot train on tool use, or None: it must render a conversation with a
+    tools list, an assistant's tool call (null content) and the tool's result, showing all three."""
+    if not tokenizer.chat_template:
+        return "it has no chat template"
+    try:
+        text = tokenizer.apply_chat_template(PROBE_CONVERSATION, tools=[PROBE_TOOL], tokenize=False)
+    except Exception as e:  # noqa: BLE001 - jinja's errors, a None content concatenated, ...
+        return f"its chat template cannot render a tool call ({type(e).__name__}: {str(e)[:120]})"
+    missing = [what for what, mark in (("the tools list", "kit_probe_description"), ("the call", "kit_probe_arg"),
+                                       ("the tool's result", "kit_probe_result")) if mark not in text]
+    if "kit_probe_tool" not in text:
+        missing.insert(0, "the tool's name")
+    return f"its chat template leaves out {', '.join(missing)}" if missing else None
+
+
+# ---------------------------------------------------------------------------------------------
 # Generation: every "chat template -> generate -> decode" of the kit.
 # ---------------------------------------------------------------------------------------------
 

@@ -123,6 +123,9 @@ class TrainConfig:
     gradient_accumulation_steps: int = field(1, "pairs per step = batch size x this x devices")
     gradient_checkpointing: bool = field(False, "recompute activations in backward (less memory, ~20% slower)")
     logging_steps: int = field(1, "log loss and rewards every N steps (metrics.jsonl)")
+    chat_template: str = field("", "the chat template pairs are rendered with ('' = the model's own): a template the "
+                               "kit ships (chatml-tools: ChatML with tool calls, for SmolLM2) or a .jinja file; saved "
+                               "with the run's tokenizer")
     report_to: str = field("none", "experiment trackers that also get every logged step, comma-separated "
                            f"(TRL's report_to: {', '.join(TRACKERS)}); tensorboard writes <run>/logs/tensorboard/ "
                            "(offline; `tensorboard --logdir artifacts`); none = only metrics.jsonl")
@@ -357,6 +360,7 @@ def run(cfg: TrainConfig, callbacks: list = ()) -> runs.Run:
     internals = trl_internals_usable(cfg)
     model_path = models.resolve_model_path(cfg.model_name_or_path)  # before a run directory exists
     ref_path = models.resolve_model_path(cfg.ref_model_name_or_path) if cfg.ref_model_name_or_path else None
+    tokenizer = load_tokenizer(cfg, model_path, train_pairs + held, internals)  # a template problem: before any model
     run = runs.Run(cfg.output_dir, cfg.run_name or runs.default_run_name(data.sha256, dt.datetime.now(dt.timezone.utc)))
     with run.lock() if ranks.is_main_process() else contextlib.nullcontext():
         run, resume_from = open_run_dir(cfg, run, data)
@@ -365,7 +369,7 @@ def run(cfg: TrainConfig, callbacks: list = ()) -> runs.Run:
         announce(cfg, run, data, len(train_pairs))
         with catch_signals() as interrupt, failures_recorded(run, interrupt), \
                 models.cpu_matmul_precision(cfg.cpu_matmul_precision):
-            built = build_model(cfg, model_path, ref_path, internals)
+            built = build_model(cfg, model_path, ref_path, internals, tokenizer)
             build_trainer(cfg, run, built, train_pairs, held, data, interrupt, callbacks)
             record_data(cfg, run, built, data, n_pairs=len(train_pairs))
             train(run, built.trainer, resume_from, interrupt)
@@ -493,12 +497,36 @@ def failures_recorded(run: runs.Run, interrupt: Interrupt):
         raise
 
 
-def build_model(cfg: TrainConfig, model_path: str, ref_path: str | None, internals: bool) -> Built:
+def load_tokenizer(cfg: TrainConfig, model_path: str, records: list[dict], internals: bool):
+    """The base's tokenizer with --chat_template's template. Data with tool use is checked against the template
+    here, before any model loads: a template that cannot show a tool call would train on text without it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    template = models.chat_template_text(cfg.chat_template)
+    if template:
+        tokenizer.chat_template = template
+    if not any(formats.uses_tools(r) for r in records):
+        return tokenizer
+    problem = models.tool_template_problem(tokenizer)
+    if problem:
+        which = f"--chat_template {cfg.chat_template}" if cfg.chat_template else f"{model_path}'s own chat template"
+        way_out = ("--chat_template chatml-tools (the kit's ChatML template with tool calls)"
+                   if "<|im_start|>" in (tokenizer.chat_template or "") else
+                   "--chat_template FILE.jinja (a template with tool support for this model's family; the kit ships "
+                   + ", ".join(models.SHIPPED_TEMPLATES) + ")")
+        raise UserError(f"the data holds tool calls, tools or tool results, and {which} cannot render them: "
+                        f"{problem}. Train with {way_out}", cfg.data)
+    if not internals:
+        raise UserError("tool use is tokenised by the kit's own dataset preparation, which needs the pinned TRL "
+                        "and transformers (requirements.txt)", cfg.data)
+    return tokenizer
+
+
+def build_model(cfg: TrainConfig, model_path: str, ref_path: str | None, internals: bool, tokenizer) -> Built:
     """The base (and a separate reference) loaded, prepared for k-bit training, its LoRA targets found; on a
     CPU the NF4 weights dequantised once when they fit."""
     models.quiet_libraries(sys.stdout.isatty())  # before bitsandbytes is imported
-    from transformers import AutoTokenizer
-
     on_gpu, bf16_ok = models.device()
     if not on_gpu:
         import torch
@@ -508,7 +536,6 @@ def build_model(cfg: TrainConfig, model_path: str, ref_path: str | None, interna
             print(f"\n{'!' * 100}\n[model] WARNING: {reason}\n{'!' * 100}\n", file=sys.stderr, flush=True)
     compute_dtype = models.resolve_compute_dtype(cfg.compute_dtype, on_gpu, bf16_ok)
     t0 = time.time()
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = models.load_model(model_path, models.LoadOptions.of(cfg), on_gpu, bf16_ok)
     if cfg.load_in_4bit:
         models.prepare_4bit_training(model, cfg.gradient_checkpointing)
@@ -601,8 +628,8 @@ def build_trainer(cfg: TrainConfig, run: runs.Run, built: Built, pairs: list[dic
     args.run_name = run.name  # what trackers call the run
     with tensorboard_dir(run.partial / "logs" / "tensorboard"):  # transformers' TensorBoardCallback reads it at init
         trainer = trainer_cls(model=model, ref_model=built.ref_model, args=args,
-                              train_dataset=Dataset.from_list(train_set),
-                              eval_dataset=Dataset.from_list(held_set) if held else None,
+                              train_dataset=Dataset.from_list(formats.dataset_rows(train_set)),
+                              eval_dataset=Dataset.from_list(formats.dataset_rows(held_set)) if held else None,
                               processing_class=built.tokenizer, peft_config=peft_config, callbacks=[*extra, *callbacks])
     trainer.remove_callback(PrinterCallback)  # raw dicts per step: runs.training_callbacks shows progress instead
     built.trainer = trainer

@@ -1,6 +1,7 @@
 """formats.py: the accepted pair formats and file types, and every way an input can be wrong."""
 import json
 import os
+import re
 
 import pytest
 
@@ -466,3 +467,80 @@ def test_unpairing_and_re_pairing():
     assert formats.preference_pairs(examples) == formats.trainable(pairs)
     assert len(formats.preference_pairs(examples, per_prompt=2)) == 2
     assert formats.preference_pairs([e for e in examples if not e["label"]]) == []  # nothing desirable: no pair
+
+
+# ------------------------------------------------------------------ tool-calling agents
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "du", "arguments": "{\"path\": \"/\"}"}}
+TOOL = {"type": "function", "function": {"name": "du", "parameters": {"type": "object"}}}
+
+
+def tool_pair(**change):
+    row = {"input": {"messages": [U("free space"), {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                                  {"role": "tool", "tool_call_id": "c1", "content": "93G"}], "tools": [TOOL]},
+           "preferred_output": [A("Cleared pip's cache.")], "non_preferred_output": [A("Deleted /home.")]}
+    return json.loads(json.dumps(row)) | change  # a fresh copy: the tests change it in place
+
+
+def test_tool_calls_tool_results_and_tools_are_kept_as_chat_templates_take_them():
+    out = formats.normalise(tool_pair(), "openai")
+    call = {"id": "c1", "type": "function", "function": {"name": "du", "arguments": {"path": "/"}}}
+    assert out["prompt"][1:] == [{"role": "assistant", "content": "", "tool_calls": [call]},
+                                 {"role": "tool", "content": "93G", "tool_call_id": "c1"}]
+    assert out["tools"] == [TOOL] and formats.uses_tools(out)
+    # TRL's conversational shape: tools per row; a completion may end with the assistant's call alone
+    trl = {"prompt": [U("free space")], "chosen": [{"role": "assistant", "tool_calls": [CALL]}],
+           "rejected": [A("no")], "tools": [TOOL]}
+    assert formats.normalise(trl, formats.detect_format(trl))["chosen"][0]["tool_calls"] == [call]
+    assert not formats.uses_tools(formats.normalise(EXAMPLES["openai"], "openai"))
+
+
+@pytest.mark.parametrize("where, value, message", [
+    ((1, "tool_calls"), [], "input.messages[1].tool_calls must be a non-empty list of calls"),
+    ((1, "tool_calls", 0, "function", "arguments"), "{path", "input.messages[1].tool_calls[0].function.arguments is "
+                                                             "not valid JSON"),
+    ((1, "tool_calls", 0, "function", "arguments"), "[1]", "arguments must be a JSON object"),
+    ((1, "tool_calls", 0, "function", "name"), " ", "input.messages[1].tool_calls[0].function.name must be a "
+                                                    "non-empty string"),
+    ((1, "tool_calls", 0, "type"), "code", "input.messages[1].tool_calls[0].type must be 'function'"),
+    ((1, "tool_calls", 0, "function"), "du", "must be an object with a 'function' object"),
+    ((2, "tool_call_id"), "c9", "input.messages[2].tool_call_id 'c9' answers no tool call made before it (made: c1)"),
+    ((2, "tool_call_id"), 7, "input.messages[2].tool_call_id must be a non-empty string"),
+    ((0, "tool_calls"), [CALL], "input.messages[0]: only an assistant message makes tool_calls"),
+    ((2, "content"), None, "input.messages[2]: content must be a string or a list of text parts"),
+])
+def test_a_malformed_tool_call_is_refused_saying_where(where, value, message):
+    row = tool_pair()
+    target = row["input"]["messages"]
+    for key in where[:-1]:
+        target = target[key]
+    target[where[-1]] = value
+    with pytest.raises(ValueError, match=re.escape(message)):
+        formats.normalise(row, "openai")
+
+
+def test_tools_are_checked_and_need_message_lists(tmp_path):
+    bad = tool_pair()
+    bad["input"]["tools"] = [{"type": "function", "function": {"description": "no name"}}]
+    with pytest.raises(ValueError, match=r"input.tools\[0\].function.name must be a non-empty string"):
+        formats.normalise(bad, "openai")
+    text = {"prompt": "2+2=", "chosen": " 4", "rejected": " 5", "tools": [TOOL]}
+    with pytest.raises(ValueError, match="tools needs the conversation as message lists"):
+        formats.normalise(text, "trl_standard")
+    path = write(tmp_path, [tool_pair(), tool_pair() | {"input": {"messages": [U("x")], "tools": "du"}}])
+    with pytest.raises(UserError) as e:
+        formats.load_pairs(path)
+    assert str(e.value) == f"{path}:2: input.tools must be a list of tools, got 'du'"
+
+
+def test_dataset_rows_survive_arrow_and_come_back_as_they_went_in():
+    from datasets import Dataset
+
+    with_tools = formats.normalise(tool_pair(), "openai")
+    other = formats.normalise(tool_pair() | {"input": {"messages": [U("hi")], "tools": [
+        {"type": "function", "function": {"name": "ls", "parameters": {"type": "object", "properties": {
+            "all": {"type": "boolean"}}}}}]}}, "openai")
+    plain = formats.normalise(EXAMPLES["trl_conversational"], "trl_conversational")
+    rows = list(Dataset.from_list(formats.dataset_rows([with_tools, other, plain])))
+    assert [formats.record_from_row(r) for r in rows] == [with_tools, other, plain]
+    assert formats.dataset_rows([plain]) == [plain]  # no tools anywhere: nothing changes (nor the tokenised cache)

@@ -1059,3 +1059,63 @@ def test_kto_in_4bit_stops_on_sigterm_resumes_and_hands_off_a_tarball_that_verif
     assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
     assert kit.sha256_file(run_dir / "adapter_model.safetensors") == kit.sha256_file(
         tmp_path / "art" / "whole" / "adapter_model.safetensors")
+
+
+# ------------------------------------------------------------------ tool-calling agents
+
+TOOL_PAIRS = ROOT / "data" / "tool_pairs.jsonl"
+
+
+def test_tool_use_needs_a_template_that_shows_it_and_the_run_stops_before_any_model_loads(tmp_path):
+    out = run_train("--data", TOOL_PAIRS, "--output_dir", tmp_path / "art", "--run_name", "t")
+    assert out.returncode == 2, out.stderr[-2000:]
+    message = out.stderr.strip().splitlines()[-1]
+    assert message.startswith(f"{TOOL_PAIRS}: the data holds tool calls") and "own chat template" in message
+    assert "--chat_template chatml-tools" in message and "loaded" not in out.stdout  # no model was loaded
+    assert not (tmp_path / "art").exists()
+    missing = run_train("--data", TOOL_PAIRS, "--chat_template", "nope", "--output_dir", tmp_path / "art")
+    assert missing.returncode == 2 and "neither a template the kit ships (chatml-tools) nor a file" in missing.stderr
+
+
+@needs_model
+@pytest.mark.integration
+def test_tool_calling_conversations_train_with_the_shipped_template_to_a_tarball_peft_loads(tmp_path):
+    import fastpath
+    from transformers import AutoTokenizer
+
+    run_dir, out = small_run(tmp_path, "openai", "tools", "--chat_template", "chatml-tools", "--max_length", 512,
+                             data=TOOL_PAIRS)
+    check_complete_run(run_dir, steps=2)
+    verified = runs.verify_tarball(run_dir.with_name("tools.tar.gz"), tmp_path / "unpacked")
+    assert verified["files"]
+    assert json.loads((run_dir / "config.json").read_text())["chat_template"] == "chatml-tools"
+    assert "chat template: `chatml-tools`" in (run_dir / "README.md").read_text()
+    # The run's tokenizer carries the template, so whoever serves the adapter renders tool calls as it trained.
+    tok = AutoTokenizer.from_pretrained(run_dir)
+    record = formats.load_pairs(str(TOOL_PAIRS))[0][0]
+    text = tok.apply_chat_template(record["prompt"] + record["chosen"], tools=record["tools"], tokenize=False)
+    assert '<tool_call>\n{"name": "run_python", "arguments": {"code": ' in text and "<tool_response>\nok\n" in text
+    assert '"name": "disk_usage"' in text.split("<|im_end|>")[0]  # the tools list is in the system turn
+    ids = fastpath.tokenize_pair(tok, formats.dataset_rows([record, pairs_in("trl_conversational")[0]])[0])
+    assert tok.decode(ids["prompt_ids"] + ids["chosen_ids"]) == text  # what the trainer saw, through Arrow's rows
+    assert generate(run_dir, "How do I free disk space?")  # PEFT loads the adapter on the 4-bit base
+
+
+def test_the_shipped_tool_template_renders_plain_chats_as_smollm2s_own_and_shows_every_part_of_tool_use():
+    from transformers import AutoTokenizer
+
+    if not (MODEL / "tokenizer.json").exists():
+        pytest.skip("bundled model not converted (make model)")
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    assert models.tool_template_problem(tok) == "its chat template leaves out the tool's name, the tools list, the call"
+    own, shipped = tok.chat_template, models.chat_template_text("chatml-tools")
+    for chat in ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]):
+        for generation in (False, True):
+            texts = []
+            for template in (own, shipped):
+                tok.chat_template = template
+                texts.append(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=generation))
+            assert texts[0] == texts[1]
+    tok.chat_template = shipped
+    assert models.tool_template_problem(tok) is None
