@@ -2,7 +2,9 @@
 
     python build_pairs.py data/runs.jsonl -o pairs.jsonl --report report.json
 
-An attempt *succeeded* when it ran and scored > 0 (`--score_key`, default space_freed). Per run:
+A run: {"run_id", "prompt": [msgs, or [msg, tag] pairs], "strategy", "attempts": [{"code", "ran", "space_freed"}],
+"tools"?}; an agent's tool calls and their results in the prompt (OpenAI's shapes) and its tools list reach the
+pairs unchanged. An attempt *succeeded* when it ran and scored > 0 (`--score_key`, default space_freed). Per run:
   never_ran, never_succeeded  no pair of its own (its strategy can still be a cross_run rejected)
   mixed                       strategy -> best successful code  vs  each failed attempt's code
   first_try_strategy          run's prompt -> strategy          vs  a garbled strategy
@@ -49,6 +51,7 @@ from array import array
 from collections import Counter, deque
 from dataclasses import dataclass
 
+import formats
 import kit
 from formats import ROLES, Example, Pair, PairWriter, decode_json, digest_and_line, short
 
@@ -65,6 +68,7 @@ MODEL_TRIES = 3  # samples per answer before the rules garbler stands in
 # 4.8 s with 2 workers (1M: 47.7 s, 21,000 runs/s); with another job busy on both cores, 2 workers ran at 0.8x.
 MAX_WORKERS = 4
 AUTO_WORKERS_BYTES = 4 << 20  # below this (~2,700 bench runs, ~0.2 s) starting workers costs more than it saves
+TOOL_KEYS = {"tool_calls", "tool_call_id", "name"}  # a prompt message with any of these is an agent's tool use
 MAX_WARNINGS = 10  # skipped-line messages shown with --skip_invalid; the rest are only counted
 
 
@@ -147,6 +151,7 @@ class Run:
     tags: list | None  # one tag (or None) per message; None when no message had one
     strategy: str
     attempts: tuple
+    tools: list | None = None  # the functions the agent could call (its prompt may hold its calls and their results)
 
 
 def _kind(value) -> str:
@@ -182,6 +187,14 @@ def _parse_prompt(prompt, bad, surrogates: bool = True) -> tuple[list, list | No
         role, content = item.get("role"), item.get("content")
         if not isinstance(role, str) or role not in ROLES:  # a list or object role is not hashable
             raise bad(f"prompt[{i}]: role must be one of {', '.join(sorted(ROLES))}, got {short(role)}")
+        if TOOL_KEYS & item.keys():  # an agent's tool call or a tool's result: checked as the pair formats check it
+            try:
+                message = formats.messages([{k: v for k, v in item.items() if k != "tag"}], "prompt")[0]
+            except ValueError as e:
+                raise bad(str(e).replace("prompt[0]", f"prompt[{i}]", 1)) from None
+            messages.append(message)
+            tags.append(tag)
+            continue
         if not isinstance(content, str):
             raise bad(f"prompt[{i}]: content must be a string, got {_kind(content)}")
         if tag is not None and not isinstance(tag, str):
@@ -190,6 +203,11 @@ def _parse_prompt(prompt, bad, surrogates: bool = True) -> tuple[list, list | No
             _checked(content, f"prompt[{i}]", bad)
         messages.append({"role": role, "content": content})
         tags.append(tag)
+    if any(len(m) > 2 for m in messages):  # a tool result answers a call made before it
+        try:
+            formats.messages(messages, "prompt")
+        except ValueError as e:
+            raise bad(str(e)) from None
     return messages, (None if tags.count(None) == len(tags) else tags)
 
 
@@ -233,8 +251,14 @@ def parse_run(obj, path, line: int, score_key: str = "space_freed", surrogates: 
     if surrogates:
         _checked(run_id, "run_id", bad)
         _checked(strategy, "strategy", bad)
+    tools = obj.get("tools")
+    if tools is not None:
+        try:
+            tools = formats.tools_list(tools) or None
+        except ValueError as e:
+            raise bad(str(e)) from None
     return Run(run_id, messages, tags, strategy,
-               tuple([_parse_attempt(a, i, score_key, bad, surrogates) for i, a in enumerate(attempts)]))
+               tuple([_parse_attempt(a, i, score_key, bad, surrogates) for i, a in enumerate(attempts)]), tools)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,7 +302,7 @@ def pairs_for_run(run: Run, cfg: PairsConfig, garbler=None, stats: Counter | Non
     ask = [{"role": "user", "content": run.strategy}]  # rules 2 and 3b: the strategy asks for the code
     if kind == "first_try":
         return [Pair(run.messages, run.strategy, garbler.garble(run.strategy, "text", run.run_id, run.messages),
-                     _meta(run.run_id, "first_try_strategy", best.score, None, run.tags)),
+                     _meta(run.run_id, "first_try_strategy", best.score, None, run.tags), run.tools),
                 Pair(ask, best.code, garbler.garble(best.code, "code", run.run_id, ask),
                      _meta(run.run_id, "first_try_code", best.score, None))]
     if kind != "mixed":
@@ -320,7 +344,7 @@ def examples_for_run(run: Run, cfg: PairsConfig, stats: Counter | None = None, k
     else:
         score = best.score
     examples = [Example(run.messages, run.strategy, kind in ("first_try", "mixed"),
-                        _kto_meta(run.run_id, "kto_strategy", score, kind, run.tags))]
+                        _kto_meta(run.run_id, "kto_strategy", score, kind, run.tags), run.tools)]
     codes = {}  # code.strip() -> the try that stands for it
     for a in run.attempts:
         key = a.code.strip()
@@ -343,19 +367,27 @@ def examples_for_run(run: Run, cfg: PairsConfig, stats: Counter | None = None, k
     return examples
 
 
-def prompt_key(messages: list) -> bytes:
+def prompt_key(messages: list, tools: list | None = None) -> bytes:
     """sha256 of each role and content behind its length (tags ignored): one digest per distinct prompt, equal
     exactly when the roles and contents are, a third of the cost of hashing the canonical JSON (no quoting:
-    1.7 us against 5.3 for the bench's 4 messages), and 32 bytes to send between processes."""
-    text = "".join([f"{len(m['role'])}\0{m['role']}{len(m['content'])}\0{m['content']}" for m in messages])
+    1.7 us against 5.3 for the bench's 4 messages), and 32 bytes to send between processes. Tool calls, tool
+    results and the tools list are part of the prompt: they go in as canonical JSON after their message."""
+    text = "".join([f"{len(m['role'])}\0{m['role']}{len(m['content'])}\0{m['content']}"
+                    + (_canon_json({k: v for k, v in m.items() if k not in ("role", "content")}) if len(m) > 2 else "")
+                    for m in messages])
+    if tools:
+        text += "\0tools" + _canon_json(tools)
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+
+_canon_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), sort_keys=True).encode
 
 
 def index_record(run: Run, best: Attempt | None, kind: str) -> tuple:
     """What CrossRunIndex needs of a run besides its prompt: (group key, run_id, strategy, best score or None,
     highest score of a failed run or None, outcome); best and kind are best_attempt(run) and outcome(run)."""
     scores = [a.score for a in run.attempts if a.score is not None] if best is None else None
-    return (prompt_key(run.messages), run.run_id, run.strategy, None if best is None else best.score,
+    return (prompt_key(run.messages, run.tools), run.run_id, run.strategy, None if best is None else best.score,
             max(scores) if scores else None, kind)
 
 
@@ -363,6 +395,7 @@ def index_record(run: Run, best: Attempt | None, kind: str) -> tuple:
 class _PromptGroup:
     messages: list
     tags: list | None
+    tools: list | None
     best: tuple | None = None  # (run_id, strategy, score) of the best-scoring run so far
     failed: dict = dataclasses.field(default_factory=dict)  # strategy -> (run_id, strategy, score, outcome)
     overflow: int = 0  # failed strategies not kept: the cap (plus one spare) was full
@@ -385,15 +418,15 @@ class CrossRunIndex:
         """Add one run; `best` and `kind` are best_attempt(run) and outcome(run), when the caller has them."""
         if kind is None:
             best, kind = best_attempt(run), outcome(run)
-        self.add_record(index_record(run, best, kind), run.messages, run.tags)
+        self.add_record(index_record(run, best, kind), run.messages, run.tags, run.tools)
 
-    def add_record(self, record: tuple, messages: list | None, tags: list | None) -> None:
-        """Add one run's index_record; messages and tags (its prompt) may be None once a run with the same
-        prompt was added: the group keeps those of its first run."""
+    def add_record(self, record: tuple, messages: list | None, tags: list | None, tools: list | None = None) -> None:
+        """Add one run's index_record; messages, tags and tools (its prompt) may be None once a run with the
+        same prompt was added: the group keeps those of its first run."""
         key, run_id, strategy, best_score, failed_score, kind = record
         group = self.groups.get(key)
         if group is None:
-            group = self.groups[key] = _PromptGroup(messages, tags)
+            group = self.groups[key] = _PromptGroup(messages, tags, tools)
         if best_score is not None:
             if group.best is None or best_score > group.best[2]:  # strict: the earliest run wins ties
                 group.best = (run_id, strategy, best_score)
@@ -413,7 +446,8 @@ class CrossRunIndex:
             for run_id, strategy, score, kind in losers[:self.cap]:
                 self.recovered[kind] += 1
                 yield Pair(group.messages, best_strategy, strategy,
-                           _meta(run_id, "cross_run", best_score, score, group.tags, chosen_run_id=best_id))
+                           _meta(run_id, "cross_run", best_score, score, group.tags, chosen_run_id=best_id),
+                           group.tools)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -732,7 +766,7 @@ def process_block(block: bytes, first_line: int, cfg: PairsConfig, garbler, ship
         n_runs += 1
         if cross_run:
             out.records.append(record := index_record(run, best, kind))
-            out.prompts.append(None if record[0] in shipped else (run.messages, run.tags))
+            out.prompts.append(None if record[0] in shipped else (run.messages, run.tags, run.tools))
             shipped.add(record[0])
     out.text = b"".join(lines)
     return out
@@ -855,7 +889,7 @@ def main(argv: list[str] | None = None) -> int:
                 stats["runs_with_examples_written"] += len({run for run, keep in zip(out.sources, kept) if keep})
             if index:
                 for record, prompt in zip(out.records, out.prompts):
-                    index.add_record(record, *(prompt or (None, None)))
+                    index.add_record(record, *(prompt or (None, None, None)))
         if index:
             writer.write(index.pairs())
             stats["cross_run_capped"] = index.capped

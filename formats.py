@@ -823,6 +823,7 @@ class Pair:
     chosen: str
     rejected: str
     meta: dict
+    tools: list | None = None  # the functions the prompt's agent could call (its messages may hold tool calls)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -833,23 +834,32 @@ class Example:
     completion: str
     label: bool
     meta: dict
+    tools: list | None = None
 
 
-def _canon_prompt(messages: list) -> str:
-    return _canon([[m["role"], m["content"]] for m in messages])
+def _canon_message(m: dict) -> list:
+    """[role, content], and the message's tool use after them when it has some."""
+    if len(m) == 2:
+        return [m["role"], m["content"]]
+    return [m["role"], m["content"], {k: v for k, v in m.items() if k not in ("role", "content")}]
+
+
+def _canon_prompt(messages: list, tools: list | None = None) -> str:
+    return _canon([_canon_message(m) for m in messages] + ([{"tools": tools}] if tools else []))
 
 
 def pair_digest(pair: Pair) -> int:
     """64 bits of the sha256 of the canonical (prompt, chosen, rejected): what makes two pairs the same
     pair. Two different pairs among n collide with odds of about n^2 / 2^65 (1e-8 for a million)."""
-    canon = f"[{_canon_prompt(pair.prompt)},{_quote(pair.chosen)},{_quote(pair.rejected)}]"  # = _canon([...])
+    canon = f"[{_canon_prompt(pair.prompt, pair.tools)},{_quote(pair.chosen)},{_quote(pair.rejected)}]"
     return int.from_bytes(hashlib.sha256(canon.encode("utf-8")).digest()[:8], "big")
 
 
 def example_digest(example: Example) -> int:
     """pair_digest for an Example: 64 bits of the sha256 of the canonical (prompt, completion, label). Never equal
     to a pair's (a label is not a string)."""
-    canon = _canon([[[m["role"], m["content"]] for m in example.prompt], example.completion, example.label])
+    canon = _canon([[_canon_message(m) for m in example.prompt] + ([{"tools": example.tools}] if example.tools
+                                                                   else []), example.completion, example.label])
     return int.from_bytes(hashlib.sha256(canon.encode("utf-8")).digest()[:8], "big")
 
 
@@ -887,17 +897,18 @@ class DigestSet:
 
 
 def to_record(pair: Pair | Example, fmt: str = "trl") -> dict:
-    prompt = [{"role": m["role"], "content": m["content"]} for m in pair.prompt]
+    prompt = [dict(m) for m in pair.prompt]  # role and content, and any tool calls or results: as they came
+    tools = {"tools": pair.tools} if pair.tools else {}
     if isinstance(pair, Example):
         if fmt == "openai":
             raise ValueError("OpenAI's preference format has no unpaired examples")
         return {"prompt": prompt, "completion": [{"role": "assistant", "content": pair.completion}],
-                "label": pair.label, "meta": pair.meta}
+                "label": pair.label, **tools, "meta": pair.meta}
     chosen = [{"role": "assistant", "content": pair.chosen}]
     rejected = [{"role": "assistant", "content": pair.rejected}]
     if fmt == "openai":  # OpenAI rejects unknown keys, so no meta
-        return {"input": {"messages": prompt}, "preferred_output": chosen, "non_preferred_output": rejected}
-    return {"prompt": prompt, "chosen": chosen, "rejected": rejected, "meta": pair.meta}
+        return {"input": {"messages": prompt, **tools}, "preferred_output": chosen, "non_preferred_output": rejected}
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected, **tools, "meta": pair.meta}
 
 
 def to_line(record: dict) -> str:
@@ -910,7 +921,9 @@ def _meta_json(meta: dict) -> str:
 
 def _prompt_json(messages: list) -> tuple[str, str] | None:
     """The prompt as the digest's canonical JSON and as a line writes it, each string quoted once; None when a
-    role or content is not a plain str (the encoders then handle it, as before)."""
+    role or content is not a plain str, or a message holds tool use (the encoders then handle it, as before)."""
+    if any(len(m) != 2 for m in messages):
+        return None
     pieces = [(m["role"], m["content"]) for m in messages]
     if any(type(role) is not str or type(content) is not str for role, content in pieces):
         return None
@@ -928,7 +941,7 @@ def digest_and_line(pair: Pair | Example, fmt: str = "trl") -> tuple[int, str]:
     if isinstance(pair, Example):
         return example_digest_and_line(pair, fmt)
     prompt = _prompt_json(pair.prompt)
-    if prompt is None or type(pair.chosen) is not str or type(pair.rejected) is not str:
+    if prompt is None or type(pair.chosen) is not str or type(pair.rejected) is not str or pair.tools:
         return pair_digest(pair), to_line(to_record(pair, fmt))
     canon_prompt, line_prompt = prompt
     chosen, rejected = _quote(pair.chosen), _quote(pair.rejected)
@@ -946,7 +959,8 @@ def example_digest_and_line(example: Example, fmt: str = "trl") -> tuple[int, st
     """example_digest(example) and to_line(to_record(example)) at once, each string quoted once, as
     digest_and_line does for a pair (the same bytes; a test checks)."""
     prompt = _prompt_json(example.prompt)
-    if prompt is None or type(example.completion) is not str or type(example.label) is not bool or fmt == "openai":
+    if (prompt is None or type(example.completion) is not str or type(example.label) is not bool or fmt == "openai"
+            or example.tools):
         return example_digest(example), to_line(to_record(example, fmt))
     canon_prompt, line_prompt = prompt
     completion, label = _quote(example.completion), "true" if example.label else "false"

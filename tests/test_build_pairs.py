@@ -786,3 +786,53 @@ def test_no_run_log_ends_in_a_traceback(data, skip, fmt_emit):
             if code == 0:
                 records, stats = formats.load_pairs(str(out))  # what it wrote trains
                 assert (stats["format"] == "kto") == (fmt_emit[1] == "kto")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tool-calling agents: their calls, the tools' results and the tools list go through the rules unchanged
+# ---------------------------------------------------------------------------------------------
+
+TOOLS = [{"type": "function", "function": {"name": "disk_usage", "parameters": {"type": "object"}}}]
+TOOL_PROMPT = PROMPT + [
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "disk_usage", "arguments": "{\"path\": \"~/.cache\"}"}}], "tag": "tool_call"},
+    {"role": "tool", "tool_call_id": "c1", "content": "4.1G ~/.cache/pip", "tag": "tool_result"},
+    {"role": "user", "content": "Reply with one strategy."}]
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_tool_calls_results_and_tools_go_through_every_rule_unchanged_and_load_as_pairs(tmp_path, workers):
+    rows = [run(attempts=[ok()], tools=TOOLS, run_id="first", prompt=TOOL_PROMPT),
+            run("Delete /home", attempts=[failed()], tools=TOOLS, run_id="loser", prompt=TOOL_PROMPT),
+            run("Same words, no tools", attempts=[failed()], run_id="plain", prompt=TOOL_PROMPT[:2]),
+            run(attempts=[failed(), ok()], run_id="mixed", prompt=TOOL_PROMPT, tools=TOOLS)]
+    code, pairs, report = build(tmp_path, rows, "--workers", workers)
+    assert code == 0
+    expected = formats.messages([{k: v for k, v in m.items() if k != "tag"} for m in TOOL_PROMPT], "prompt")
+    assert expected[2]["tool_calls"][0]["function"]["arguments"] == {"path": "~/.cache"}
+    by_rule = {p["meta"]["rule"]: p for p in pairs}
+    for rule in ("first_try_strategy", "cross_run"):
+        assert by_rule[rule]["prompt"] == expected and by_rule[rule]["tools"] == TOOLS, rule
+        assert by_rule[rule]["meta"]["tags"][2:4] == ["tool_call", "tool_result"]
+    assert by_rule["cross_run"]["rejected"][0]["content"] == "Delete /home"  # not the tool-less prompt's run
+    assert "tools" not in by_rule["first_try_code"]  # the code's prompt is the strategy alone
+    loaded, _ = formats.load_pairs(str(tmp_path / "pairs.jsonl"))
+    with_tools = [p for p in loaded if "tools" in p]
+    assert with_tools and all(p["prompt"] == expected and formats.uses_tools(p) for p in with_tools)
+    code, examples, _ = build(tmp_path, rows, "--emit", "kto", "--workers", workers)
+    assert code == 0 and any(e.get("tools") == TOOLS and e["prompt"] == expected for e in examples)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"tools": "disk_usage"}, "runs.jsonl:1: tools must be a list of tools, got 'disk_usage'"),
+    ({"prompt": TOOL_PROMPT[:3] + [{"role": "tool", "tool_call_id": "c7", "content": "x"}]},
+     "runs.jsonl:1: prompt[3].tool_call_id 'c7' answers no tool call made before it (made: c1)"),
+    ({"prompt": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]},
+     "runs.jsonl:1: prompt[0]: only an assistant message makes tool_calls"),
+    ({"prompt": [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]},
+     "runs.jsonl:1: prompt[0].tool_calls[0].function.arguments is not valid JSON"),
+])
+def test_a_malformed_tool_call_in_a_run_log_names_the_line_and_the_place(change, message):
+    with pytest.raises(kit.UserError) as e:
+        parsed(run(attempts=[ok()]) | change)
+    assert str(e.value).startswith(message), str(e.value)
