@@ -1,11 +1,14 @@
 """OpenAI's models and chat completions for the jobs service (service.py assembles it): a base or a fine-tuned
 model loaded as `make chat` loads it, kept warm (--warm_models), one generation at a time; streamed as
-server-sent events when asked. Text only: a content part that is not text, or a field the kit cannot honour,
-is a 400 naming it."""
+server-sent events when asked. Tools go through the model's chat template (a run trained with --chat_template
+chatml-tools carries one that renders them) and the answer's <tool_call> blocks come back as OpenAI tool calls.
+Text parts only: another content part, or a field the kit cannot honour, is a 400 naming it."""
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
 import threading
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
@@ -34,6 +37,20 @@ class Message(BaseModel):
     content: Union[str, list[Annotated[Union[TextPart, OtherPart], Field(discriminator="type")]], None] = None
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: Optional[str] = None
+    parameters: Optional[dict] = None
+    strict: Optional[bool] = None
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
 class ChatRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str
@@ -47,6 +64,9 @@ class ChatRequest(BaseModel):
     stream: Optional[bool] = None
     stream_options: Optional[dict] = None
     stop: Union[str, list[str], None] = None
+    tools: Optional[list[ChatTool]] = None  # rendered by the model's chat template; calls parsed from <tool_call>
+    tool_choice: Union[Literal["none", "auto", "required"], dict, None] = None
+    parallel_tool_calls: Optional[bool] = None
     # accepted and recorded nowhere: they do not change what the model generates
     user: Optional[str] = None
     metadata: Optional[dict[str, str]] = None
@@ -136,14 +156,46 @@ class Chat:
             return self.model(name, svc.out / job["id"] if job else None, job["base"] if job else bases[name])
 
 
-def render(tokenizer, messages: list[dict], name: str) -> str:
-    """The prompt text through the model's chat template; a conversation the template cannot render (a tool
-    call in a template without tool support) is the client's 400, not the service's 500."""
+def render(tokenizer, messages: list[dict], name: str, tools: list | None = None) -> str:
+    """The prompt text through the model's chat template (with the request's tools); a conversation the template
+    cannot render, or whose tool use it would leave out, is the client's 400, not the service's 500."""
+    if tools or any("tool_calls" in m or m["role"] == "tool" for m in messages):
+        problem = models.tool_template_problem(tokenizer)
+        if problem:
+            raise ApiError(400, f"model {name!r} cannot take tool use: {problem} (a run trained with "
+                           "--chat_template chatml-tools carries a template that can)", "tools" if tools else "messages")
     try:
+        if tokenizer.chat_template:
+            return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         return models.prompt_texts(tokenizer, [messages])[0]
     except Exception as e:  # noqa: BLE001 - jinja's errors, a None content concatenated, ...
         raise ApiError(400, f"messages: model {name!r}'s chat template cannot render them "
                        f"({type(e).__name__}: {str(e)[:200]})", "messages") from None
+
+
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def tool_calls_in(answer: str) -> tuple[str | None, list[dict]]:
+    """(the words, the calls) of an answer that calls tools as the kit's chatml-tools template (and Hermes-style
+    templates) teach: each <tool_call>{"name", "arguments"}</tool_call> that parses becomes an OpenAI tool call
+    (arguments as a JSON string); one that does not stays in the words."""
+    calls, kept = [], []
+    for match in TOOL_CALL.finditer(answer):
+        try:
+            call = json.loads(match.group(1))
+        except ValueError:
+            continue
+        if isinstance(call, dict) and isinstance(call.get("name"), str) and call["name"]:
+            args = call.get("arguments", {})
+            calls.append({"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": {
+                "name": call["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}})
+            kept.append(match.span())
+    words = answer
+    for start, end in reversed(kept):
+        words = words[:start] + words[end:]
+    words = words.strip()
+    return (words or None) if calls else answer, calls
 
 
 def router(svc):
@@ -164,8 +216,13 @@ def router(svc):
     @api.post("/chat/completions")
     def chat_completions(body: ChatRequest):
         messages = plain_messages(body.messages)
+        if body.tool_choice not in (None, "auto", "none"):
+            raise ApiError(400, "tool_choice: 'auto' or 'none' (the model decides whether it calls a tool; this "
+                           "service cannot force one)", "tool_choice")
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        calls_parsed = bool(tools) and body.tool_choice != "none"
         model, tokenizer = chat.load(svc, body.model)
-        text = render(tokenizer, messages, body.model)
+        text = render(tokenizer, messages, body.model, tools)
         options = {"max_tokens": body.max_completion_tokens or body.max_tokens or 128,
                    "temperature": 1.0 if body.temperature is None else body.temperature,
                    "top_p": body.top_p or 1.0, "seed": body.seed}
@@ -181,6 +238,22 @@ def router(svc):
                                           "model": body.model, "choices": [{"index": 0, "delta": delta,
                                                                            "finish_reason": finish}]}) + "\n\n"
 
+        if body.stream and calls_parsed:  # a call is known only once the answer is whole: sent in one piece
+            def whole():
+                with chat.lock:
+                    answer, _, n_completion = chat.generate(model, tokenizer, text, options)
+                answer, stopped = cut(answer)
+                words, calls = tool_calls_in(answer)
+                yield chunk({"role": "assistant", "content": ""})
+                if words:
+                    yield chunk({"content": words})
+                if calls:
+                    yield chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
+                yield chunk({}, "tool_calls" if calls else "stop" if stopped or n_completion < options["max_tokens"]
+                            else "length")
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(whole(), media_type="text/event-stream")
         if body.stream:
             from transformers import TextIteratorStreamer
 
@@ -209,10 +282,11 @@ def router(svc):
         with chat.lock:
             answer, n_prompt, n_completion = chat.generate(model, tokenizer, text, options)
         answer, stopped = cut(answer)
+        words, calls = tool_calls_in(answer) if calls_parsed else (answer, [])
+        message = {"role": "assistant", "content": words} | ({"tool_calls": calls} if calls else {})
+        finish = "tool_calls" if calls else "stop" if stopped or n_completion < options["max_tokens"] else "length"
         return {"object": "chat.completion", "id": completion_id, "created": created, "model": body.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": answer},
-                             "finish_reason": "stop" if stopped or n_completion < options["max_tokens"] else "length",
-                             "logprobs": None}],
+                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
                 "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
                           "total_tokens": n_prompt + n_completion}}
 

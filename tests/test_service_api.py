@@ -26,9 +26,32 @@ BUNDLED = "SmolLM2-135M-Instruct"
 ALL_AUTO = {"batch_size": "auto", "learning_rate_multiplier": "auto", "n_epochs": "auto"}
 
 
+TOOLS_MODEL = "SmolLM2-tools"  # the bundled weights with the kit's chatml-tools template (a base by directory name)
+
+
+def tool_template_base(models_dir: Path) -> None:
+    """models_dir/SmolLM2-tools: the bundled model's weights (linked) and its tokenizer with templates/chatml-tools."""
+    if not (MODEL / "config.json").exists():
+        return
+    from transformers import AutoTokenizer
+
+    import models
+
+    target = models_dir / TOOLS_MODEL
+    target.mkdir(parents=True)
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        (target / name).symlink_to(MODEL / name)
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    tok.chat_template = models.chat_template_text("chatml-tools")
+    tok.save_pretrained(target)
+
+
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory):
-    svc = Service(tmp_path_factory.mktemp("api") / "art", None, "--max_file_mb", "1", key=KEY)
+    models_dir = tmp_path_factory.mktemp("models")
+    tool_template_base(models_dir)
+    svc = Service(tmp_path_factory.mktemp("api") / "art", None, "--max_file_mb", "1", "--models_dir", str(models_dir),
+                  key=KEY)
     yield svc
     svc.stop()
     assert "Traceback" not in svc.tail(), svc.tail()  # the service's own log: no request ended in a server error
@@ -205,3 +228,51 @@ def test_chat_bodies_the_schema_allows_on_a_real_model_get_no_server_error(keyed
 
     check()
     assert 200 in seen, seen  # the model answered
+
+
+def test_tool_calls_in_an_answer_become_openai_tool_calls():
+    import api_chat
+
+    words, calls = api_chat.tool_calls_in('Checking.\n<tool_call>\n{"name": "du", "arguments": {"path": "/"}}\n'
+                                          '</tool_call>\n<tool_call>{"name": "ls"}</tool_call>')
+    assert words == "Checking."
+    assert [(c["type"], c["function"]) for c in calls] == [
+        ("function", {"name": "du", "arguments": '{"path": "/"}'}), ("function", {"name": "ls", "arguments": "{}"})]
+    assert len({c["id"] for c in calls}) == 2 and all(c["id"].startswith("call_") for c in calls)
+    assert api_chat.tool_calls_in("<tool_call>{not json}</tool_call> plain") == (
+        "<tool_call>{not json}</tool_call> plain", [])
+    assert api_chat.tool_calls_in('<tool_call>{"name": "f", "arguments": "{}"}</tool_call>')[0] is None
+
+
+CHAT_TOOLS = [{"type": "function", "function": {"name": "disk_usage", "description": "Bytes used under a path.",
+                                                "parameters": {"type": "object", "properties": {
+                                                    "path": {"type": "string"}}}}}]
+
+
+@pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="bundled model not converted (make model)")
+def test_chat_with_tools_renders_them_through_a_template_that_can_and_refuses_one_that_cannot(sdk):
+    import openai
+
+    ask = [{"role": "user", "content": "How full is /?"}]
+    plain = sdk.chat.completions.create(model=TOOLS_MODEL, messages=ask, max_tokens=2, temperature=0)
+    reply = sdk.chat.completions.create(model=TOOLS_MODEL, messages=ask, tools=CHAT_TOOLS, max_tokens=8,
+                                        temperature=0)
+    assert reply.usage.prompt_tokens > plain.usage.prompt_tokens + 30  # the tools list is in the prompt
+    choice = reply.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls") and (choice.message.content or
+                                                                         choice.message.tool_calls)
+    # A conversation that carries on after a call: the assistant's call (content null) and the tool's result.
+    history = ask + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "disk_usage", "arguments": '{"path": "/"}'}}]}, {"role": "tool", "tool_call_id": "c1", "content": "96%"}]
+    after = sdk.chat.completions.create(model=TOOLS_MODEL, messages=history, tools=CHAT_TOOLS, max_tokens=4,
+                                        temperature=0)
+    assert after.usage.prompt_tokens > reply.usage.prompt_tokens
+    chunks = list(sdk.chat.completions.create(model=TOOLS_MODEL, messages=ask, tools=CHAT_TOOLS, max_tokens=8,
+                                              temperature=0, stream=True))
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+    for model, kwargs, param in ((BUNDLED, {"tools": CHAT_TOOLS}, "tools"), (BUNDLED, {"messages": history}, "messages"),
+                                 (TOOLS_MODEL, {"tools": CHAT_TOOLS, "tool_choice": "required"}, "tool_choice")):
+        with pytest.raises(openai.BadRequestError) as e:
+            sdk.chat.completions.create(model=model, **({"messages": ask} | kwargs), max_tokens=2)
+        assert e.value.body["param"] == param, e.value.body
+        assert param == "tool_choice" or "--chat_template chatml-tools" in e.value.body["message"]
