@@ -1,0 +1,113 @@
+"""checker.py: the demo agent's environment as code. Worked answers on planted hosts, hostile ones scoring 0 with
+their reason, TRL's reward signature, and how many of the demo logs' attempts it scores as the logs did."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import checker
+import sandbox
+
+ROOT = Path(__file__).resolve().parent.parent
+CI_HOST = "Host ci-runner-03, Ubuntu 22.04.4 LTS, Python 3.10.12, user ci (no sudo, member of docker)."
+ROOT_HOST = "Host web-prod-11, Debian 12, Python 3.11.2, running as root."
+FULL = sandbox.isolation() == "bwrap"  # the planted host at its absolute paths (/var, /srv) needs bubblewrap
+needs_bwrap = pytest.mark.skipif(not FULL, reason="absolute paths of the planted host need bubblewrap "
+                                                  "(apt-get install bubblewrap)")
+PIP = ("import shutil\nfrom pathlib import Path\ncache = Path.home() / '.cache' / 'pip'\n"
+       "print(sum(f.stat().st_size for f in cache.rglob('*') if f.is_file()))\nshutil.rmtree(cache)\n")
+
+
+def test_hosts_are_read_from_the_prompts_words():
+    ci, root = checker.parse_host(CI_HOST), checker.parse_host(ROOT_HOST)
+    assert (ci.name, ci.user, ci.home, ci.sudo, ci.privileged) == ("ci-runner-03", "ci", "/home/ci", False, False)
+    assert {"apt-get", "docker", "journalctl"} <= ci.tools and "sudo" not in ci.tools
+    assert (root.user, root.home, root.privileged) == ("root", "/root", True)
+    lea = checker.parse_host("Host lea-thinkpad, Fedora 39, Python 3.12.1, user lea (sudo), LANG=fr_FR.UTF-8.")
+    assert lea.sudo and {"dnf", "flatpak", "sudo"} <= lea.tools and "apt-get" not in lea.tools
+    junk, keep = checker.planted(ci)
+    assert "/home/ci/.cache/pip/wheels/3a/9f/numpy-1.26.4-cp310-cp310-linux_x86_64.whl" in junk
+    assert not any(p.startswith("/home/ci/.ccache/") for p in junk)  # the demo's ci-runner has no ccache
+    assert "/var/lib/pgsql/16/data/pg_wal/000000010000000000000042" in keep and not set(junk) & set(keep)
+
+
+def test_code_is_the_first_python_block_of_a_completion():
+    assert checker.code_of("Here:\n```python\nprint(1)\n```\nand ```python\nprint(2)\n```") == "print(1)\n"
+    assert checker.code_of("print(3)") == "print(3)"
+
+
+@pytest.mark.parametrize("code, outcome", [
+    (PIP, "freed"),
+    ("print('nothing to do')\n", "no_effect"),
+    ("import shutil\nshutil.rmtree(\n", "failed"),
+    ("raise SystemExit(3)\n", "failed"),
+    ("import os, shutil\nshutil.rmtree(os.path.expanduser('~/projects'))\n", "broke"),
+])
+def test_outcomes_and_scores_by_the_retraining_rules(code, outcome):
+    result = checker.check(code, CI_HOST)
+    assert result.outcome == outcome, result
+    assert result.score == {"freed": result.score, "no_effect": 0.0, "failed": 0.0, "broke": -1.0}[outcome]
+    if outcome == "freed":
+        junk, _ = checker.planted(checker.parse_host(CI_HOST))
+        assert result.freed_bytes == 600 * checker.MB
+        assert result.score == pytest.approx(result.freed_bytes / sum(junk.values()), abs=1e-6)
+        assert result.stdout.strip() == str(600 * checker.MB)  # sparse files report their full sizes
+    assert result.isolation == sandbox.isolation()
+
+
+@needs_bwrap
+def test_a_user_without_sudo_cannot_free_system_space_and_root_can():
+    apt = "import subprocess\nsubprocess.run(['apt-get', 'clean'], check=True)\n"
+    assert checker.check(apt, CI_HOST).outcome == "failed"
+    as_root = checker.check(apt, ROOT_HOST)
+    assert as_root.outcome == "freed" and as_root.freed_bytes == 260 * checker.MB
+    old_logs = ("import time\nfrom pathlib import Path\nfor f in Path('/var/log').rglob('*.gz'):\n"
+                "    if time.time() - f.stat().st_mtime > 14 * 86400:\n        f.unlink()\n")
+    assert checker.check(old_logs, ROOT_HOST).outcome == "freed"
+    wal = "import shutil\nshutil.rmtree('/var/lib/pgsql/16/data/pg_wal')\n"
+    broke = checker.check(wal, "Host db-replica-2, Rocky Linux 9.3, running as root.")
+    assert (broke.outcome, broke.score, broke.broken) == (
+        "broke", -1.0, ["/var/lib/pgsql/16/data/pg_wal/000000010000000000000042"])
+
+
+@pytest.mark.parametrize("code, reason", [
+    ("while True:\n    pass\n", "CPU limit"),
+    ("x = bytearray(4 * 1024 ** 3)\n", "memory limit"),
+    ("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n", "file size limit"),
+])
+def test_hostile_answers_score_0_with_their_reason(code, reason):
+    result = checker.check(code, CI_HOST, sandbox.Limits(cpu_seconds=2, wall_seconds=6, file_mb=4))
+    assert (result.outcome, result.score) == ("failed", 0.0) and reason in result.reason, result
+
+
+def test_reward_has_trls_signature_and_reads_the_host_from_the_prompt():
+    completions = [[{"role": "assistant", "content": f"Clear pip's cache.\n```python\n{PIP}```"}],
+                   [{"role": "assistant", "content": "```python\nprint(\n```"}]]
+    prompts = [[{"role": "user", "content": CI_HOST}]] * 2
+    scores = checker.reward(completions=completions, prompts=prompts)
+    assert scores[0] > 0 and scores[1] == 0.0
+
+
+@needs_bwrap
+def test_the_demo_logs_are_scored_as_they_were_logged_for_most_attempts():
+    """The demo logs are the ground truth: the checker agrees with them on whether each attempt succeeded (ran and
+    freed space) for 56 of their 74 attempts (measured). Where it does not, the logged host had something the
+    planted one does not (a tool that failed, a cache the agent's code missed)."""
+    result = checker.agreement(str(ROOT / "data" / "runs.jsonl"))
+    print(f"\nchecker vs logs: ran {result['ran_agree']}/{result['attempts']}, "
+          f"succeeded {result['succeeded_agree']}/{result['attempts']}")
+    assert result["attempts"] == 74 and result["succeeded_agree"] >= 52 and result["ran_agree"] >= 52
+
+
+def test_cli_prints_the_outcome_and_refuses_a_missing_file(tmp_path):
+    answer = tmp_path / "answer.md"
+    answer.write_text(f"```python\n{PIP}```\n")
+    out = subprocess.run([sys.executable, "checker.py", str(answer), "--host", CI_HOST], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["outcome"] == "freed"
+    missing = subprocess.run([sys.executable, "checker.py", "--logs", str(tmp_path / "nope.jsonl")], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and missing.stderr.strip() == f"{tmp_path / 'nope.jsonl'}: no such file"
