@@ -3,6 +3,7 @@ agent's environment scored its attempts.
 
     python checker.py answer.py [--host "Host ci-runner-03, Ubuntu 22.04, user ci"]   # outcome and score (JSON)
     python checker.py --logs data/runs.jsonl     # re-score every logged attempt: how many agree with the logs
+    python checker.py --logs data/runs.jsonl --emit_prompts prompts.jsonl   # for train_dpo.py --eval_prompts
 
 The host the prompt describes (its user, or root) gets a small planted filesystem (sandbox.py binds it at its
 absolute paths): a home with pip, npm, gradle, ccache and browser caches, a Trash and half-downloaded files;
@@ -112,6 +113,8 @@ class CheckConfig:
     host: str = field("Host demo, Ubuntu 22.04, user ci", "the host as the prompt describes it (its user, or "
                       "'running as root')")
     logs: str = field("", "run logs (build_pairs.py's input): re-score every attempt and compare with the logs")
+    emit_prompts: str = field("", "with --logs: write each run's code-asking prompt and host here (JSONL), for "
+                              "train_dpo.py --eval_prompts, instead of re-scoring")
     wall_seconds: float = field(20.0, "wall-clock limit per answer")
 
 
@@ -303,6 +306,56 @@ def host_of_run(messages: list) -> str:
     return (tagged[0] if tagged else {"content": " ".join(str(m.get("content")) for m in messages)})["content"]
 
 
+def prompts_from_logs(logs: str) -> list[dict]:
+    """Each run's code-asking turn as the agent saw it (its strategy, asking for the code: build_pairs' rule 2
+    prompt) with the host its prompt describes and its run id (train_dpo.py keeps the held-out runs' ones)."""
+    import build_pairs
+
+    out, seen = [], set()
+    for line_no, raw in enumerate(Path(logs).read_bytes().splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw)
+        except ValueError as e:
+            raise UserError(f"malformed JSON: {e}", logs, line_no) from None
+        run = build_pairs.parse_run(obj, logs, line_no)
+        host = host_of_run([m if isinstance(m, dict) else m[0] for m in obj["prompt"]])
+        if (run.strategy, host) not in seen:
+            seen.add((run.strategy, host))
+            out.append({"prompt": [{"role": "user", "content": run.strategy}], "host": host, "run_id": run.run_id})
+    return out
+
+
+def load_prompts(path: str) -> list[dict]:
+    """--eval_prompts: JSONL rows {"prompt": text or [messages], "host": text, "run_id"?}; FILE:LINE errors."""
+    import formats
+
+    rows = []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read it: {e}", path) from None
+    for line_no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError("expected an object {\"prompt\", \"host\"}")
+            prompt = row.get("prompt")
+            prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) and prompt.strip() else \
+                formats.messages(prompt, "prompt")
+            if not isinstance(row.get("host"), str):
+                raise ValueError("host must be a string (the host as the prompt describes it)")
+        except ValueError as e:
+            raise UserError(str(e), path, line_no) from None
+        rows.append({"prompt": prompt, "host": row["host"]} | ({"run_id": str(row["run_id"])} if "run_id" in row else {}))
+    if not rows:
+        raise UserError("no prompts in the file", path)
+    return rows
+
+
 def agreement(logs: str, limits=None) -> dict:
     """Every logged attempt re-scored: how often the checker agrees with the log on whether it ran, and on whether
     it succeeded (ran and freed space: build_pairs' rule)."""
@@ -338,6 +391,12 @@ def main(argv=None) -> int:
     if cfg.logs:
         if not Path(cfg.logs).is_file():
             raise UserError("no such file", cfg.logs)
+        if cfg.emit_prompts:
+            rows = prompts_from_logs(cfg.logs)
+            kit.atomic_write_text(Path(cfg.emit_prompts), "".join(json.dumps(r, ensure_ascii=False) + "\n"
+                                                                  for r in rows))
+            print(f"[checker] {len(rows)} prompts -> {cfg.emit_prompts}", file=sys.stderr)
+            return 0
         result = agreement(cfg.logs, limits)
         print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
         return 0

@@ -75,6 +75,17 @@ def report_markdown(title: str, evaluation: dict, plots: list[str]) -> str:
                   f"{acc[name]['mean_margin']:.2f} |" for name in ("base", "tuned")] + [""]
     elif not kto:
         lines += ["No held-out pairs (eval_fraction 0 or too few pairs).", ""]
+    execution = evaluation.get("execution")
+    if execution:
+        lines += ["## Answers run by the checker", "",
+                  f"{execution['samples']} sampled answers (seeded) to each of {execution['prompts']} held-out prompts, "
+                  "their code run on the prompt's host by checker.py (sandbox: "
+                  f"{execution['base']['isolation']}). Pass: it ran and freed space; score: bytes freed over the "
+                  "plantable junk, -1 for deleting what must be kept.", "",
+                  "| model | pass rate | mean score | outcomes |", "| --- | --- | --- | --- |"]
+        lines += [f"| {name} | {execution[name]['pass_rate']:.3f} | {execution[name]['mean_score']:+.4f} | "
+                  + ", ".join(f"{k} {v}" for k, v in sorted(execution[name]["outcomes"].items())) + " |"
+                  for name in ("base", "tuned")] + [""]
     if plots:
         lines += ["## Training curves", ""] + [f"![{p}]({p})" for p in plots] + [""]
     if probes:
@@ -309,10 +320,41 @@ def example_likelihoods(model, tokenizer, examples: list[dict], max_length: int)
     return result
 
 
-def evaluate(model, tokenizer, held: list[dict], probes: list[dict], max_length: int, seed: int) -> dict:
+CODE_SAMPLING = {"temperature": 0.7, "top_p": 0.95}  # answers the checker runs: varied, but still code
+
+
+def execution_scores(model, tokenizer, prompts: list[dict], samples: int, seed: int, max_new_tokens: int) -> dict:
+    """Base (adapter off) and tuned: `samples` sampled answers (seeded) to each prompt, each run by the checker on
+    the prompt's host: pass rate (freed space), mean score, and the outcome mix."""
+    from collections import Counter
+
+    import checker
+
+    result = {"prompts": len(prompts), "samples": samples, "rows": []}
+    for name, context in (("base", model.disable_adapter), ("tuned", contextlib.nullcontext)):
+        with context():
+            answers = models.generate(model, tokenizer, [p["prompt"] for p in prompts], max_new_tokens,
+                                      CODE_SAMPLING, seed, n=samples)
+        checks = [checker.check(checker.code_of(a), p["host"]) for p, a in
+                  zip([p for p in prompts for _ in range(samples)], answers)]
+        scores = [c.score for c in checks]
+        result[name] = {"pass_rate": sum(c.outcome == "freed" for c in checks) / max(len(checks), 1),
+                        "mean_score": sum(scores) / max(len(scores), 1),
+                        "outcomes": dict(Counter(c.outcome for c in checks)), "isolation": checks[0].isolation}
+        for i, c in enumerate(checks[:samples * 3]):
+            result["rows"].append({"model": name, "prompt": prompts[i // samples]["prompt"][-1]["content"],
+                                   "outcome": c.outcome, "score": c.score, "reason": c.reason})
+    return result
+
+
+def evaluate(model, tokenizer, held: list[dict], probes: list[dict], max_length: int, seed: int,
+             exec_prompts: list[dict] | None = None, samples: int = 4, max_new_tokens: int = 256) -> dict:
     """Everything report.md shows, from the model as it stands (adapter on) and the base (adapter off).
-    held: pairs, or KTO examples (their likelihood gap, and the accuracy of the pairs they hold)."""
+    held: pairs, or KTO examples (their likelihood gap, and the accuracy of the pairs they hold). exec_prompts:
+    prompts whose sampled answers the checker runs (execution_scores)."""
     result = {}
+    if exec_prompts:
+        result["execution"] = execution_scores(model, tokenizer, exec_prompts, samples, seed, max_new_tokens)
     if held and formats.is_example(held[0]):
         result["held_out_kto"] = example_likelihoods(model, tokenizer, held, max_length)
         pairs = formats.preference_pairs(held)  # a held-out run's desirable against its undesirable answers

@@ -136,6 +136,11 @@ class TrainConfig:
     eval_steps: int = field(5, "TRL's eval metrics on the held-out pairs every N steps")
     early_stopping_patience: int = field(0, "stop after N evaluations without a lower held-out loss and keep "
                                          "the best checkpoint; 0 = off")
+    eval_prompts: str = field("", "prompts whose sampled answers checker.py runs on their host, base against tuned "
+                              "(JSONL {prompt, host, run_id?}; checker.py --logs L --emit_prompts F writes them "
+                              "from run logs; rows with a run_id: only the held-out runs'); '' = none")
+    eval_samples: int = field(4, "sampled answers per --eval_prompts prompt, for each of base and tuned")
+    eval_max_new_tokens: int = field(256, "longest answer generated for --eval_prompts, in tokens")
     probes: str = field("data/probes.jsonl", "retention probes: general prompts answered by base and tuned; '' = none")
     tokenized_cache: str = field("", "where tokenised pairs are kept between runs of the same data, tokenizer and "
                                  "max_length ('' = $DPO_KIT_CACHE or ~/.cache/dpo-kit; 'none' = off)")
@@ -174,6 +179,8 @@ class TrainConfig:
             p.append(f"--num_train_epochs must be positive (got {self.num_train_epochs})")
         if not 0.0 <= self.eval_fraction <= 0.5:
             p.append(f"--eval_fraction must be in [0, 0.5] (got {self.eval_fraction})")
+        if self.eval_samples < 1 or self.eval_max_new_tokens < 1:
+            p.append("--eval_samples and --eval_max_new_tokens must be at least 1")
         if self.eval_steps < 1 or self.early_stopping_patience < 0 or self.sft_weight < 0:
             p.append("--eval_steps must be at least 1; --early_stopping_patience and --sft_weight not negative")
         if self.early_stopping_patience and not self.eval_fraction:
@@ -357,6 +364,7 @@ def run(cfg: TrainConfig, callbacks: list = ()) -> runs.Run:
     models.cuda_allocator_defaults()  # before anything allocates on a GPU
     data, train_pairs, held = load_data(cfg)
     probes = evaluate.load_probes(cfg.probes)
+    exec_prompts = held_out_prompts(cfg)
     internals = trl_internals_usable(cfg)
     model_path = models.resolve_model_path(cfg.model_name_or_path)  # before a run directory exists
     ref_path = models.resolve_model_path(cfg.ref_model_name_or_path) if cfg.ref_model_name_or_path else None
@@ -374,8 +382,22 @@ def run(cfg: TrainConfig, callbacks: list = ()) -> runs.Run:
             record_data(cfg, run, built, data, n_pairs=len(train_pairs))
             train(run, built.trainer, resume_from, interrupt)
             if run.state == "running":
-                finish(cfg, run, built, held, probes, data, model_path, started)
+                finish(cfg, run, built, held, probes, data, model_path, started, exec_prompts)
     return run
+
+
+def held_out_prompts(cfg: TrainConfig) -> list[dict]:
+    """--eval_prompts, checked before anything loads: rows of a run (run_id) only when that run is held out (the
+    same rule as the pairs', so the checker scores answers to prompts the model never trained on)."""
+    if not cfg.eval_prompts:
+        return []
+    import checker
+
+    rows = checker.load_prompts(cfg.eval_prompts)
+    kept = [r for r in rows if "run_id" not in r or formats.held_out({formats.RUN_KEY: r["run_id"]}, cfg.eval_fraction)]
+    print(f"[eval] {len(kept)} of {len(rows)} --eval_prompts prompts are held out; the checker runs "
+          f"{cfg.eval_samples} sampled answers to each, base and tuned", flush=True)
+    return kept
 
 
 def load_data(cfg: TrainConfig) -> tuple[formats.TrainingData, list[dict], list[dict]]:
@@ -748,7 +770,7 @@ def train(run: runs.Run, trainer, resume_from: str, interrupt: Interrupt) -> Non
 
 
 def finish(cfg: TrainConfig, run: runs.Run, built: Built, held: list[dict], probes: list[dict],
-           data: formats.TrainingData, model_path: str, started: str) -> None:
+           data: formats.TrainingData, model_path: str, started: str, exec_prompts: list[dict] = ()) -> None:
     """Rank 0 saves the adapter and tokenizer, evaluates, writes the report, model card and manifest, renames
     the run into place and packs the tarball."""
     trainer = built.trainer
@@ -762,7 +784,7 @@ def finish(cfg: TrainConfig, run: runs.Run, built: Built, held: list[dict], prob
         trainer.model.save_pretrained(run.partial, selected_adapters=["default"])  # not TRL's frozen 'ref' copy
     built.tokenizer.save_pretrained(run.partial)
     metrics = run.metrics()
-    evaluation = evaluate_trained(cfg, run, built, held, probes, sharded, metrics)
+    evaluation = evaluate_trained(cfg, run, built, held, probes, sharded, metrics, exec_prompts)
     for problem in runs.serving_problems(json.loads((run.partial / "adapter_config.json").read_text())):
         print(f"[serve] warning: {problem}", file=sys.stderr)  # only reachable with explicit target modules
     kit.atomic_write_text(run.partial / "README.md", evaluate.model_card(
@@ -774,7 +796,7 @@ def finish(cfg: TrainConfig, run: runs.Run, built: Built, held: list[dict], prob
 
 
 def evaluate_trained(cfg: TrainConfig, run: runs.Run, built: Built, held: list[dict], probes: list[dict],
-                     sharded: bool, metrics: list[dict]) -> dict:
+                     sharded: bool, metrics: list[dict], exec_prompts: list[dict] = ()) -> dict:
     """Held-out accuracy and probes of the model as trained (adapter on) against its base; report.md."""
     import torch
 
@@ -787,7 +809,8 @@ def evaluate_trained(cfg: TrainConfig, run: runs.Run, built: Built, held: list[d
         print(f"[eval] skipped: rank 0 holds only a shard; `make eval RUN={run.name}` evaluates the saved adapter")
     bf16_cpu = not built.on_gpu and models.resolve_compute_dtype(cfg.compute_dtype, False, False) == "bfloat16"
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_cpu):
-        evaluation = {} if sharded else evaluate.evaluate(model, built.tokenizer, held, probes, cfg.max_length, cfg.seed)
+        evaluation = {} if sharded else evaluate.evaluate(model, built.tokenizer, held, probes, cfg.max_length, cfg.seed,
+                                                          list(exec_prompts), cfg.eval_samples, cfg.eval_max_new_tokens)
     evaluate.write_report(run.partial, f"{run.name}: what training changed", evaluation, metrics)
     if "held_out_kto" in evaluation:
         b, t = evaluation["held_out_kto"]["base"], evaluation["held_out_kto"]["tuned"]
@@ -795,6 +818,10 @@ def evaluate_trained(cfg: TrainConfig, run: runs.Run, built: Built, held: list[d
         print(f"[eval] held-out examples: desirable minus undesirable log-likelihood {gap(b['gap'])} -> "
               f"{gap(t['gap'])} nats/token ({b['desirable']['examples']} desirable, "
               f"{b['undesirable']['examples']} undesirable)")
+    if "execution" in evaluation:
+        b, t = evaluation["execution"]["base"], evaluation["execution"]["tuned"]
+        print(f"[eval] checker on held-out prompts: pass rate {b['pass_rate']:.3f} -> {t['pass_rate']:.3f}, mean score "
+              f"{b['mean_score']:+.4f} -> {t['mean_score']:+.4f}")
     if "held_out" in evaluation:
         b, t = evaluation["held_out"]["base"], evaluation["held_out"]["tuned"]
         print(f"[eval] held-out preference accuracy {b['accuracy']:.3f} -> {t['accuracy']:.3f} "

@@ -1119,3 +1119,42 @@ def test_the_shipped_tool_template_renders_plain_chats_as_smollm2s_own_and_shows
             assert texts[0] == texts[1]
     tok.chat_template = shipped
     assert models.tool_template_problem(tok) is None
+
+
+# ------------------------------------------------------------------ answers scored by running them
+
+def test_eval_prompts_are_checked_before_anything_loads(tmp_path):
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text('{"prompt": "Clear pip\'s cache", "host": "Host a, user ci"}\n{"prompt": "x"}\n')
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in pairs_in("trl_conversational")))
+    out = run_train("--data", data, "--eval_prompts", bad, "--output_dir", tmp_path / "art")
+    assert out.returncode == 2 and out.stderr.strip().endswith(
+        f"{bad}:2: host must be a string (the host as the prompt describes it)")
+    assert not (tmp_path / "art").exists()
+
+
+def test_the_report_shows_base_and_tuned_checker_scores():
+    execution = {"prompts": 2, "samples": 3, "rows": [],
+                 "base": {"pass_rate": 0.0, "mean_score": 0.0, "outcomes": {"failed": 6}, "isolation": "bwrap"},
+                 "tuned": {"pass_rate": 0.5, "mean_score": 0.0312, "outcomes": {"failed": 3, "freed": 3},
+                           "isolation": "bwrap"}}
+    text = evaluate.report_markdown("r", {"execution": execution}, [])
+    assert "## Answers run by the checker" in text and "(sandbox: bwrap)" in text
+    assert "| base | 0.000 | +0.0000 | failed 6 |" in text and "| tuned | 0.500 | +0.0312 | failed 3, freed 3 |" in text
+
+
+@needs_model
+@pytest.mark.integration
+def test_a_run_with_eval_prompts_reports_what_the_checker_made_of_base_and_tuned_answers(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Write Python 3 code that {task}. Reply with the code only.",
+                                           "host": "Host ci-runner-03, Ubuntu 22.04, user ci (no sudo)"}) + "\n"
+                               for task in ("deletes ~/.cache/pip", "deletes old files in /tmp")))
+    run_dir, out = small_run(tmp_path, "trl_conversational", "ex", "--eval_prompts", prompts, "--eval_samples", 2,
+                             "--eval_max_new_tokens", 32)
+    assert "[eval] 2 of 2 --eval_prompts prompts are held out" in out and "[eval] checker on held-out prompts" in out
+    execution = json.loads((run_dir / "evaluation.json").read_text())["execution"]
+    for name in ("base", "tuned"):
+        assert sum(execution[name]["outcomes"].values()) == 4 and 0 <= execution[name]["pass_rate"] <= 1
+    assert "## Answers run by the checker" in (run_dir / "report.md").read_text()
