@@ -82,12 +82,16 @@ endif
 endif
 # Training data: DATA when given, else the pairs built from LOGS.
 # METHOD=kto: the logs become unpaired KTO examples (every run used), and training is KTO; a DATA file of pairs
-# is unpaired. Unset: DPO, or KTO for a DATA file of prompt/completion/label examples.
-PAIRS := $(if $(DATA),$(DATA),$(OUT)/pairs/$(notdir $(basename $(LOGS))).$(if $(filter kto,$(METHOD)),kto,pairs).jsonl)
+# is unpaired. METHOD=grpo: training samples answers to the logs' code-asking prompts (train_dpo.py reads the logs
+# themselves, or a DATA file of prompts) and the checker scores them. Unset: DPO, or what a DATA file holds.
+PAIRS := $(if $(DATA),$(DATA),$(if $(filter grpo,$(METHOD)),$(LOGS),$(OUT)/pairs/$(notdir $(basename $(LOGS))).$(if $(filter kto,$(METHOD)),kto,pairs).jsonl))
+# Built beside the pairs from LOGS: each run's code-asking prompt and host, whose sampled answers the checker runs
+# for base and tuned at the end of training (train_dpo.py --eval_prompts; the held-out runs' prompts only).
+EVAL_PROMPTS := $(if $(DATA)$(filter grpo,$(METHOD)),,$(OUT)/pairs/$(notdir $(basename $(LOGS))).prompts.jsonl)
 
 .PHONY: help
 help: ## list the targets
-	@echo "usage: make TARGET [DATA=pairs.jsonl | LOGS=runs.jsonl] [METHOD=kto] [MODEL=dir|hub-id] [RUN=name] [ARGS=\"--flag value\"]"
+	@echo "usage: make TARGET [DATA=pairs.jsonl | LOGS=runs.jsonl] [METHOD=kto|grpo] [MODEL=dir|hub-id] [RUN=name] [ARGS=\"--flag value\"]"
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
 
 $(STAMP): requirements.txt
@@ -141,10 +145,10 @@ pairs: $(PAIRS) ## build DPO pairs from agent run logs (LOGS=runs.jsonl), or KTO
 
 # Rebuilt on every use (thousands of runs a second): another LOGS file with the same name is never stale.
 $(OUT)/pairs/%.pairs.jsonl: FORCE | $(STAMP)
-	$(PY) build_pairs.py $(LOGS) -o $@ --report $(@:.jsonl=.report.json)
+	$(PY) build_pairs.py $(LOGS) -o $@ --report $(@:.jsonl=.report.json) --prompts $(@:.pairs.jsonl=.prompts.jsonl)
 
 $(OUT)/pairs/%.kto.jsonl: FORCE | $(STAMP)
-	$(PY) build_pairs.py $(LOGS) --emit kto -o $@ --report $(@:.jsonl=.report.json)
+	$(PY) build_pairs.py $(LOGS) --emit kto -o $@ --report $(@:.jsonl=.report.json) --prompts $(@:.kto.jsonl=.prompts.jsonl)
 
 PLAN ?= data/plan.yaml
 
@@ -153,7 +157,7 @@ iterate: $(STAMP) $(BUNDLED_MODEL)/config.json ## rounds from PLAN=plan.yaml (SP
 	$(PY) entrypoint.py iterate $(PLAN) --output_dir $(OUT) $(ARGS)
 
 .PHONY: train
-train: train-$(RUNNER) ## train an adapter: DATA= or LOGS=, METHOD=kto, MODEL=, RUN=, ARGS=; RUNNER=local|docker; GPUS=N NPROC= NNODES= DIST=
+train: train-$(RUNNER) ## train an adapter: DATA= or LOGS=, METHOD=kto|grpo, MODEL=, RUN=, ARGS=; RUNNER=local|docker; GPUS=N NPROC= NNODES= DIST=
 
 .PHONY: train-auto
 train-auto: train-local
@@ -162,7 +166,8 @@ train-auto: train-local
 train-local: $(STAMP) $(if $(filter-out random:%,$(MODEL)),,$(BUNDLED_MODEL)/config.json) $(if $(DATA),,$(PAIRS))
 	$(PY) $(if $(DISTRIBUTED),scaleout.py $(if $(GPUS),--gpus $(GPUS)) $(DIST_FLAGS) $(if $(DRY_RUN),--dry_run) --,train_dpo.py) \
 	  --data $(PAIRS) --output_dir $(OUT) $(if $(MODEL),--model_name_or_path $(MODEL)) \
-	  $(if $(RUN),--run_name $(RUN)) $(if $(METHOD),--method $(METHOD)) $(if $(MIX),--mix $(MIX)) $(ARGS)
+	  $(if $(RUN),--run_name $(RUN)) $(if $(METHOD),--method $(METHOD)) $(if $(MIX),--mix $(MIX)) \
+	  $(if $(EVAL_PROMPTS),--eval_prompts $(EVAL_PROMPTS)) $(ARGS)
 
 .PHONY: train-docker
 train-docker: $(if $(DRY_RUN),,$(LAUNCHER_STAMP))

@@ -50,6 +50,7 @@ import warnings
 from array import array
 from collections import Counter, deque
 from dataclasses import dataclass
+from pathlib import Path
 
 import formats
 import kit
@@ -95,6 +96,9 @@ class PairsConfig:
     model: str | None = kit.field(None, "causal LM directory for --garble model")
     seed: int = kit.field(0, "garbling seed; the same input and seed give byte-identical output")
     skip_invalid: bool = kit.field(False, "skip and count bad lines instead of stopping at the first one")
+    prompts: str = kit.field("", "also write each run's code-asking prompt and the host it names here (JSONL: "
+                             "prompt, host, run_id): what train_dpo.py --eval_prompts runs through the checker and "
+                             "--method grpo trains on")
     workers: int = kit.field(0, "processes that parse and garble while this one writes (1: this process alone; 0: "
                              f"one per CPU core, up to {MAX_WORKERS}, for inputs over {AUTO_WORKERS_BYTES >> 20} MB); "
                              "the output is the same")
@@ -122,6 +126,8 @@ class PairsConfig:
             out.append("--no_cross_run is only used with --emit dpo (--emit kto makes no cross-run pairs)")
         if self.emit == "kto" and self.max_pairs_per_prompt != PairsConfig.max_pairs_per_prompt:
             out.append("--max_pairs_per_prompt is only used with --emit dpo (--emit kto makes no cross-run pairs)")
+        if self.prompts and self.runs == "-":
+            out.append("--prompts reads the run logs a second time: give a file, not standard input")
         same_file = self.runs not in ("", "-") and self.output != "-" and \
             os.path.abspath(self.runs) == os.path.abspath(self.output)
         if same_file:
@@ -264,6 +270,31 @@ def parse_run(obj, path, line: int, score_key: str = "space_freed", surrogates: 
 # ---------------------------------------------------------------------------------------------
 # The rules.
 # ---------------------------------------------------------------------------------------------
+
+def host_of_run(messages: list) -> str:
+    """The host line of a run's prompt (the message tagged get_basic_env_plist, else every message)."""
+    tagged = [m for m in messages if m.get("tag") == "get_basic_env_plist"]
+    return (tagged[0] if tagged else {"content": " ".join(str(m.get("content")) for m in messages)})["content"]
+
+
+def prompts_from_logs(logs: str) -> list[dict]:
+    """Each run's code-asking turn as the agent saw it (its strategy, asking for the code: build_pairs' rule 2
+    prompt) with the host its prompt describes and its run id (train_dpo.py keeps the held-out runs' ones)."""
+    out, seen = [], set()
+    for line_no, raw in enumerate(Path(logs).read_bytes().splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw)
+        except ValueError as e:
+            raise UserError(f"malformed JSON: {e}", logs, line_no) from None
+        run = parse_run(obj, logs, line_no)
+        host = host_of_run([m if isinstance(m, dict) else m[0] for m in obj["prompt"]])
+        if (run.strategy, host) not in seen:
+            seen.add((run.strategy, host))
+            out.append({"prompt": [{"role": "user", "content": run.strategy}], "host": host, "run_id": run.run_id})
+    return out
+
 
 def outcome(run: Run) -> str:
     """first_try (every attempt succeeded), mixed, never_succeeded (something ran) or never_ran."""
@@ -837,6 +868,9 @@ def summarize_kto(cfg: PairsConfig, stats: Counter, outcomes: Counter, writer: P
 
 def print_summary(s: dict) -> None:
     line = lambda d: ", ".join(f"{k} {v}" for k, v in d.items())  # noqa: E731
+    if "prompts_written" in s:
+        print(f"build_pairs: {s['prompts_written']['prompts']} code-asking prompts (with their hosts) to "
+              f"{s['prompts_written']['path']}", file=sys.stderr)
     if s["emit"] == "kto":
         labels, dropped = s["examples_by_label"], s["runs_dropped"]["only_duplicates"]
         print(f"build_pairs: {s['runs_read']} runs read from {s['input']} "
@@ -898,6 +932,10 @@ def main(argv: list[str] | None = None) -> int:
         written = summary["examples_written" if kto else "pairs_written"]
         if written:
             writer.commit()
+    if cfg.prompts and written:
+        rows = prompts_from_logs(cfg.runs)
+        kit.atomic_write_text(Path(cfg.prompts), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        summary["prompts_written"] = {"path": cfg.prompts, "prompts": len(rows)}
     print_summary(summary)
     if cfg.report:
         kit.atomic_write_json(cfg.report, summary)

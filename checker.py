@@ -300,31 +300,11 @@ def reward(completions, prompts=None, **kwargs) -> list[float]:
     return scores
 
 
-def host_of_run(messages: list) -> str:
-    """The host line of a run's prompt (the message tagged get_basic_env_plist, else every message)."""
-    tagged = [m for m in messages if m.get("tag") == "get_basic_env_plist"]
-    return (tagged[0] if tagged else {"content": " ".join(str(m.get("content")) for m in messages)})["content"]
-
-
 def prompts_from_logs(logs: str) -> list[dict]:
-    """Each run's code-asking turn as the agent saw it (its strategy, asking for the code: build_pairs' rule 2
-    prompt) with the host its prompt describes and its run id (train_dpo.py keeps the held-out runs' ones)."""
+    """Each run's code-asking prompt and host (build_pairs.prompts_from_logs: run logs -> prompts live there)."""
     import build_pairs
 
-    out, seen = [], set()
-    for line_no, raw in enumerate(Path(logs).read_bytes().splitlines(), 1):
-        if not raw.strip():
-            continue
-        try:
-            obj = json.loads(raw)
-        except ValueError as e:
-            raise UserError(f"malformed JSON: {e}", logs, line_no) from None
-        run = build_pairs.parse_run(obj, logs, line_no)
-        host = host_of_run([m if isinstance(m, dict) else m[0] for m in obj["prompt"]])
-        if (run.strategy, host) not in seen:
-            seen.add((run.strategy, host))
-            out.append({"prompt": [{"role": "user", "content": run.strategy}], "host": host, "run_id": run.run_id})
-    return out
+    return build_pairs.prompts_from_logs(logs)
 
 
 def load_prompts(path: str) -> list[dict]:
@@ -367,7 +347,7 @@ def agreement(logs: str, limits=None) -> dict:
             continue
         obj = json.loads(raw)
         run = build_pairs.parse_run(obj, logs, line_no)
-        host = host_of_run([m if isinstance(m, dict) else m[0] for m in obj["prompt"]])
+        host = build_pairs.host_of_run([m if isinstance(m, dict) else m[0] for m in obj["prompt"]])
         for attempt in run.attempts:
             result = check(attempt.code, host, limits)
             ran, succeeded = result.outcome in ("no_effect", "freed"), result.outcome == "freed"

@@ -25,6 +25,7 @@ import models
 import runs
 import shapes
 from kit import UserError
+from methods import TRAINERS, UNITS
 
 SAMPLING = {"temperature": 1.5, "top_k": 100, "top_p": 0.95}  # the co-training deck's settings
 MERGE_PROBES = ["How do I free disk space on a Linux server?", "What is 1+1?", "Tell me the history of the US."]
@@ -48,7 +49,13 @@ def preference_stats(rows) -> dict:
             "mean_margin": sum(c - r for c, r, _, _ in rows) / n}
 
 
-def report_markdown(title: str, evaluation: dict, plots: list[str]) -> str:
+def reward_rows(metrics: list[dict]) -> list[dict]:
+    """GRPO's logged steps: reward mean and spread, the checker's pass and ran rates, seconds per part."""
+    keys = ("reward", "reward_std", "pass_rate", "ran_rate", "kl", "time/generation", "time/scoring", "step_time")
+    return [{"step": m["step"], **{k: m[k] for k in keys if k in m}} for m in metrics if "reward" in m]
+
+
+def report_markdown(title: str, evaluation: dict, plots: list[str], metrics: list[dict] = ()) -> str:
     acc, probes, examples = evaluation.get("held_out"), evaluation.get("probes", []), evaluation.get("examples", [])
     cell = lambda t: " ".join(str(t).split()).replace("|", "\\|")[:160]  # noqa: E731
     lines = [f"# {title}", ""]
@@ -73,7 +80,7 @@ def report_markdown(title: str, evaluation: dict, plots: list[str]) -> str:
                   "| model | accuracy | accuracy (per token) | mean margin (nats) |", "| --- | --- | --- | --- |"]
         lines += [f"| {name} | {acc[name]['accuracy']:.3f} | {acc[name]['accuracy_per_token']:.3f} | "
                   f"{acc[name]['mean_margin']:.2f} |" for name in ("base", "tuned")] + [""]
-    elif not kto:
+    elif not kto and not evaluation.get("execution"):
         lines += ["No held-out pairs (eval_fraction 0 or too few pairs).", ""]
     execution = evaluation.get("execution")
     if execution:
@@ -86,8 +93,21 @@ def report_markdown(title: str, evaluation: dict, plots: list[str]) -> str:
         lines += [f"| {name} | {execution[name]['pass_rate']:.3f} | {execution[name]['mean_score']:+.4f} | "
                   + ", ".join(f"{k} {v}" for k, v in sorted(execution[name]["outcomes"].items())) + " |"
                   for name in ("base", "tuned")] + [""]
-    if plots:
-        lines += ["## Training curves", ""] + [f"![{p}]({p})" for p in plots] + [""]
+        lines += ["![execution.png](execution.png)", ""] if "execution.png" in plots else []
+    steps = reward_rows(list(metrics))
+    if steps:
+        f = lambda r, k, fmt: f"{r[k]:{fmt}}" if k in r else "n/a"  # noqa: E731
+        lines += ["## Reward per step (GRPO)", "",
+                  "Each step's sampled answers: the reward's mean and spread (the group-relative advantage is each "
+                  "answer's reward against its group's), and the share the checker passed (freed space) or saw run.",
+                  "", "| step | reward | ± | pass | ran | KL | generation s | scoring s | step s |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['step']} | {f(r, 'reward', '.3f')} | {f(r, 'reward_std', '.3f')} | {f(r, 'pass_rate', '.2f')} "
+                  f"| {f(r, 'ran_rate', '.2f')} | {f(r, 'kl', '.4f')} | {f(r, 'time/generation', '.1f')} | "
+                  f"{f(r, 'time/scoring', '.1f')} | {f(r, 'step_time', '.1f')} |" for r in steps] + [""]
+    curves = [p for p in plots if p != "execution.png"]
+    if curves:
+        lines += ["## Training curves", ""] + [f"![{p}]({p})" for p in curves] + [""]
     if probes:
         lines += ["## Retention probes", "",
                   "Greedy answers; 'fact' = the expected words appear; Δ logp = how much more (+) or less (-) likely "
@@ -149,7 +169,7 @@ def model_card(run_name: str, cfg, data: dict, params: dict, targets, metrics: l
 
     lines = [
         f"# {run_name}: LoRA {data.get('method', 'dpo').upper()} adapter for {base}", "",
-        f"Trained with dpo-kit (TRL {'KTOTrainer' if data.get('method') == 'kto' else 'DPOTrainer'}, "
+        f"Trained with dpo-kit (TRL {TRAINERS.get(data.get('method', 'dpo'), 'DPOTrainer')}, "
         f"{'4-bit NF4' if cfg.load_in_4bit else 'full-precision'} base, "
         f"LoRA r={cfg.lora_r} alpha={cfg.lora_alpha}).", "",
         *([f"**Random base**: {shapes.describe(base)}.", ""] if shapes.is_random(base) else []),
@@ -158,10 +178,15 @@ def model_card(run_name: str, cfg, data: dict, params: dict, targets, metrics: l
         *([f"- KTO examples: {data['labels']['desirable']:,} desirable, {data['labels']['undesirable']:,} "
            f"undesirable; loss weights {data['kto_weights'].get('desirable')} and "
            f"{data['kto_weights'].get('undesirable')}"] if data.get("method") == "kto" else []),
-        f"- {'examples' if data.get('method') == 'kto' else 'pairs'} used: {data['pairs_trained']:,}; skipped invalid: {sum(data['skipped'].values())}; "
-        f"truncated to {cfg.max_length} tokens: {data['truncated']}; dropped (prompt fills max_length): "
-        f"{data['dropped_too_long']}",
-        f"- held out of training: {data['held_out']} pairs (eval_fraction {cfg.eval_fraction})"
+        *([f"- GRPO: {cfg.num_generations} answers sampled per prompt (temperature {cfg.temperature}, up to "
+           f"{cfg.max_completion_length} tokens), rewards {cfg.reward}"
+           + (f" and `{cfg.reward_cmd}`" if cfg.reward_cmd else "") + f", KL beta {cfg.beta}"]
+          if data.get("method") == "grpo" else []),
+        f"- {UNITS.get(data.get('method', 'dpo'), 'pairs')} used: {data['pairs_trained']:,}; skipped invalid: "
+        f"{sum(data['skipped'].values())}; truncated to {cfg.max_length} tokens: {data['truncated']}; dropped "
+        f"(prompt fills max_length): {data['dropped_too_long']}",
+        f"- held out of training: {data['held_out']} {UNITS.get(data.get('method', 'dpo'), 'pairs')} "
+        f"(eval_fraction {cfg.eval_fraction})"
         + "".join(f"; mixed in {m['pairs_used']} pairs from `{m['path']}` ({m['share']:.0%})" for m in data["mix"]),
         "",
         "## Training", "",
@@ -175,7 +200,9 @@ def model_card(run_name: str, cfg, data: dict, params: dict, targets, metrics: l
         *([f"- chat template: `{cfg.chat_template}` (saved with the tokenizer: chat, merge and serving render with it)"]
           if getattr(cfg, "chat_template", "") else []), "",
         "| metric | first step | last step |", "| --- | --- | --- |",
-        *(f"| {k} | {fmt(first, k)} | {fmt(last, k)} |" for k in ("loss", "rewards/margins", "rewards/accuracies")),
+        *(f"| {k} | {fmt(first, k)} | {fmt(last, k)} |" for k in (
+            ("reward", "reward_std", "pass_rate", "kl") if data.get("method") == "grpo" else
+            ("loss", "rewards/margins", "rewards/accuracies"))),
         "", "Training-set numbers: they show the optimisation worked, not that the model got better; "
         "[report.md](report.md) has held-out accuracy before and after, retention probes and plots.", "",
         "## Use", "", "```python",
@@ -283,13 +310,23 @@ def plot_metrics(metrics: list[dict], out_dir: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     names = []
-    for key, title in (("loss", "DPO loss"), ("rewards/margins", "reward margin (chosen - rejected)"),
-                       ("rewards/accuracies", "reward accuracy")):
+    for key, title in (("loss", "loss"), ("rewards/margins", "reward margin (chosen - rejected)"),
+                       ("rewards/accuracies", "reward accuracy"),
+                       ("reward", "GRPO reward per step (mean of the step's answers, ± spread)"),
+                       ("pass_rate", "GRPO: answers the checker passed, per step")):
+        if not any(key in m or "eval_" + key in m for m in metrics):
+            continue
         fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
         for prefix, label in (("", "train"), ("eval_", "held-out")):
             pts = [(m["step"], m[prefix + key]) for m in metrics if prefix + key in m]
             if pts:
                 ax.plot(*zip(*pts), marker="o" if prefix else None, label=label)
+            spread = [(m["step"], m[prefix + key], m[prefix + key + "_std"]) for m in metrics
+                      if prefix + key + "_std" in m and prefix + key in m]
+            if spread:
+                steps, mean, std = zip(*spread)
+                ax.fill_between(steps, [a - b for a, b in zip(mean, std)], [a + b for a, b in zip(mean, std)],
+                                alpha=0.2)
         ax.set_xlabel("step")
         ax.set_title(title)
         ax.grid(alpha=0.3)
@@ -300,6 +337,37 @@ def plot_metrics(metrics: list[dict], out_dir: Path) -> list[str]:
         plt.close(fig)
         names.append(name)
     return names
+
+
+def plot_execution(execution: dict, out_dir: Path) -> str:
+    """execution.png: the checker's outcomes for the base's and the tuned model's sampled answers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    import checker
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    names = ("base", "tuned")
+    left = [0.0, 0.0]
+    colours = {"failed": "#bbbbbb", "no_effect": "#f0c05a", "freed": "#4c9a5b", "broke": "#c8423b"}
+    for outcome in checker.OUTCOMES:
+        share = [execution[n]["outcomes"].get(outcome, 0) / max(sum(execution[n]["outcomes"].values()), 1)
+                 for n in names]
+        ax.barh(names, share, left=left, color=colours[outcome], label=outcome)
+        left = [a + b for a, b in zip(left, share)]
+    for i, n in enumerate(names):
+        ax.text(1.01, i, f"pass {execution[n]['pass_rate']:.2f}\nscore {execution[n]['mean_score']:+.3f}",
+                va="center", fontsize=8)
+    ax.set_xlim(0, 1)
+    ax.set_xlabel(f"share of {execution['prompts'] * execution['samples']} sampled answers per model")
+    ax.set_title("held-out prompts: what the checker saw")
+    ax.legend(ncol=4, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, -0.55))
+    fig.tight_layout()
+    fig.savefig(out_dir / "execution.png")
+    plt.close(fig)
+    return "execution.png"
 
 
 def example_likelihoods(model, tokenizer, examples: list[dict], max_length: int) -> dict:
@@ -378,8 +446,10 @@ def evaluate(model, tokenizer, held: list[dict], probes: list[dict], max_length:
 def write_report(directory: Path, title: str, evaluation: dict, metrics: list[dict]) -> None:
     """evaluation.json, the training curves and report.md into directory."""
     plots = plot_metrics(metrics, directory)
+    if evaluation.get("execution"):
+        plots.insert(0, plot_execution(evaluation["execution"], directory))
     kit.atomic_write_json(directory / "evaluation.json", evaluation)
-    kit.atomic_write_text(directory / "report.md", report_markdown(title, evaluation, plots))
+    kit.atomic_write_text(directory / "report.md", report_markdown(title, evaluation, plots, metrics))
 
 
 # ---------------------------------------------------------------------------------------------

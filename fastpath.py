@@ -1177,6 +1177,32 @@ def kto_trainer_class():
     return KitKTOTrainer
 
 
+def grpo_trainer_class():
+    """GRPOTrainer that logs where a step's time goes (three of TRL 1.14's internal methods, timed): seconds
+    generating the answers (time/generation), scoring them (time/scoring: the reward functions, the checker's
+    sandboxed runs), and preparing the batch in all (time/rollout: those two and the reference's log-probs);
+    the rest of a step is training. `make bench` (grpo mode) and the progress line read them."""
+    from trl import GRPOTrainer
+
+    def timed(name, method):
+        def wrapper(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                mode = "train" if self.model.training else "eval"
+                self._metrics[mode][f"time/{name}"].append(time.perf_counter() - t0)
+        return wrapper
+
+    class KitGRPOTrainer(GRPOTrainer):
+        _generate = timed("generation", GRPOTrainer._generate)
+        _calculate_rewards = timed("scoring", GRPOTrainer._calculate_rewards)
+        _generate_and_score_completions = timed("rollout", GRPOTrainer._generate_and_score_completions)
+
+    KitGRPOTrainer.__name__ = KitGRPOTrainer.__qualname__ = "GRPOTrainer"
+    return KitGRPOTrainer
+
+
 def dpo_trainer_class(cache_dir: Path | None, keys: dict, record: dict):
     """DPOTrainer with two hooks into TRL 1.14's internals. Dataset preparation (prepare_pairs: chat template,
     tokenisation at the prompt's own end, dropping prompts that fill max_length) is read from cache_dir/<key> when an earlier

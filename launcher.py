@@ -60,7 +60,8 @@ class LaunchConfig:
     data: str = field("", "preference pairs on the host (JSONL), mounted read-only")
     logs: str = field("data/runs.jsonl", "agent run logs on the host, used when --data is not given")
     method: str = field("", "kto: train KTO (run logs become unpaired examples, build_pairs --emit kto; a pairs "
-                        "file is unpaired); dpo; '' = what the data holds", choices=("", "dpo", "kto"))
+                        "file is unpaired); grpo: sample answers to the logs' prompts, scored by the checker (the "
+                        "logs are the data); dpo; '' = what the data holds", choices=("", "dpo", "kto", "grpo"))
     output_dir: str = field("artifacts", "host directory mounted at /artifacts (runs, tarballs, pairs)")
     model: str = field("", "host model directory (mounted read-only) or hub id; empty = bundled in the image")
     run_name: str = field("", "run name (the same name resumes)")
@@ -176,12 +177,17 @@ def pairs_output(logs_in: str, method: str = "") -> str:
     return f"{IN_ARTIFACTS}/pairs/{Path(logs_in).name.rsplit('.', 1)[0]}.{'kto' if method == 'kto' else 'pairs'}.jsonl"
 
 
-def job_command(cfg: LaunchConfig, data_in: str, extra: list[str], model_in: str) -> list[str]:
+def prompts_output(logs_in: str) -> str:
+    """Where the logs' code-asking prompts go beside the pairs (the checker's held-out evaluation reads them)."""
+    return f"{IN_ARTIFACTS}/pairs/{Path(logs_in).name.rsplit('.', 1)[0]}.prompts.jsonl"
+
+
+def job_command(cfg: LaunchConfig, data_in: str, extra: list[str], model_in: str, eval_prompts: str = "") -> list[str]:
     """The entrypoint command for the action, with container paths."""
     if cfg.action == "pairs":
         out = pairs_output(data_in, cfg.method)
         return ["pairs", data_in, "-o", out, "--report", out[:-len(".jsonl")] + ".report.json",
-                *(["--emit", "kto"] if cfg.method == "kto" else []), *extra]
+                "--prompts", prompts_output(data_in), *(["--emit", "kto"] if cfg.method == "kto" else []), *extra]
     if cfg.action == "check":
         return ["check", *(["--require_gpu"] if cfg.gpus else []), *extra]
     if cfg.action == "shell":
@@ -193,6 +199,8 @@ def job_command(cfg: LaunchConfig, data_in: str, extra: list[str], model_in: str
         cmd += ["--run_name", cfg.run_name]
     if cfg.method:
         cmd += ["--method", cfg.method]
+    if eval_prompts:
+        cmd += ["--eval_prompts", eval_prompts]
     d = dist_config(cfg)
     if scaleout.is_distributed(d):  # accelerate launch in the container, one process per GPU
         return ["launch", *launch_flags(d), "--", *cmd, *extra]
@@ -215,7 +223,7 @@ def run_spec(cfg: LaunchConfig, ref: str, paths: dict[str, str], extra: list[str
     return {
         "image": ref,
         "entrypoint": ["/bin/bash"] if cfg.action == "shell" else None,
-        "command": job_command(cfg, data_in, extra, model_in),
+        "command": job_command(cfg, data_in, extra, model_in, paths.get("eval_prompts", "")),
         "user": user,
         "mounts": mounts,
         "environment": {k: env[k] for k in PASS_ENV if env.get(k)},
@@ -380,11 +388,11 @@ def main(argv=None) -> int:
     user = cfg.user or f"{os.getuid()}:{os.getgid()}"
     paths = host_paths(cfg, env)
     jobs = []  # (what, spec)
-    if cfg.action == "train" and not cfg.data:  # run logs -> pairs in a container, then train on them
+    if cfg.action == "train" and not cfg.data and cfg.method != "grpo":  # run logs -> pairs in a container, then train
         pairs_cfg = dataclasses.replace(cfg, action="pairs")
         jobs.append(("pairs", run_spec(pairs_cfg, ref, paths, [], user, env)))
         built = Path(pairs_output(paths["data"], cfg.method)).relative_to(IN_ARTIFACTS)
-        paths = {**paths, "data": str(Path(paths["output"]) / built)}
+        paths = {**paths, "data": str(Path(paths["output"]) / built), "eval_prompts": prompts_output(paths["data"])}
     if cfg.action == "train" and cfg.gpus:
         jobs.append(("gpu check", run_spec(dataclasses.replace(cfg, action="check"), ref, paths, [], user, env)))
     jobs.append((cfg.action, run_spec(cfg, ref, paths, extra, user, env)))

@@ -225,7 +225,8 @@ def trim_metrics(path: Path, last_step: int) -> None:
 
 def progress_line(step: int, max_steps: int, logs: dict, seconds_per_step: float | None) -> str:
     """One logged step in a few words: 'step 3/10  loss 0.6931  margin 0.012  acc 0.50  2.1 s/step  0:00:15 left'
-    (held-out numbers as 'eval loss ...' when the row is an evaluation)."""
+    (held-out numbers as 'eval loss ...' when the row is an evaluation; GRPO: 'reward 0.120 ± 0.210  pass 0.12
+    ran 0.50', the reward's mean and spread over the step's answers and the checker's pass and ran rates)."""
     def num(key, fmt):
         return f"{logs[key]:{fmt}}" if isinstance(logs.get(key), (int, float)) else None
 
@@ -239,6 +240,10 @@ def progress_line(step: int, max_steps: int, logs: dict, seconds_per_step: float
             value = num(prefix + key, fmt)
             if value is not None:
                 parts.append(f"{label}{name} {value}")
+    if num("reward", ".3f") is not None:  # GRPO: the group's rewards, and what the checker saw
+        parts.append(f"reward {num('reward', '.3f')} ± {num('reward_std', '.3f') or '?'}")
+        parts += [f"{name} {num(key, '.2f')}" for key, name in (("pass_rate", "pass"), ("ran_rate", "ran"))
+                  if num(key, ".2f") is not None]
     if seconds_per_step is not None:
         left = int(seconds_per_step * max(max_steps - step, 0))
         parts.append(f"{seconds_per_step:.1f} s/step  {left // 3600}:{left // 60 % 60:02d}:{left % 60:02d} left")
@@ -507,12 +512,17 @@ def describe_run(manifest: dict) -> str:
         f"base model:     {base.get('name_or_path')}" + (f" = {origin}" if origin else ""),
         f"adapter:        LoRA r={cfg.get('r')} alpha={cfg.get('lora_alpha')} on {', '.join(cfg.get('target_modules') or [])}",
         f"data:           {data.get('pairs_trained', data.get('pairs'))} "
-        f"{'KTO examples' if manifest.get('method') == 'kto' else 'pairs'}, {data.get('format')}, "
+        f"{ {'kto': 'KTO examples', 'grpo': 'GRPO prompts'}.get(manifest.get('method'), 'pairs')}, {data.get('format')}, "
         f"sha256 {data.get('sha256')}",
     ]
     if manifest.get("eval"):
         lines.append(f"held-out:       preference accuracy {manifest['eval']['base']:.3f} (base) -> "
                      f"{manifest['eval']['tuned']:.3f} (tuned); see report.md")
+    if manifest.get("execution"):
+        e = manifest["execution"]
+        lines.append(f"checker:        held-out answers' pass rate {e['base']['pass_rate']:.3f} (base) -> "
+                     f"{e['tuned']['pass_rate']:.3f} (tuned), mean score {e['base']['mean_score']:+.4f} -> "
+                     f"{e['tuned']['mean_score']:+.4f}")
     versions = ", ".join(f"{k} {v}" for k, v in manifest.get("versions", {}).items() if v)
     lines.append(f"versions:       python {manifest.get('python')}, {versions}")
     lines.append(f"files:          {len(manifest.get('files', {}))} checked against manifest.json")

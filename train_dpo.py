@@ -1,8 +1,9 @@
-"""Fine-tune a causal LM on preference pairs with DPO (or on unpaired labelled examples with KTO): 4-bit NF4
-base, LoRA adapter, frozen reference.
+"""Fine-tune a causal LM on preference pairs with DPO (on unpaired labelled examples with KTO, or online with GRPO:
+sampled answers scored by running them): 4-bit NF4 base, LoRA adapter, frozen reference.
 
     python train_dpo.py --data pairs.jsonl [--model_name_or_path DIR|HUB_ID] [--run_name NAME] [--config run.yaml]
     python train_dpo.py --data examples.jsonl         # {"prompt", "completion", "label"} lines: KTO (--method auto)
+    python train_dpo.py --method grpo --data data/runs.jsonl   # run logs' prompts, answers scored by checker.py
     make train DATA=pairs.jsonl ARGS="--max_steps 20 --learning_rate 5e-5 --beta 0.1 --seed 7"
     python train_dpo.py --config configs/demo.yaml --data pairs.jsonl     # options from YAML, flags on top
 
@@ -11,8 +12,9 @@ way of artifacts/<run_name>.partial/, then artifacts/<run_name>.tar.gz for hando
 same --run_name resumes from the last checkpoint; one process at a time trains a run. `--help` lists every
 option. In-process callers (iterate.py, scaleout.py, bench) call `run(TrainConfig(...))`.
 
-This file is the recipe: the options, then `run` in named steps. The parts live beside it: models.py
-(loading, LoRA targets, generation), fastpath.py (kernels, TRL internals), evaluate.py (report, model card),
+This file is the recipe: the options, then `run` in named steps. The parts live beside it: methods.py (what
+differs between DPO, KTO and GRPO: their checks, data, TRL config and trainer), rewards.py (GRPO's reward
+functions), models.py (loading, LoRA targets, generation), fastpath.py (kernels, TRL internals), evaluate.py (report, model card),
 runs.py (run directory, status, lock, tarball), formats.py (pair files, held-out split, mixing), ranks.py.
 """
 
@@ -35,8 +37,10 @@ import evaluate
 import fastpath
 import formats
 import kit
+import methods
 import models
 import ranks
+import rewards
 import runs
 import shapes
 from kit import UserError, field
@@ -44,8 +48,6 @@ from kit import UserError, field
 KIT_NAME = "dpo-kit"
 _LOAD = models.LoadOptions()  # how the base is loaded: its defaults are TrainConfig's
 
-
-KTO_BALANCE = 1.15  # desirable x weight / (undesirable x weight): inside the KTO paper's [1, 4/3], off its edges
 # --report_to: transformers' experiment trackers (integrations.INTEGRATION_TO_CALLBACK) -> the modules each needs
 TRACKERS = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "mlflow": ("mlflow",),
             "trackio": ("trackio",), "comet_ml": ("comet_ml",), "clearml": ("clearml",), "swanlab": ("swanlab",),
@@ -71,9 +73,11 @@ class TrainConfig:
                                  "(score_chosen/score_rejected, chosen_score/rejected_score or chosen_rating/"
                                  "rejected_rating columns, or --columns); 0 = keep all, scores not needed")
     max_length: int = field(512, "tokens per sequence (prompt + completion); longer pairs are truncated, counted")
-    method: str = field("auto", "dpo (preference pairs) or kto (unpaired examples labelled desirable or not: "
-                        "build_pairs.py --emit kto; a pairs file is unpaired, chosen desirable); auto = kto for a "
-                        "file of prompt/completion/label examples, else dpo", choices=("auto", "dpo", "kto"))
+    method: str = field("auto", "dpo (preference pairs), kto (unpaired examples labelled desirable or not: "
+                        "build_pairs.py --emit kto; a pairs file is unpaired, chosen desirable) or grpo (prompts, or "
+                        "run logs: num_generations sampled answers per prompt, scored by --reward); auto = kto for a "
+                        "file of prompt/completion/label examples, grpo for prompts or run logs, else dpo",
+                        choices=("auto", *methods.METHODS))
     # 4-bit quantisation (bitsandbytes)
     load_in_4bit: bool = field(_LOAD.load_in_4bit, "load the base (and a separate reference) in 4-bit; false = LoRA on full weights")
     bnb_4bit_quant_type: str = field(_LOAD.bnb_4bit_quant_type, "4-bit data type", choices=("nf4", "fp4"))
@@ -108,7 +112,8 @@ class TrainConfig:
                                 "keys and values kept, with gradients, for the chosen and the rejected pass) "
                                 "where that saves work; the same log-probs to float rounding")
     # DPO and optimisation (TRL / transformers names)
-    beta: float = field(0.1, "DPO temperature: higher keeps the policy closer to the reference")
+    beta: float = field(0.1, "DPO temperature (KTO's too; GRPO: the KL coefficient): higher keeps the policy closer "
+                        "to the reference")
     loss_type: str = field("sigmoid", "TRL DPO loss (sft: only the chosen side's NLL, the rounds' SFT stage)",
                            choices=("sigmoid", "hinge", "ipo", "robust", "sigmoid_norm", "sft"))
     learning_rate: float = field(2e-4, "AdamW learning rate for the LoRA weights")
@@ -118,7 +123,8 @@ class TrainConfig:
     max_grad_norm: float = field(1.0, "gradient clipping norm")
     num_train_epochs: float = field(1.0, "passes over the pairs (ignored when max_steps > 0)")
     max_steps: int = field(-1, "optimiser steps; -1 = num_train_epochs")
-    per_device_train_batch_size: int = field(2, "pairs per forward pass per device (more steps per epoch on small "
+    per_device_train_batch_size: int = field(2, "pairs per forward pass per device (KTO: examples; GRPO: prompts, "
+                                             "each with its num_generations answers; more steps per epoch on small "
                                              "data; raise it on a GPU)")
     gradient_accumulation_steps: int = field(1, "pairs per step = batch size x this x devices")
     gradient_checkpointing: bool = field(False, "recompute activations in backward (less memory, ~20% slower)")
@@ -131,8 +137,9 @@ class TrainConfig:
                            "(offline; `tensorboard --logdir artifacts`); none = only metrics.jsonl")
     save_steps: int = field(10, "checkpoint every N steps (what a resume starts from)")
     # What training changed, and keeping what the model could already do
-    eval_fraction: float = field(0.1, "share of pairs held out of training, chosen by a hash of each pair "
-                                 "(stable as the file grows); 0 = none")
+    eval_fraction: float = field(0.2, "share of pairs (and prompts) held out of training, chosen by a hash of each "
+                                 "pair's run, else of the pair (stable as the file grows); 0 = none. On the demo "
+                                 "logs 0.2 holds out 8 of 49 runs: 11 pairs, 8 prompts for the checker")
     eval_steps: int = field(5, "TRL's eval metrics on the held-out pairs every N steps")
     early_stopping_patience: int = field(0, "stop after N evaluations without a lower held-out loss and keep "
                                          "the best checkpoint; 0 = off")
@@ -149,9 +156,25 @@ class TrainConfig:
     sft_weight: float = field(0.0, "weight of an SFT loss on the chosen responses, added to the DPO loss; 0 = off")
     # KTO (--method kto): the two weights of TRL's KTOConfig
     desirable_weight: float = field(0.0, "KTO: weight of the desirable examples' loss; 0 = from the class balance "
-                                    f"(the paper's rule: desirable x weight / (undesirable x weight) = {KTO_BALANCE}, "
+                                    f"(the paper's rule: desirable x weight / (undesirable x weight) = {methods.KTO_BALANCE}, "
                                     "inside its [1, 4/3])")
     undesirable_weight: float = field(0.0, "KTO: weight of the undesirable examples' loss; 0 = from the class balance")
+    # GRPO (--method grpo): TRL's GRPOConfig names
+    num_generations: int = field(4, "GRPO: answers sampled per prompt, each scored against its group's mean")
+    max_completion_length: int = field(160, "GRPO: longest sampled answer, in tokens (the demo's working code is "
+                                       "50-150)")
+    temperature: float = field(0.8, "GRPO: sampling temperature (a 135M model's answers at 1.0 are seldom code)")
+    top_p: float = field(0.95, "GRPO: nucleus sampling's probability mass")
+    reward: str = field("checker,ran", "GRPO's reward functions, comma-separated (rewards.py): checker = checker.py's "
+                        "score of the answer's code run on the prompt's host; ran = 1 when that code ran without "
+                        "an error; MODULE:FUNCTION = your own, TRL's reward signature")
+    reward_cmd: str = field("", "GRPO: a program that reads a completion on stdin and prints its reward "
+                            "($KIT_PROMPT, $KIT_HOST: the prompt and host), added to --reward")
+    reward_weights: str = field("", "GRPO: one weight per reward function (--reward, then --reward_cmd), "
+                                f"comma-separated; '' = 1 each, but ran {rewards.RAN_WEIGHT} (a nudge towards "
+                                "running code, below what freeing space scores)")
+    use_vllm: bool = field(False, "GRPO: generate with vLLM in the training process (TRL's colocate mode; needs "
+                           "vllm and a GPU); false = transformers' generate")
     # Rounds (iterate.py): each stage starts from the previous stage's adapter, which is also its reference
     init_adapter: str = field("", "a finished run (directory or .tar.gz) on the same base: its adapter is trained "
                               "further and, frozen, is the reference (TRL's 'ref' adapter copy); its LoRA shape "
@@ -203,8 +226,7 @@ class TrainConfig:
             p.append("--use_liger_kernel needs the liger-kernel package (pip install liger-kernel)")
         if self.init_adapter and self.ref_model_name_or_path:
             p.append("--init_adapter is the reference; it does not go with --ref_model_name_or_path")
-        if self.method == "kto":
-            p += kto_problems(self)
+        p += methods.method_problems(self, self.method)
         if self.desirable_weight < 0 or self.undesirable_weight < 0:
             p.append("--desirable_weight and --undesirable_weight must not be negative (0 = from the class balance)")
         p += tracker_problems(self.report_to)
@@ -218,91 +240,15 @@ class TrainConfig:
 # ---------------------------------------------------------------------------------------------
 
 
-def trackers(report_to: str) -> list[str]:
-    """--report_to as TRL's list ('none' and '' = no tracker)."""
-    return [t.strip() for t in report_to.split(",") if t.strip() and t.strip() != "none"]
-
-
 def tracker_problems(report_to: str) -> list[str]:
     """Unknown tracker names, and trackers whose package is not installed (transformers would fail at start)."""
     p = []
-    for name in trackers(report_to):
+    for name in methods.trackers(report_to):
         if name not in TRACKERS:
             p.append(f"--report_to: unknown tracker {name!r} (choose from none, {', '.join(TRACKERS)})")
         elif not any(importlib.util.find_spec(module) for module in TRACKERS[name]):
             p.append(f"--report_to {name}: needs the {TRACKERS[name][-1]} package (pip install {TRACKERS[name][-1]})")
     return p
-
-
-def trainer_kwargs(cfg: TrainConfig, checkpoint_dir: str, on_gpu: bool, bf16_ok: bool,
-                   with_eval: bool = False) -> dict:
-    """Map the kit's options onto what TRL's DPOConfig and KTOConfig share (the only place that mapping lives)."""
-    compute = models.resolve_compute_dtype(cfg.compute_dtype, on_gpu, bf16_ok)
-    kwargs = dict(
-        output_dir=checkpoint_dir, seed=cfg.seed, data_seed=cfg.seed, max_length=cfg.max_length,
-        beta=cfg.beta, learning_rate=cfg.learning_rate,
-        lr_scheduler_type=cfg.lr_scheduler_type, warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,
-        max_grad_norm=cfg.max_grad_norm, num_train_epochs=cfg.num_train_epochs, max_steps=cfg.max_steps,
-        per_device_train_batch_size=cfg.per_device_train_batch_size,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        gradient_checkpointing=cfg.gradient_checkpointing, precompute_ref_log_probs=cfg.precompute_ref_log_probs,
-        use_liger_kernel=cfg.use_liger_kernel,
-        logging_steps=cfg.logging_steps, save_strategy="steps", save_steps=cfg.save_steps, save_total_limit=2,
-        bf16=compute == "bfloat16", fp16=on_gpu and compute == "float16", use_cpu=not on_gpu,
-        report_to=trackers(cfg.report_to) or "none", disable_tqdm=True, dataloader_num_workers=0,  # progress: runs.training_callbacks
-        ddp_find_unused_parameters=False,  # several processes: every LoRA weight is used, skip DDP's extra graph walk
-    )
-    if with_eval:
-        kwargs.update(eval_strategy="steps", eval_steps=cfg.eval_steps,
-                      per_device_eval_batch_size=cfg.per_device_train_batch_size)
-        if cfg.early_stopping_patience:  # the best checkpoint must exist: save at every evaluation
-            kwargs.update(load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=False,
-                          save_steps=cfg.eval_steps)
-    return kwargs
-
-
-def dpo_config_kwargs(cfg: TrainConfig, checkpoint_dir: str, on_gpu: bool, bf16_ok: bool,
-                      with_eval: bool = False) -> dict:
-    """TRL's DPOConfig: the shared Trainer settings, DPO's loss (and the SFT term, TRL's MPO-style sum)."""
-    kwargs = trainer_kwargs(cfg, checkpoint_dir, on_gpu, bf16_ok, with_eval) | {"loss_type": [cfg.loss_type]}
-    if cfg.sft_weight:
-        kwargs.update(loss_type=[cfg.loss_type, "sft"], loss_weights=[1.0, cfg.sft_weight])
-    return kwargs
-
-
-def kto_problems(cfg: TrainConfig) -> list[str]:
-    """What does not go with KTO (checked again once --method auto has read the data)."""
-    p = []
-    if cfg.per_device_train_batch_size < 2:
-        p.append("--method kto needs --per_device_train_batch_size 2 or more: KTO estimates its KL term from the "
-                 "other completions in the batch")
-    for name, default in (("loss_type", "sigmoid"), ("sft_weight", 0.0), ("mix", ""), ("init_adapter", "")):
-        if getattr(cfg, name) != default:
-            p.append(f"--{name} is for DPO; --method kto does not take it")
-    if cfg.use_liger_kernel:
-        p.append("--use_liger_kernel: untested with --method kto here; train KTO without it")
-    return p
-
-
-def kto_weights(n_desirable: int, n_undesirable: int, desirable: float = 0.0, undesirable: float = 0.0) -> tuple:
-    """(desirable_weight, undesirable_weight): the ones given (non-zero), else weights that put the two
-    classes' total weight at KTO_BALANCE to 1, the rarer class up-weighted (the KTO paper, eq. 8, and TRL's
-    docs: desirable x its weight / (undesirable x its weight) in [1, 4/3])."""
-    if desirable and undesirable:
-        return desirable, undesirable
-    d, u = max(n_desirable, 1), max(n_undesirable, 1)
-    if desirable:  # the other from the balance
-        return desirable, round(desirable * d / (u * KTO_BALANCE), 4)
-    if undesirable:
-        return round(undesirable * u * KTO_BALANCE / d, 4), undesirable
-    return (round(u * KTO_BALANCE / d, 4), 1.0) if d <= u else (1.0, round(d / (u * KTO_BALANCE), 4))
-
-
-def kto_config_kwargs(cfg: TrainConfig, checkpoint_dir: str, on_gpu: bool, bf16_ok: bool, weights: tuple,
-                      with_eval: bool = False) -> dict:
-    """TRL's KTOConfig: the shared Trainer settings, KTO's loss and the two classes' weights."""
-    return trainer_kwargs(cfg, checkpoint_dir, on_gpu, bf16_ok, with_eval) | {
-        "loss_type": "kto", "desirable_weight": weights[0], "undesirable_weight": weights[1]}
 
 
 def truncation_stats(prompt_lens, chosen_lens, rejected_lens, max_length: int) -> int:
@@ -365,6 +311,8 @@ def run(cfg: TrainConfig, callbacks: list = ()) -> runs.Run:
     data, train_pairs, held = load_data(cfg)
     probes = evaluate.load_probes(cfg.probes)
     exec_prompts = held_out_prompts(cfg)
+    if data.method == "grpo":  # its held-out prompts are what the checker scores; it has no held-out pairs
+        exec_prompts, held = exec_prompts + [{k: v for k, v in r.items() if k != formats.RUN_KEY} for r in held], []
     internals = trl_internals_usable(cfg)
     model_path = models.resolve_model_path(cfg.model_name_or_path)  # before a run directory exists
     ref_path = models.resolve_model_path(cfg.ref_model_name_or_path) if cfg.ref_model_name_or_path else None
@@ -401,7 +349,16 @@ def held_out_prompts(cfg: TrainConfig) -> list[dict]:
 
 
 def load_data(cfg: TrainConfig) -> tuple[formats.TrainingData, list[dict], list[dict]]:
-    """The whole file validated before anything heavy happens; the held-out share; other files mixed in."""
+    """The whole file validated before anything heavy happens; the held-out share; other files mixed in.
+    GRPO: prompts (or run logs' prompts), the held-out ones kept for the checker."""
+    if cfg.method == "grpo" or (cfg.method == "auto" and methods.holds_prompts(methods.first_record(cfg.data))):
+        data = formats.TrainingData(path=cfg.data, sha256=kit.sha256_file(cfg.data) if Path(cfg.data).is_file() else "",
+                                    format="prompts", pairs=0, skipped={}, method="grpo")
+        problems = methods.grpo_problems(cfg) if cfg.method == "auto" else []
+        if problems:
+            raise UserError("the data holds prompts (GRPO), and " + "; ".join(problems), cfg.data)
+        train, held = methods.grpo_data(cfg, data)
+        return data, train, held
     columns = formats.parse_columns(cfg.columns)
     pairs, stats = formats.load_pairs(cfg.data, cfg.skip_invalid, columns, cfg.min_score_gap)
     data = formats.TrainingData(path=cfg.data, sha256=stats["sha256"], format=stats["format"], pairs=stats["pairs"],
@@ -429,7 +386,7 @@ def resolve_method(cfg: TrainConfig, records: list[dict]) -> str:
         raise UserError("--method dpo needs preference pairs; this file holds unpaired (prompt/completion/label) "
                         "examples: train them with --method kto (or auto)", cfg.data)
     method = "kto" if unpaired else cfg.method if cfg.method != "auto" else "dpo"
-    problems = kto_problems(cfg) if method == "kto" and cfg.method == "auto" else []
+    problems = methods.kto_problems(cfg) if method == "kto" and cfg.method == "auto" else []
     if problems:
         raise UserError("the data holds unpaired examples (KTO), and " + "; ".join(problems), cfg.data)
     return method
@@ -468,7 +425,9 @@ def announce(cfg: TrainConfig, run: runs.Run, data: formats.TrainingData, n_trai
         print(f"[rank {ranks.world()['rank']}] training {run.name} as one of {batch_info(cfg)['processes']} "
               "processes", flush=True)
         return
-    what = (f"{data.pairs:,} pairs" if data.method == "dpo" else f"{sum(data.labels.values()):,} examples ("
+    what = (f"{data.pairs:,} pairs" if data.method == "dpo" else f"{data.pairs:,} prompts, GRPO ({cfg.num_generations} "
+            f"answers each, scored by {', '.join(rewards.names(cfg.reward) + (['--reward_cmd'] if cfg.reward_cmd else []))})"
+            if data.method == "grpo" else f"{sum(data.labels.values()):,} examples ("
             f"{data.labels['desirable']:,} desirable, {data.labels['undesirable']:,} undesirable), KTO")
     print(f"[data] {cfg.data}: {what}, format {data.format}, skipped {data.skipped or 0}; "
           f"{data.held_out} held out; training on {n_train:,}"
@@ -480,9 +439,11 @@ def announce(cfg: TrainConfig, run: runs.Run, data: formats.TrainingData, n_trai
                  if data.min_score_gap else ""))
     print("[config]\n" + "\n".join(f"  {k} = {v}" for k, v in (dataclasses.asdict(cfg) | {"run_name": run.name}).items()))
     b = batch_info(cfg)  # tokens per step = this x up to max_length x 2 (chosen and rejected)
-    print(f"[batch] {b['effective_batch_size']} pairs per optimiser step = {cfg.per_device_train_batch_size} per "
+    unit = methods.UNITS[data.method]
+    print(f"[batch] {b['effective_batch_size']} {unit} per optimiser step = {cfg.per_device_train_batch_size} per "
           f"device x {b['processes']} process(es) on {b['nodes']} machine(s) x {cfg.gradient_accumulation_steps} "
-          "gradient accumulation", flush=True)
+          "gradient accumulation" + (f"; {b['effective_batch_size'] * cfg.num_generations} sampled answers"
+                                     if data.method == "grpo" else ""), flush=True)
 
 
 @contextlib.contextmanager
@@ -603,29 +564,17 @@ def tensorboard_dir(path: Path):
 
 def build_trainer(cfg: TrainConfig, run: runs.Run, built: Built, pairs: list[dict], held: list[dict],
                   data: formats.TrainingData, interrupt: Interrupt, callbacks) -> None:
-    """TRL's DPOTrainer over the model: LoRA (or the --init_adapter run's adapter), the DPOConfig mapping,
-    the kit's callbacks, the tokenised-data cache and the fast path where the installed TRL allows them."""
-    from datasets import Dataset
+    """The method's TRL trainer over the model (methods.py): LoRA (or the --init_adapter run's adapter), its
+    config, the kit's callbacks, the tokenised-data cache and the fast path where the installed TRL allows them."""
     from peft import LoraConfig
     from transformers import EarlyStoppingCallback, PrinterCallback, set_seed
-    from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
     on_gpu, bf16_ok = models.device()
     set_seed(cfg.seed)  # LoRA init and data order depend on it
     peft_config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                              target_modules=built.targets, task_type="CAUSAL_LM", bias="none")
     built.method = data.method
-    if data.method == "kto":
-        n_good = sum(e["label"] for e in pairs)
-        weights = kto_weights(n_good, len(pairs) - n_good, cfg.desirable_weight, cfg.undesirable_weight)
-        data.kto_weights = {"desirable": weights[0], "undesirable": weights[1]}
-        print(f"[kto] {n_good:,} desirable and {len(pairs) - n_good:,} undesirable training examples; weights "
-              f"{weights[0]:g} and {weights[1]:g} (desirable x weight / (undesirable x weight) = "
-              f"{weights[0] * max(n_good, 1) / (weights[1] * max(len(pairs) - n_good, 1)):.2f}"
-              f"{'' if cfg.desirable_weight and cfg.undesirable_weight else ', from the class balance'})", flush=True)
-        args = KTOConfig(**kto_config_kwargs(cfg, str(run.checkpoints), on_gpu, bf16_ok, weights, with_eval=bool(held)))
-    else:
-        args = DPOConfig(**dpo_config_kwargs(cfg, str(run.checkpoints), on_gpu, bf16_ok, with_eval=bool(held)))
+    args = methods.trl_config(cfg, data, pairs, str(run.checkpoints), on_gpu, bf16_ok, with_eval=bool(held))
     extra = runs.training_callbacks(run, lambda: interrupt.signum is not None, sys.stdout.isatty())
     if held and cfg.early_stopping_patience:
         extra.append(EarlyStoppingCallback(early_stopping_patience=cfg.early_stopping_patience))
@@ -639,20 +588,14 @@ def build_trainer(cfg: TrainConfig, run: runs.Run, built: Built, pairs: list[dic
         model, built.targets, built.parent = models.load_init_adapter(model, cfg.init_adapter, models.LoadOptions.of(cfg),
                                                                       cfg.model_name_or_path)
         peft_config = None
-    if data.method == "kto":  # TRL's log-probs; the kit's tokenisation and module kernels (arm_fast_path)
-        trainer_cls = fastpath.kto_trainer_class() if built.internals else KTOTrainer
-        built.compute.logps = "full logits (TRL's KTOTrainer)"
-    elif not built.internals:
-        trainer_cls = DPOTrainer
-    else:
-        trainer_cls = fastpath.dpo_trainer_class(*tokenized_cache(cfg, built.tokenizer, args, pairs, held), data.tokenized)
-    train_set, held_set = formats.trainable(pairs), formats.trainable(held)
+    if data.method != "dpo":  # TRL's log-probs; the kit's tokenisation (KTO) and module kernels (arm_fast_path)
+        built.compute.logps = f"full logits (TRL's {methods.TRAINERS[data.method]})"
+    dpo_cache = tokenized_cache(cfg, built.tokenizer, args, pairs, held) if data.method == "dpo" and built.internals else ()
+    trainer_cls = methods.trainer_class(data.method, built.internals, dpo_cache, data.tokenized)
     args.run_name = run.name  # what trackers call the run
     with tensorboard_dir(run.partial / "logs" / "tensorboard"):  # transformers' TensorBoardCallback reads it at init
-        trainer = trainer_cls(model=model, ref_model=built.ref_model, args=args,
-                              train_dataset=Dataset.from_list(formats.dataset_rows(train_set)),
-                              eval_dataset=Dataset.from_list(formats.dataset_rows(held_set)) if held else None,
-                              processing_class=built.tokenizer, peft_config=peft_config, callbacks=[*extra, *callbacks])
+        trainer = methods.make_trainer(trainer_cls, cfg, data.method, model, built.ref_model, args, pairs, held,
+                                       built.tokenizer, peft_config, [*extra, *callbacks])
     trainer.remove_callback(PrinterCallback)  # raw dicts per step: runs.training_callbacks shows progress instead
     built.trainer = trainer
     if built.internals:
@@ -722,9 +665,10 @@ def record_data(cfg: TrainConfig, run: runs.Run, built: Built, data: formats.Tra
     ds = built.trainer.train_dataset
     data.pairs_trained = len(ds)
     data.dropped_too_long = n_pairs - len(ds)  # TRL drops pairs whose prompt alone fills max_length
-    sides = ("completion_ids", "completion_ids") if built.method == "kto" else ("chosen_ids", "rejected_ids")
-    data.truncated = truncation_stats(map(len, ds["prompt_ids"]), map(len, ds[sides[0]]), map(len, ds[sides[1]]),
-                                      cfg.max_length)
+    if built.method != "grpo":  # GRPO's prompts are tokenised as they are sampled, its answers cut while sampled
+        sides = ("completion_ids", "completion_ids") if built.method == "kto" else ("chosen_ids", "rejected_ids")
+        data.truncated = truncation_stats(map(len, ds["prompt_ids"]), map(len, ds[sides[0]]), map(len, ds[sides[1]]),
+                                          cfg.max_length)
     if "boundary" in ds.column_names:  # fastpath.tokenize_pair's record of each pair
         counts = Counter(ds["boundary"])
         data.boundary = {k: counts[k] for k in fastpath.BOUNDARY}
@@ -735,9 +679,9 @@ def record_data(cfg: TrainConfig, run: runs.Run, built: Built, data: formats.Tra
     if data.tokenized:
         print(f"[data] {'; '.join(f'{k}: {v}' for k, v in data.tokenized.items())} "
               f"({fastpath.tokenized_cache_dir(cfg.tokenized_cache)})")
-    what = "examples" if built.method == "kto" else "pairs"
-    print(f"[data] {data.truncated} {what} truncated to max_length={cfg.max_length} tokens; "
-          f"{data.dropped_too_long} dropped (prompt alone fills max_length)", flush=True)
+    if built.method != "grpo":
+        print(f"[data] {data.truncated} {methods.UNITS[built.method]} truncated to max_length={cfg.max_length} "
+              f"tokens; {data.dropped_too_long} dropped (prompt alone fills max_length)", flush=True)
     built.params = models.count_parameters(built.trainer.model.named_parameters()) | {
         "quantized_4bit": built.params["quantized_4bit"]}
     print("[params]\n" + models.parameter_table(built.params), flush=True)
@@ -844,6 +788,8 @@ def manifest(cfg: TrainConfig, run: runs.Run, built: Built, data: formats.Traini
         "started_at": started, "finished_at": runs.now_iso(), "steps": built.trainer.state.global_step,
         "adapter_step": adapter_step(built.trainer.state),
         "eval": {k: held[k]["accuracy"] for k in ("base", "tuned")} if held else None, "mix": data.mix,
+        "execution": {k: {m: evaluation["execution"][k][m] for m in ("pass_rate", "mean_score")} for k in ("base", "tuned")}
+        if evaluation.get("execution") else None,
         "versions": kit.package_versions(), "python": platform.python_version(), "platform": platform.platform(),
         "device": torch.cuda.get_device_name(0) if built.on_gpu else "cpu", "git_commit": kit.git_commit(),
         "init_adapter": built.parent}  # the parent run in a chain of rounds (lineage.json has the whole chain)

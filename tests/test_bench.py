@@ -15,6 +15,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import bench  # noqa: E402
 import build_pairs as bp  # noqa: E402
 import kit  # noqa: E402
+import methods  # noqa: E402
 
 SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
            "num_key_value_heads": 3, "vocab_size": 49152}
@@ -74,7 +75,7 @@ def test_trl_best_flags_are_options_train_dpo_accepts():
     flags = bench.mode_flags("trl_best", "m", liger=False)
     cfg = kit.parse_config(train_dpo.TrainConfig, ["--data", "x.jsonl", *flags], "")
     assert cfg.precompute_ref_log_probs and not cfg.fused_ops and not cfg.chunked_logps and not cfg.use_liger_kernel
-    kwargs = train_dpo.dpo_config_kwargs(cfg, "/tmp/ck", False, False)
+    kwargs = methods.dpo_config_kwargs(cfg, "/tmp/ck", False, False)
     assert kwargs["precompute_ref_log_probs"] and kwargs["use_liger_kernel"] is False
     with pytest.raises(kit.UserError, match="--use_liger_kernel patches the modules --fused_ops fuses"):
         kit.parse_config(train_dpo.TrainConfig, ["--data", "x.jsonl", "--use_liger_kernel"], "")

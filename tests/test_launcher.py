@@ -105,11 +105,28 @@ def test_run_spec_mounts_a_local_model_and_passes_a_hub_id():
 def test_job_commands_for_pairs_check_and_shell():
     assert launcher.job_command(LaunchConfig(action="pairs"), "/data/runs.jsonl", [], "") == [
         "pairs", "/data/runs.jsonl", "-o", "/artifacts/pairs/runs.pairs.jsonl",
-        "--report", "/artifacts/pairs/runs.pairs.report.json"]
+        "--report", "/artifacts/pairs/runs.pairs.report.json", "--prompts", "/artifacts/pairs/runs.prompts.jsonl"]
     assert launcher.job_command(LaunchConfig(action="pairs", method="kto"), "/data/runs.jsonl", [], "") == [
         "pairs", "/data/runs.jsonl", "-o", "/artifacts/pairs/runs.kto.jsonl",
-        "--report", "/artifacts/pairs/runs.kto.report.json", "--emit", "kto"]  # every run, unpaired
+        "--report", "/artifacts/pairs/runs.kto.report.json", "--prompts", "/artifacts/pairs/runs.prompts.jsonl",
+        "--emit", "kto"]  # every run, unpaired
     assert launcher.job_command(LaunchConfig(method="kto"), "/data/runs.kto.jsonl", [], "")[-2:] == ["--method", "kto"]
+    assert launcher.job_command(LaunchConfig(), "/artifacts/pairs/runs.pairs.jsonl", [], "",
+                                "/artifacts/pairs/runs.prompts.jsonl")[-2:] == [
+        "--eval_prompts", "/artifacts/pairs/runs.prompts.jsonl"]  # the checker scores the held-out runs' prompts
+
+
+def test_grpo_in_the_container_trains_on_the_logs_themselves(tmp_path, capsys):
+    """No pairs step: train_dpo.py --method grpo reads the run logs' prompts (and has no --eval_prompts to add)."""
+    logs = tmp_path / "runs.jsonl"
+    logs.write_text(Path("data/runs.jsonl").read_text())
+    assert launcher.main(["train", "--dry_run", "--tag", "t", "--logs", str(logs), "--method", "grpo",
+                          "--output_dir", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "# pairs" not in out and "--method grpo" in out and "/data/runs.jsonl" in out and "--eval_prompts" not in out
+    assert launcher.main(["train", "--dry_run", "--tag", "t", "--logs", str(logs), "--output_dir", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert "# pairs" in out and "--eval_prompts /artifacts/pairs/runs.prompts.jsonl" in out
     assert launcher.job_command(LaunchConfig(action="check", gpus="all"), "", [], "") == ["check", "--require_gpu"]
     assert launcher.job_command(LaunchConfig(action="check"), "", [], "") == ["check"]
     assert launcher.job_command(LaunchConfig(action="shell"), "", ["-c", "id"], "") == ["-c", "id"]
@@ -144,7 +161,7 @@ def test_dry_run_prints_pairs_then_train_without_any_engine(tmp_path):
     assert f"{ROOT}/data/runs.jsonl:/data/runs.jsonl:ro" in lines[1]
     assert lines[-1].endswith(f"-v {tmp_path}/a/pairs/runs.pairs.jsonl:/data/runs.pairs.jsonl:ro --label dpo-kit=1 "
                               "--label dpo-kit.action=train dpo-kit:t1 train --data /data/runs.pairs.jsonl "
-                              "--output_dir /artifacts --max_steps 2")
+                              "--output_dir /artifacts --eval_prompts /artifacts/pairs/runs.prompts.jsonl --max_steps 2")
     assert not (tmp_path / "a").exists()  # a dry run writes nothing
 
 
@@ -261,10 +278,11 @@ def test_make_dry_run_prints_the_second_machines_command_without_an_engine(tmp_p
     train = lines[lines.index("# train") + 1]
     assert train.startswith("docker run --rm --gpus 8 ") and " --network host " in train
     assert train.endswith("dpo-kit:t1 launch --nproc 8 --nnodes 2 --node_rank 1 --master_addr 10.0.0.1 -- "
-                          "--data /data/runs.pairs.jsonl --output_dir /artifacts")
+                          "--data /data/runs.pairs.jsonl --output_dir /artifacts --eval_prompts /artifacts/pairs/runs.prompts.jsonl")
     assert lines[-1] == ("# accelerate launch --num_processes 16 --num_machines 2 --machine_rank 1 --main_process_ip "
                          "10.0.0.1 --main_process_port 29500 --multi_gpu --mixed_precision no --dynamo_backend no "
-                         "/opt/kit/train_dpo.py --data /data/runs.pairs.jsonl --output_dir /artifacts")
+                         "/opt/kit/train_dpo.py --data /data/runs.pairs.jsonl --output_dir /artifacts "
+                         "--eval_prompts /artifacts/pairs/runs.prompts.jsonl")
     assert not (tmp_path / "a").exists()
     bad = subprocess.run(["make", "train", "DIST=zero4", "RUNNER=docker", "DRY_RUN=1"], capture_output=True, text=True,
                          cwd=ROOT, timeout=60)

@@ -14,6 +14,7 @@ import evaluate
 import fastpath
 import formats
 import kit
+import methods
 import models
 import runs
 import train_dpo
@@ -108,18 +109,18 @@ def test_parameter_table_formats_thousands():
 
 def test_dpo_config_mapping_uses_trl_names_and_device():
     cfg = train_dpo.TrainConfig(data="x.jsonl", beta=0.3, max_steps=5, learning_rate=1e-5)
-    cpu = train_dpo.dpo_config_kwargs(cfg, "/tmp/ck", on_gpu=False, bf16_ok=False)
+    cpu = methods.dpo_config_kwargs(cfg, "/tmp/ck", on_gpu=False, bf16_ok=False)
     assert (cpu["beta"], cpu["max_steps"], cpu["learning_rate"], cpu["loss_type"]) == (0.3, 5, 1e-5, ["sigmoid"])
     assert (cpu["use_cpu"], cpu["bf16"], cpu["fp16"]) == (True, False, False)
-    gpu = train_dpo.dpo_config_kwargs(cfg, "/tmp/ck", on_gpu=True, bf16_ok=True)
+    gpu = methods.dpo_config_kwargs(cfg, "/tmp/ck", on_gpu=True, bf16_ok=True)
     assert (gpu["use_cpu"], gpu["bf16"], gpu["fp16"]) == (False, True, False)
-    old_gpu = train_dpo.dpo_config_kwargs(cfg, "/tmp/ck", on_gpu=True, bf16_ok=False)
+    old_gpu = methods.dpo_config_kwargs(cfg, "/tmp/ck", on_gpu=True, bf16_ok=False)
     assert (old_gpu["bf16"], old_gpu["fp16"]) == (False, True)
     asked = train_dpo.TrainConfig(data="x.jsonl", compute_dtype="bfloat16")
-    cpu_bf16 = train_dpo.dpo_config_kwargs(asked, "/tmp/ck", on_gpu=False, bf16_ok=False)
+    cpu_bf16 = methods.dpo_config_kwargs(asked, "/tmp/ck", on_gpu=False, bf16_ok=False)
     assert (cpu_bf16["use_cpu"], cpu_bf16["bf16"], cpu_bf16["fp16"]) == (True, True, False)  # autocast on the CPU
     pinned = train_dpo.TrainConfig(data="x.jsonl", compute_dtype="float32")
-    assert train_dpo.dpo_config_kwargs(pinned, "/tmp/ck", on_gpu=True, bf16_ok=True)["bf16"] is False
+    assert methods.dpo_config_kwargs(pinned, "/tmp/ck", on_gpu=True, bf16_ok=True)["bf16"] is False
 
 
 def test_tokenized_cache_key_changes_with_what_tokenisation_depends_on():
@@ -138,7 +139,7 @@ def test_tokenized_cache_key_changes_with_what_tokenisation_depends_on():
 def test_every_dpo_config_key_exists_in_trl():
     from trl import DPOConfig
 
-    kwargs = train_dpo.dpo_config_kwargs(train_dpo.TrainConfig(data="x"), "/tmp/ck", False, False)
+    kwargs = methods.dpo_config_kwargs(train_dpo.TrainConfig(data="x"), "/tmp/ck", False, False)
     DPOConfig(**kwargs)  # raises TypeError on a name TRL does not have
 
 
@@ -433,7 +434,7 @@ def tensorboard_scalars(path: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_report_to_names_known_trackers_whose_package_is_installed():
-    assert train_dpo.trackers("none") == [] and train_dpo.trackers("tensorboard, wandb") == ["tensorboard", "wandb"]
+    assert methods.trackers("none") == [] and methods.trackers("tensorboard, wandb") == ["tensorboard", "wandb"]
     from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 
     assert set(train_dpo.TRACKERS) == set(INTEGRATION_TO_CALLBACK)  # the kit's list is transformers' own
@@ -442,8 +443,8 @@ def test_report_to_names_known_trackers_whose_package_is_installed():
     assert problems[0].startswith("--report_to: unknown tracker 'tensorbored'")
     assert problems[1] == "--report_to kubeflow: needs the kubeflow package (pip install kubeflow)"
     cfg = train_dpo.TrainConfig(data="x.jsonl", report_to="tensorboard")
-    assert train_dpo.dpo_config_kwargs(cfg, "/tmp/ck", False, False)["report_to"] == ["tensorboard"]
-    assert train_dpo.dpo_config_kwargs(train_dpo.TrainConfig(data="x"), "/tmp/ck", False, False)["report_to"] == "none"
+    assert methods.dpo_config_kwargs(cfg, "/tmp/ck", False, False)["report_to"] == ["tensorboard"]
+    assert methods.dpo_config_kwargs(train_dpo.TrainConfig(data="x"), "/tmp/ck", False, False)["report_to"] == "none"
 
 
 def check_complete_run(run_dir: Path, steps: int):
@@ -969,14 +970,14 @@ def test_prepare_4bit_training_gives_peft_losses_and_gradients_without_float32_t
 # ------------------------------------------------------------------ KTO: unpaired examples
 
 def test_kto_weights_put_the_classes_at_the_papers_balance():
-    d, u = train_dpo.kto_weights(10, 40)  # rarer desirable: up-weighted, 1.15 x 40 / 10
-    assert (d, u) == (4.6, 1.0) and d * 10 / (u * 40) == pytest.approx(train_dpo.KTO_BALANCE)
-    d, u = train_dpo.kto_weights(40, 10)  # rarer undesirable: the desirable side still just ahead
-    assert d == 1.0 and d * 40 / (u * 10) == pytest.approx(train_dpo.KTO_BALANCE, rel=1e-3)
-    assert 1 <= train_dpo.kto_weights(7, 7)[0] * 7 / 7 <= 4 / 3
-    assert train_dpo.kto_weights(10, 40, 2.0, 0.5) == (2.0, 0.5)  # both given: kept
-    d, u = train_dpo.kto_weights(10, 40, undesirable=2.0)  # one given: the other from the balance
-    assert d * 10 / (u * 40) == pytest.approx(train_dpo.KTO_BALANCE)
+    d, u = methods.kto_weights(10, 40)  # rarer desirable: up-weighted, 1.15 x 40 / 10
+    assert (d, u) == (4.6, 1.0) and d * 10 / (u * 40) == pytest.approx(methods.KTO_BALANCE)
+    d, u = methods.kto_weights(40, 10)  # rarer undesirable: the desirable side still just ahead
+    assert d == 1.0 and d * 40 / (u * 10) == pytest.approx(methods.KTO_BALANCE, rel=1e-3)
+    assert 1 <= methods.kto_weights(7, 7)[0] * 7 / 7 <= 4 / 3
+    assert methods.kto_weights(10, 40, 2.0, 0.5) == (2.0, 0.5)  # both given: kept
+    d, u = methods.kto_weights(10, 40, undesirable=2.0)  # one given: the other from the balance
+    assert d * 10 / (u * 40) == pytest.approx(methods.KTO_BALANCE)
 
 
 def test_kto_problems_and_the_method_follow_the_data():
@@ -992,7 +993,7 @@ def test_kto_problems_and_the_method_follow_the_data():
         train_dpo.resolve_method(train_dpo.TrainConfig(data="x", method="dpo"), examples)
     with pytest.raises(UserError, match="unpaired examples .KTO., and --mix is for DPO"):
         train_dpo.resolve_method(train_dpo.TrainConfig(data="x", mix="0.2"), examples)
-    kwargs = train_dpo.kto_config_kwargs(train_dpo.TrainConfig(data="x"), "/tmp/c", False, False, (1.5, 1.0))
+    kwargs = methods.kto_config_kwargs(train_dpo.TrainConfig(data="x"), "/tmp/c", False, False, (1.5, 1.0))
     from trl import KTOConfig
 
     args = KTOConfig(**kwargs)

@@ -1,0 +1,192 @@
+"""GRPO's reward functions: the kit's checker, or any agent's own, in TRL's reward-function signature.
+
+    python train_dpo.py --method grpo --data prompts.jsonl                       # checker,ran (the default)
+    python train_dpo.py --method grpo --data prompts.jsonl --reward mypkg.grading:score
+    python train_dpo.py --method grpo --data prompts.jsonl --reward_cmd "python grade.py"
+
+`--reward` names reward functions, comma-separated, weighted by `--reward_weights` (TRL's names):
+
+  checker          checker.py's score of the answer's code, run on the prompt's host in the sandbox (-1..1)
+  ran              1 when that code ran to the end without an error (the environment's "compiles and runs",
+                   whether or not it freed space), else 0: the step before freeing space, which a small model
+                   reaches long before it frees any (a group whose answers all score 0 teaches GRPO nothing)
+  MODULE:FUNCTION  a Python function with TRL's signature, `f(prompts, completions, **kwargs) -> list[float]`
+                   (kwargs: the prompt file's other columns, e.g. `host`); MODULE is importable or a .py path
+
+`--reward_cmd CMD` adds a program: it reads one completion on stdin (the prompt as JSON in $KIT_PROMPT, the host
+in $KIT_HOST) and prints a number; a non-zero exit or no number is an error in the run. It is the user's own
+grader, run in a fresh temporary directory with a timeout; model-written code reaches the sandbox only through
+the checker (or through what the grader itself does).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+BUILT_IN = ("checker", "ran")
+RAN_WEIGHT = 0.1  # ran's default weight: running code is worth less than freeing space (checker: up to 1)
+CMD_TIMEOUT = 120  # seconds for one --reward_cmd call
+
+
+def names(spec: str) -> list[str]:
+    """--reward's comma-separated names."""
+    return [s.strip() for s in spec.split(",") if s.strip()]
+
+
+def weights(spec: str) -> list[float]:
+    """--reward_weights as floats ('' = TRL's default: 1 each). ValueError on a bad number."""
+    return [float(w) for w in spec.split(",") if w.strip()]
+
+
+def default_weights(spec: str, cmd: str = "") -> list[float]:
+    """--reward_weights when not given: 1 for each reward function, RAN_WEIGHT for ran."""
+    return [RAN_WEIGHT if n == "ran" else 1.0 for n in names(spec)] + ([1.0] if cmd.strip() else [])
+
+
+def problems(spec: str, cmd: str, weights_spec: str) -> list[str]:
+    """What is wrong with --reward / --reward_cmd / --reward_weights, before any model loads."""
+    p = []
+    funcs = names(spec)
+    if not funcs and not cmd.strip():
+        p.append("--reward names no reward function and there is no --reward_cmd")
+    for name in funcs:
+        if name in BUILT_IN:
+            continue
+        if ":" not in name:
+            p.append(f"--reward {name!r}: expected checker, ran or MODULE:FUNCTION")
+            continue
+        try:
+            load_function(name)
+        except (ImportError, AttributeError, OSError, SyntaxError, TypeError) as e:
+            p.append(f"--reward {name}: {type(e).__name__}: {e}")
+    if cmd.strip():
+        try:
+            argv = shlex.split(cmd)
+        except ValueError as e:
+            argv = None
+            p.append(f"--reward_cmd: {e}")
+        if argv == []:
+            p.append("--reward_cmd is empty")
+    try:
+        w = weights(weights_spec)
+    except ValueError:
+        p.append(f"--reward_weights {weights_spec!r}: expected numbers separated by commas")
+    else:
+        n = len(funcs) + bool(cmd.strip())
+        if w and len(w) != n:
+            p.append(f"--reward_weights gives {len(w)} weights for {n} reward functions")
+    return p
+
+
+def load_function(spec: str):
+    """MODULE:FUNCTION (an importable module, or a .py file's path) -> the function."""
+    module, _, function = spec.rpartition(":")
+    if module.endswith(".py"):
+        path = Path(module)
+        if not path.is_file():
+            raise OSError(f"no such file {module}")
+        loaded = importlib.util.spec_from_file_location(path.stem, path)
+        mod = importlib.util.module_from_spec(loaded)
+        loaded.loader.exec_module(mod)
+    else:
+        mod = importlib.import_module(module)
+    fn = getattr(mod, function)
+    if not callable(fn):
+        raise TypeError(f"{spec} is not a function")
+    return fn
+
+
+def _text(completion) -> str:
+    """A completion as text: TRL passes a string, or a list of messages (conversational prompts)."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(m.get("content") or "" for m in completion if m.get("role") == "assistant")
+
+
+def _prompt_text(prompt) -> str:
+    return prompt if isinstance(prompt, str) else " ".join(m.get("content") or "" for m in prompt)
+
+
+class Checked:
+    """Each (code, host) run once by the checker, shared by the checker and ran rewards of one batch; answers run
+    a few at a time (each is a sandboxed process, mostly waiting on the file system)."""
+
+    def __init__(self, workers: int = 0, wall_seconds: float = 20.0):
+        self.workers = workers or min(4, os.cpu_count() or 1)
+        self.wall_seconds = wall_seconds
+        self.cache: dict = {}
+
+    def results(self, prompts, completions, hosts) -> list:
+        import checker
+        import sandbox
+
+        keys = [(checker.code_of(_text(c)), h or _prompt_text(p) or checker.CheckConfig.host)
+                for p, c, h in zip(prompts, completions, hosts)]
+        todo = [k for k in dict.fromkeys(keys) if k not in self.cache]
+        limits = sandbox.Limits(wall_seconds=self.wall_seconds)
+        if len(self.cache) > 4096:  # one batch's worth is what is shared; keep the cache small
+            self.cache.clear()
+        with ThreadPoolExecutor(self.workers) as pool:
+            for key, result in zip(todo, pool.map(lambda k: checker.check(k[0], k[1], limits), todo)):
+                self.cache[key] = result
+        return [self.cache[k] for k in keys]
+
+
+def checker_rewards(checked: Checked):
+    """(checker, ran): TRL reward functions over one shared Checked."""
+    def checker_score(prompts, completions, host=None, log_metric=None, **kwargs):
+        results = checked.results(prompts, completions, host or [None] * len(prompts))
+        if log_metric is not None:  # TRL averages them per logged step: the progress line's pass rate
+            log_metric("pass_rate", sum(r.outcome == "freed" for r in results) / len(results))
+            log_metric("ran_rate", sum(r.outcome in ("freed", "no_effect") for r in results) / len(results))
+            log_metric("broke_rate", sum(r.outcome == "broke" for r in results) / len(results))
+        return [r.score for r in results]
+
+    def ran(prompts, completions, host=None, **kwargs):
+        results = checked.results(prompts, completions, host or [None] * len(prompts))
+        return [1.0 if r.outcome in ("freed", "no_effect") else 0.0 for r in results]
+
+    checker_score.__name__ = "checker"
+    return checker_score, ran
+
+
+def command_reward(cmd: str):
+    """--reward_cmd: the program's number for each completion (stdin: the completion; $KIT_PROMPT, $KIT_HOST)."""
+    argv = shlex.split(cmd)
+
+    def reward_cmd(prompts, completions, host=None, **kwargs):
+        out = []
+        for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+            env = dict(os.environ, KIT_PROMPT=json.dumps(prompt, ensure_ascii=False),
+                       KIT_HOST=(host[i] if host else "") or "")
+            with tempfile.TemporaryDirectory(prefix="dpo-kit-reward-") as tmp:
+                try:
+                    done = subprocess.run(argv, input=_text(completion), capture_output=True, text=True, env=env,
+                                          cwd=tmp, timeout=CMD_TIMEOUT)
+                except (OSError, subprocess.TimeoutExpired) as e:
+                    raise RuntimeError(f"--reward_cmd {cmd!r}: {e}") from None
+            if done.returncode != 0:
+                raise RuntimeError(f"--reward_cmd {cmd!r} exited {done.returncode}: {done.stderr.strip()[-300:]}")
+            try:
+                out.append(float(done.stdout.strip().split()[-1]))
+            except (ValueError, IndexError):
+                raise RuntimeError(f"--reward_cmd {cmd!r} printed no number (got {done.stdout.strip()[-100:]!r})") from None
+        return out
+
+    return reward_cmd
+
+
+def reward_functions(spec: str, cmd: str = "", wall_seconds: float = 20.0) -> list:
+    """--reward and --reward_cmd as TRL's reward_funcs, in that order (--reward_weights follows it)."""
+    checked = Checked(wall_seconds=wall_seconds)
+    built = dict(zip(BUILT_IN, checker_rewards(checked)))
+    funcs = [built[n] if n in built else load_function(n) for n in names(spec)]
+    return funcs + ([command_reward(cmd)] if cmd.strip() else [])
