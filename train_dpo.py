@@ -12,8 +12,9 @@ same --run_name resumes from the last checkpoint; one process at a time trains a
 option. In-process callers (iterate.py, scaleout.py, bench) call `run(TrainConfig(...))`.
 
 This file is the recipe: the options, then `run` in named steps. The parts live beside it: models.py
-(loading, LoRA targets, generation), fastpath.py (kernels, TRL internals), evaluate.py (report, model card),
-runs.py (run directory, status, lock, tarball), formats.py (pair files, held-out split, mixing), ranks.py.
+(loading, LoRA targets, generation), fastpath.py (kernels, TRL internals), tokenization.py (pairs to tokens),
+evaluate.py (report, model card), runs.py (run directory, status, lock, tarball), formats.py (pair files,
+held-out split, mixing), ranks.py.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import models
 import ranks
 import runs
 import shapes
+import tokenization
 from kit import UserError, field
 
 KIT_NAME = "dpo-kit"
@@ -725,9 +727,9 @@ def record_data(cfg: TrainConfig, run: runs.Run, built: Built, data: formats.Tra
     sides = ("completion_ids", "completion_ids") if built.method == "kto" else ("chosen_ids", "rejected_ids")
     data.truncated = truncation_stats(map(len, ds["prompt_ids"]), map(len, ds[sides[0]]), map(len, ds[sides[1]]),
                                       cfg.max_length)
-    if "boundary" in ds.column_names:  # fastpath.tokenize_pair's record of each pair
+    if "boundary" in ds.column_names:  # tokenization.tokenize_pair's record of each pair
         counts = Counter(ds["boundary"])
-        data.boundary = {k: counts[k] for k in fastpath.BOUNDARY}
+        data.boundary = {k: counts[k] for k in tokenization.BOUNDARY}
         print(f"[data] where completions start: {data.boundary['aligned']} pairs at the prompt's own end, "
               f"{data.boundary['continued']} tokenised after the prompt's tokens (the two merged across it), "
               f"{data.boundary['not_exact']} where the prompt's end merged and could not be kept (TRL's split)")

@@ -391,7 +391,7 @@ def test_public_preference_sets_in_each_file_type_train_a_step(tmp_path):
         "ultrafeedback.parquet": ("ultrafeedback", {"messages": 4, "prompt_id": 4, "score_chosen": 4,
                                                     "score_rejected": 4})}
     assert data["ignored_columns"]["prompt_id"] == 4 and "columns ignored (rows):" in out
-    # the answer that starts with spaces is tokenised after the prompt's own tokens (fastpath.tokenize_pair)
+    # the answer that starts with spaces is tokenised after the prompt's own tokens (tokenization.tokenize_pair)
     assert data["boundary"] == {"aligned": 11, "continued": 1, "not_exact": 0}
 
 
@@ -1041,7 +1041,7 @@ def test_kto_in_4bit_stops_on_sigterm_resumes_and_hands_off_a_tarball_that_verif
     data_json = json.loads((run_dir / "data.json").read_text())
     assert data_json["method"] == "kto" and data_json["labels"] == {"desirable": 8, "undesirable": 8}
     assert data_json["held_out"] == 2 * len(held) and data_json["pairs_trained"] == 16 - 2 * len(held)
-    # r0's indented answer is tokenised after the prompt's own tokens (fastpath.tokenize_example), not TRL's split
+    # r0's indented answer is tokenised after the prompt's own tokens (tokenization.tokenize_example), not TRL's split
     assert "r0" not in held
     assert data_json["boundary"] == {"aligned": 16 - 2 * len(held) - 1, "continued": 1, "not_exact": 0}
     assert "not a prefix" not in out.stdout + out.stderr
@@ -1080,7 +1080,7 @@ def test_tool_use_needs_a_template_that_shows_it_and_the_run_stops_before_any_mo
 @needs_model
 @pytest.mark.integration
 def test_tool_calling_conversations_train_with_the_shipped_template_to_a_tarball_peft_loads(tmp_path):
-    import fastpath
+    import tokenization
     from transformers import AutoTokenizer
 
     run_dir, out = small_run(tmp_path, "openai", "tools", "--chat_template", "chatml-tools", "--max_length", 512,
@@ -1096,7 +1096,7 @@ def test_tool_calling_conversations_train_with_the_shipped_template_to_a_tarball
     text = tok.apply_chat_template(record["prompt"] + record["chosen"], tools=record["tools"], tokenize=False)
     assert '<tool_call>\n{"name": "run_python", "arguments": {"code": ' in text and "<tool_response>\nok\n" in text
     assert '"name": "disk_usage"' in text.split("<|im_end|>")[0]  # the tools list is in the system turn
-    ids = fastpath.tokenize_pair(tok, formats.dataset_rows([record, pairs_in("trl_conversational")[0]])[0])
+    ids = tokenization.tokenize_pair(tok, formats.dataset_rows([record, pairs_in("trl_conversational")[0]])[0])
     assert tok.decode(ids["prompt_ids"] + ids["chosen_ids"]) == text  # what the trainer saw, through Arrow's rows
     assert generate(run_dir, "How do I free disk space?")  # PEFT loads the adapter on the 4-bit base
 
