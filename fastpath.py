@@ -37,18 +37,14 @@ The prompt-sharing forwards (dpo_logps) also register one attention function wit
 completion pass (_lower_right_sdpa).
 
 What the trainer classes' dataset hooks compute is not here: the tokenisation of pairs and KTO examples (the
-prompt as the model sees it when it answers; evaluate.py measures on the same tokens) is tokenization.py's.
+prompt as the model sees it when it answers; evaluate.py measures on the same tokens) is tokenization.py's,
+and the tokenised-data cache between runs is token_cache.py's. The hooks call them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import json
-import os
-import shutil
-import time
 import types
 from pathlib import Path
 
@@ -997,33 +993,8 @@ def attention_per_token_pair(config) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# TRL 1.14's DPOTrainer: the kit's subclass (tokenised-data cache, the log-prob hook) and its switches.
+# TRL 1.14's trainers: the kit's subclasses (dataset preparation, the log-prob hook) and their switches.
 # ---------------------------------------------------------------------------------------------
-
-
-def tokenized_cache_key(rows: list[dict], tokenizer_digest: str, settings: dict) -> str:
-    """What TRL's tokenisation of one split depends on: the rows (content and order), the tokenizer
-    (vocabulary, special tokens, chat template) and the settings (max_length, truncation, versions)."""
-    h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode() + b"\0" + tokenizer_digest.encode() + b"\0")
-    for row in rows:
-        h.update(json.dumps(row, sort_keys=True, ensure_ascii=False).encode("utf-8", "surrogatepass") + b"\n")
-    return h.hexdigest()[:32]
-
-
-def tokenizer_digest(tokenizer) -> str:
-    """sha256 of everything in a tokenizer that changes token ids: its full serialisation (fast
-    tokenizers), else its vocabulary, plus the chat template and special tokens."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    body = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
-    extra = json.dumps({"class": type(tokenizer).__name__, "chat_template": getattr(tokenizer, "chat_template", None),
-                        "special": getattr(tokenizer, "special_tokens_map", {})}, sort_keys=True, default=str)
-    return hashlib.sha256((body + "\0" + extra).encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def tokenized_cache_dir(setting: str) -> Path | None:
-    if setting.lower() == "none":
-        return None
-    return Path(setting or os.environ.get("DPO_KIT_CACHE") or Path.home() / ".cache" / "dpo-kit") / "tokenized"
 
 
 def kto_trainer_class():
@@ -1045,15 +1016,14 @@ def kto_trainer_class():
 
 
 def dpo_trainer_class(cache_dir: Path | None, keys: dict, record: dict):
-    """DPOTrainer with two hooks into TRL 1.14's internals. Dataset preparation (tokenization.prepare_pairs:
-    chat template, tokenisation at the prompt's own end, dropping prompts that fill max_length) is read from
-    cache_dir/<key> when an earlier run of the same split, tokenizer and settings left it there, else done and
-    saved (rank 0, renamed into place); what happened goes into record[split]. Per-token log-probs go through
-    dpo_logps once kit_fused_logps is set (TRL's chunked path wherever that one does not apply)."""
-    from datasets import Dataset
+    """DPOTrainer with two hooks into TRL 1.14's internals. Dataset preparation is tokenization.prepare_pairs
+    (chat template, tokenisation at the prompt's own end, dropping prompts that fill max_length) through the
+    tokenised-data cache (token_cache.cached: cache_dir/keys[split], None = off; what happened goes into
+    record[split]). Per-token log-probs go through dpo_logps once kit_fused_logps is set (TRL's chunked path
+    wherever that one does not apply)."""
     from trl import DPOTrainer
 
-    import ranks
+    import token_cache
     import tokenization
 
     class KitDPOTrainer(DPOTrainer):
@@ -1063,32 +1033,8 @@ def dpo_trainer_class(cache_dir: Path | None, keys: dict, record: dict):
         kit_shared_batches = 0  # of those, the ones that shared their prompts
 
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
-            key = keys.get(dataset_name)
-            if cache_dir is None or key is None:
-                return tokenization.prepare_pairs(dataset, processing_class, args, dataset_name)
-            path = cache_dir / key
-            if (path / "state.json").exists():
-                try:
-                    out = Dataset.load_from_disk(str(path))
-                    record[dataset_name] = f"from cache ({len(out)} pairs)"
-                    return out
-                except Exception as e:  # a damaged entry: tokenise again and replace it
-                    print(f"[data] ignoring damaged cache entry {path}: {e}")
-            t0 = time.time()
-            out = tokenization.prepare_pairs(dataset, processing_class, args, dataset_name)
-            record[dataset_name] = f"tokenised in {time.time() - t0:.1f}s"
-            if ranks.is_main_process():
-                tmp = cache_dir / f".{key}.{os.getpid()}.tmp"
-                try:
-                    cache_dir.mkdir(parents=True, exist_ok=True)
-                    out.save_to_disk(str(tmp))
-                    shutil.rmtree(path, ignore_errors=True)
-                    os.replace(tmp, path)
-                    record[dataset_name] += ", cached"
-                except OSError as e:  # a read-only or full disk costs the next run time, not this one
-                    print(f"[data] tokenised data not cached ({e})")
-                    shutil.rmtree(tmp, ignore_errors=True)
-            return out
+            return token_cache.cached(cache_dir, keys.get(dataset_name), dataset_name, record,
+                                      lambda: tokenization.prepare_pairs(dataset, processing_class, args, dataset_name))
 
         def _get_per_token_logps_and_entropies(self, model, model_kwargs, input_ids, completion_mask):
             out = None

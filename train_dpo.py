@@ -13,8 +13,8 @@ option. In-process callers (iterate.py, scaleout.py, bench) call `run(TrainConfi
 
 This file is the recipe: the options, then `run` in named steps. The parts live beside it: models.py
 (loading, LoRA targets, generation), fastpath.py (kernels, TRL internals), tokenization.py (pairs to tokens),
-evaluate.py (report, model card), runs.py (run directory, status, lock, tarball), formats.py (pair files,
-held-out split, mixing), ranks.py.
+token_cache.py (tokenised pairs kept between runs), evaluate.py (report, model card), runs.py (run
+directory, status, lock, tarball), formats.py (pair files, held-out split, mixing), ranks.py.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import models
 import ranks
 import runs
 import shapes
+import token_cache
 import tokenization
 from kit import UserError, field
 
@@ -668,15 +669,15 @@ def tokenized_cache(cfg: TrainConfig, tokenizer, args, pairs: list[dict], held: 
     """(cache directory or None, {split: key}): what TRL's tokenisation of each split depends on."""
     import trl
 
-    cache_dir = fastpath.tokenized_cache_dir(cfg.tokenized_cache)
+    cache_dir = token_cache.tokenized_cache_dir(cfg.tokenized_cache)
     if cache_dir is None:
         return None, {}
     settings = {"max_length": cfg.max_length, "truncation_mode": args.truncation_mode, "trl": trl.__version__,
                 "kit_cache": 2}  # 2: tokenize_pair
-    digest = fastpath.tokenizer_digest(tokenizer)
-    keys = {"train": fastpath.tokenized_cache_key(pairs, digest, settings | {"split": "train"})}
+    digest = token_cache.tokenizer_digest(tokenizer)
+    keys = {"train": token_cache.tokenized_cache_key(pairs, digest, settings | {"split": "train"})}
     if held:
-        keys["eval"] = fastpath.tokenized_cache_key(held, digest, settings | {"split": "eval"})
+        keys["eval"] = token_cache.tokenized_cache_key(held, digest, settings | {"split": "eval"})
     return cache_dir, keys
 
 
@@ -736,7 +737,7 @@ def record_data(cfg: TrainConfig, run: runs.Run, built: Built, data: formats.Tra
     print(f"[model] log-probs: {built.compute.logps}")
     if data.tokenized:
         print(f"[data] {'; '.join(f'{k}: {v}' for k, v in data.tokenized.items())} "
-              f"({fastpath.tokenized_cache_dir(cfg.tokenized_cache)})")
+              f"({token_cache.tokenized_cache_dir(cfg.tokenized_cache)})")
     what = "examples" if built.method == "kto" else "pairs"
     print(f"[data] {data.truncated} {what} truncated to max_length={cfg.max_length} tokens; "
           f"{data.dropped_too_long} dropped (prompt alone fills max_length)", flush=True)

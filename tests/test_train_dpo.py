@@ -122,19 +122,6 @@ def test_dpo_config_mapping_uses_trl_names_and_device():
     assert train_dpo.dpo_config_kwargs(pinned, "/tmp/ck", on_gpu=True, bf16_ok=True)["bf16"] is False
 
 
-def test_tokenized_cache_key_changes_with_what_tokenisation_depends_on():
-    rows = [{"prompt": "p1", "chosen": "a", "rejected": "b"}, {"prompt": "p2", "chosen": "c", "rejected": "d"}]
-    key = fastpath.tokenized_cache_key(rows, "tok", {"max_length": 512})
-    assert key == fastpath.tokenized_cache_key([dict(r) for r in rows], "tok", {"max_length": 512})
-    assert key != fastpath.tokenized_cache_key(rows[::-1], "tok", {"max_length": 512})  # order is data order
-    assert key != fastpath.tokenized_cache_key(rows[:1], "tok", {"max_length": 512})
-    assert key != fastpath.tokenized_cache_key([rows[0], rows[1] | {"rejected": "e"}], "tok", {"max_length": 512})
-    assert key != fastpath.tokenized_cache_key(rows, "other tokenizer", {"max_length": 512})
-    assert key != fastpath.tokenized_cache_key(rows, "tok", {"max_length": 256})
-    assert fastpath.tokenized_cache_dir("none") is None
-    assert fastpath.tokenized_cache_dir("/x") == Path("/x/tokenized")
-
-
 def test_every_dpo_config_key_exists_in_trl():
     from trl import DPOConfig
 
@@ -714,17 +701,6 @@ def test_unknown_lora_target_is_a_user_error_with_the_choices(tmp_path, capsys):
     assert status == 2 and "no module named nope_proj" in err and "q_proj, up_proj, v_proj" in err
     status_json = json.loads((tmp_path / "art" / "bad.partial" / "status.json").read_text())
     assert status_json["state"] == "failed" and "nope_proj" in status_json["error"]
-
-
-@needs_model
-def test_tokenizer_digest_sees_the_chat_template():
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(MODEL)
-    digest = fastpath.tokenizer_digest(tok)
-    assert digest == fastpath.tokenizer_digest(AutoTokenizer.from_pretrained(MODEL))
-    tok.chat_template = tok.chat_template.replace("<|im_start|>", "<|im_start|> ")
-    assert fastpath.tokenizer_digest(tok) != digest
 
 
 @needs_model
