@@ -54,6 +54,7 @@ from pathlib import Path
 
 import formats
 import kit
+from kit import UserError
 from formats import ROLES, Example, Pair, PairWriter, decode_json, digest_and_line, short
 
 RULES = ("mixed", "first_try_strategy", "first_try_code", "cross_run")

@@ -18,12 +18,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import fastpath
 import formats
 import kit
 import models
 import runs
 import shapes
+import tokenization
 from kit import UserError
 from methods import TRAINERS, UNITS
 
@@ -222,16 +222,16 @@ def model_card(run_name: str, cfg, data: dict, params: dict, targets, metrics: l
 
 
 def tokenize_pair(tokenizer, rec: dict, max_length: int) -> tuple[list, list, list]:
-    """(prompt, chosen, rejected) token ids as training saw them (fastpath.tokenize_pair: the prompt as the model
-    sees it when it answers, the chat template for message lists, EOS after text), cut to max_length."""
-    out = fastpath.tokenize_pair(tokenizer, fastpath.with_eos(tokenizer, rec, ("chosen", "rejected")))
+    """(prompt, chosen, rejected) token ids as training saw them (tokenization.tokenize_pair: the prompt as the
+    model sees it when it answers, the chat template for message lists, EOS after text), cut to max_length."""
+    out = tokenization.tokenize_pair(tokenizer, tokenization.with_eos(tokenizer, rec, ("chosen", "rejected")))
     prompt = out["prompt_ids"][: max_length - 1]
     return prompt, *(out[f"{k}_ids"][: max_length - len(prompt)] for k in ("chosen", "rejected"))
 
 
 def tokenize_example(tokenizer, rec: dict, max_length: int) -> tuple[list, list]:
-    """(prompt, completion) token ids of one KTO example as training saw them (fastpath.tokenize_example)."""
-    out = fastpath.tokenize_example(tokenizer, fastpath.with_eos(tokenizer, rec, ("completion",)))
+    """(prompt, completion) token ids of one KTO example as training saw them (tokenization.tokenize_example)."""
+    out = tokenization.tokenize_example(tokenizer, tokenization.with_eos(tokenizer, rec, ("completion",)))
     prompt = out["prompt_ids"][: max_length - 1]
     return prompt, out["completion_ids"][: max_length - len(prompt)]
 

@@ -35,16 +35,16 @@ kernel in that form, and how look-alikes with another function keep theirs). Mod
 anything unusual stays correct and merely runs at the old speed; the run lists what kept its own forward.
 The prompt-sharing forwards (dpo_logps) also register one attention function with transformers, for the
 completion pass (_lower_right_sdpa).
+
+What the trainer classes' dataset hooks compute is not here: the tokenisation of pairs and KTO examples (the
+prompt as the model sees it when it answers; evaluate.py measures on the same tokens) is tokenization.py's,
+and the tokenised-data cache between runs is token_cache.py's. The hooks call them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import json
-import os
-import shutil
 import time
 import types
 from pathlib import Path
@@ -994,184 +994,23 @@ def attention_per_token_pair(config) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# TRL 1.14's DPOTrainer: the kit's subclass (tokenised-data cache, the log-prob hook) and its switches.
+# TRL 1.14's trainers: the kit's subclasses (dataset preparation, the log-prob hook) and their switches.
 # ---------------------------------------------------------------------------------------------
-
-
-def tokenized_cache_key(rows: list[dict], tokenizer_digest: str, settings: dict) -> str:
-    """What TRL's tokenisation of one split depends on: the rows (content and order), the tokenizer
-    (vocabulary, special tokens, chat template) and the settings (max_length, truncation, versions)."""
-    h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode() + b"\0" + tokenizer_digest.encode() + b"\0")
-    for row in rows:
-        h.update(json.dumps(row, sort_keys=True, ensure_ascii=False).encode("utf-8", "surrogatepass") + b"\n")
-    return h.hexdigest()[:32]
-
-
-def tokenizer_digest(tokenizer) -> str:
-    """sha256 of everything in a tokenizer that changes token ids: its full serialisation (fast
-    tokenizers), else its vocabulary, plus the chat template and special tokens."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    body = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
-    extra = json.dumps({"class": type(tokenizer).__name__, "chat_template": getattr(tokenizer, "chat_template", None),
-                        "special": getattr(tokenizer, "special_tokens_map", {})}, sort_keys=True, default=str)
-    return hashlib.sha256((body + "\0" + extra).encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def tokenized_cache_dir(setting: str) -> Path | None:
-    if setting.lower() == "none":
-        return None
-    return Path(setting or os.environ.get("DPO_KIT_CACHE") or Path.home() / ".cache" / "dpo-kit") / "tokenized"
-
-
-# ---------------------------------------------------------------------------------------------
-# Tokenising a pair: the prompt exactly as the model sees it when it answers, the completion its continuation.
-# ---------------------------------------------------------------------------------------------
-
-BOUNDARY = ("aligned", "continued", "not_exact")  # per pair, data.json's boundary counts
-
-
-def tokenize_pair(tokenizer, example: dict) -> dict:
-    """prompt_ids, chosen_ids, rejected_ids and `boundary` for one pair (TRL 1.14's tokenize_fn, one change).
-
-    TRL tokenises prompt+completion as one text and starts the completion where that and the prompt alone
-    diverge: where the completion's first characters merge with the end of the rendered prompt ('\\n' before
-    an answer that starts with spaces), the prompt loses its last token and the model is trained on a context
-    it never sees when it answers. Here the prompt keeps its tokens as rendered with the generation prompt, and
-    the rest of the text is tokenised on its own as their continuation:
-      aligned    the joint tokenisation already splits at the prompt's end (TRL's split, unchanged)
-      continued  a token straddled the end; the completion is the rest of the text tokenised alone
-      not_exact  the template renders the prompt otherwise before an answer, or the rest tokenised alone is
-                 other text (a tokenizer that adds a space at the start): TRL's split, counted
-    """
-    import formats  # not at the top: the image's model conversion copies this file without formats.py
-
-    example = formats.record_from_row(example)  # tool calls as the chat template takes them
-    tools = example.get("tools")
-    prompt_ids, prompt_text = _prompt_ids_and_text(tokenizer, example["prompt"], tools)
-    out, boundary = {"prompt_ids": prompt_ids}, "aligned"
-    joint = {}
-    for side in ("chosen", "rejected"):
-        ids, side_boundary, joint[side] = _completion_ids(tokenizer, example["prompt"], prompt_ids, prompt_text,
-                                                          example[side], tools)
-        if side_boundary == "not_exact":
-            boundary = "not_exact"
-            break
-        out[f"{side}_ids"] = ids
-        boundary = "continued" if "continued" in (boundary, side_boundary) else "aligned"
-    if boundary == "not_exact":  # TRL's split: the completion starts where the tokenisations diverge
-        joint = {side: joint.get(side) or _joint_ids(tokenizer, example["prompt"], example[side], tools)
-                 for side in ("chosen", "rejected")}
-        n = min(_common_prefix(prompt_ids, joint["chosen"]), _common_prefix(prompt_ids, joint["rejected"]))
-        out = {"prompt_ids": prompt_ids[:n], "chosen_ids": joint["chosen"][n:], "rejected_ids": joint["rejected"][n:]}
-    return out | {"boundary": boundary}
-
-
-def tokenize_example(tokenizer, example: dict) -> dict:
-    """prompt_ids, completion_ids and `boundary` for one unpaired (KTO) example: tokenize_pair's split for a
-    single completion (TRL 1.14's KTO tokenize_fn cuts the prompt's merged end the same way DPO's does)."""
-    import formats
-
-    example = formats.record_from_row(example)
-    tools = example.get("tools")
-    prompt_ids, prompt_text = _prompt_ids_and_text(tokenizer, example["prompt"], tools)
-    ids, boundary, joint = _completion_ids(tokenizer, example["prompt"], prompt_ids, prompt_text, example["completion"],
-                                           tools)
-    if boundary == "not_exact":
-        n = _common_prefix(prompt_ids, joint)
-        return {"prompt_ids": prompt_ids[:n], "completion_ids": joint[n:], "boundary": boundary}
-    return {"prompt_ids": prompt_ids, "completion_ids": ids, "boundary": boundary}
-
-
-def _prompt_ids_and_text(tokenizer, prompt, tools=None) -> tuple[list, str]:
-    """The prompt's tokens and text as the model sees them when it answers (with the generation prompt)."""
-    if isinstance(prompt, list):
-        return (_joint_ids(tokenizer, prompt, [], tools, add_generation_prompt=True),
-                tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True))
-    return _joint_ids(tokenizer, prompt, ""), prompt
-
-
-def _joint_ids(tokenizer, prompt, completion, tools=None, **template) -> list:
-    """prompt+completion tokenised as one text, as TRL 1.14's _tokenize does for a text-only tokenizer: the
-    chat template (with the row's tools) for messages, the tokenizer's own special tokens for text."""
-    if isinstance(prompt, list):
-        return list(tokenizer.apply_chat_template(prompt + completion, tools=tools, tokenize=True, return_dict=True,
-                                                  **template)["input_ids"])
-    return list(tokenizer(text=prompt + completion)["input_ids"])
-
-
-def _completion_ids(tokenizer, prompt, prompt_ids: list, prompt_text: str, completion, tools=None) -> tuple:
-    """(completion ids or None, aligned | continued | not_exact, the joint tokenisation of prompt+completion)."""
-    joint = _joint_ids(tokenizer, prompt, completion, tools)
-    if joint[:len(prompt_ids)] == prompt_ids:
-        return joint[len(prompt_ids):], "aligned", joint
-    whole = prompt + completion
-    text = tokenizer.apply_chat_template(whole, tools=tools, tokenize=False) if isinstance(prompt, list) else whole
-    rest = tokenizer(text[len(prompt_text):], add_special_tokens=False)["input_ids"] \
-        if text.startswith(prompt_text) else None
-    if rest is None or tokenizer.decode(prompt_ids + rest) != tokenizer.decode(joint):
-        return None, "not_exact", joint
-    return rest, "continued", joint
-
-
-def _common_prefix(a: list, b: list) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
-def with_eos(tokenizer, record: dict, sides: tuple) -> dict:
-    """A text record's completions (`sides`) ending in EOS, as TRL's dataset preparation makes them; a
-    message-list record is returned as it is (the chat template ends each turn)."""
-    if isinstance(record["prompt"], list):
-        return record
-    eos = tokenizer.eos_token
-    return record | {k: record[k] if record[k].endswith(eos) else record[k] + eos for k in sides}
-
-
-def prepare_pairs(dataset, tokenizer, args, name: str):
-    """TRL 1.14's _prepare_dataset for the kit's pairs (every record has a prompt; no tools, no images): EOS
-    after text completions, tokenize_pair, and the pairs whose prompt alone fills max_length dropped."""
-    kwargs = {"num_proc": args.dataset_num_proc}
-    if not isinstance(dataset[0]["prompt"], list):
-        dataset = dataset.map(lambda x: with_eos(tokenizer, x, ("chosen", "rejected")),
-                              desc=f"Adding EOS to {name} dataset", **kwargs)
-    dataset = dataset.map(lambda x: tokenize_pair(tokenizer, x), desc=f"Tokenizing {name} dataset", **kwargs)
-    if args.max_length is not None and args.truncation_mode == "keep_start":
-        dataset = dataset.filter(lambda x: len(x["prompt_ids"]) < args.max_length,
-                                 desc=f"Dropping fully truncated examples from {name} dataset", **kwargs)
-    return dataset
-
-
-def prepare_examples(dataset, tokenizer, args, name: str, calculate_kl: bool):
-    """TRL 1.14's KTOTrainer._prepare_dataset for the kit's examples (every record has a prompt, none is paired;
-    no tools): EOS after text completions, tokenize_example, the examples whose prompt alone fills max_length
-    dropped, and TRL's KL completions (each batch's completions rotated by one)."""
-    kwargs = {"num_proc": args.dataset_num_proc}
-    if not isinstance(dataset[0]["prompt"], list):
-        dataset = dataset.map(lambda x: with_eos(tokenizer, x, ("completion",)), desc=f"Adding EOS to {name} dataset",
-                              **kwargs)
-    dataset = dataset.map(lambda x: tokenize_example(tokenizer, x), desc=f"Tokenizing {name} dataset", **kwargs)
-    if args.max_length is not None:
-        dataset = dataset.filter(lambda x: len(x["prompt_ids"]) < args.max_length,
-                                 desc=f"Dropping fully truncated examples from {name} dataset", **kwargs)
-    if calculate_kl:
-        dataset = dataset.map(lambda x: {"KL_completion_ids": x["completion_ids"][-1:] + x["completion_ids"][:-1]},
-                              batched=True, batch_size=args.per_device_train_batch_size,
-                              desc=f"Extracting KL {name} dataset", **kwargs)
-    return dataset
 
 
 def kto_trainer_class():
     """KTOTrainer whose dataset preparation keeps the prompt's tokens as the model sees them when it answers
-    (prepare_examples, tokenize_example), as the DPO path's does (one hook into TRL 1.14's internals)."""
+    (tokenization.prepare_examples), as the DPO path's does (one hook into TRL 1.14's internals)."""
     from trl import KTOTrainer
+
+    import tokenization  # not at the top: the image's model conversion copies this file without it
 
     class KitKTOTrainer(KTOTrainer):
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
             if "completion" not in dataset.column_names or "prompt" not in dataset.column_names:
                 return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
-            return prepare_examples(dataset, processing_class, args, dataset_name, self.calculate_KL)
+            return tokenization.prepare_examples(dataset, processing_class, args, dataset_name,
+                                                 self.calculate_KL)
 
     KitKTOTrainer.__name__ = KitKTOTrainer.__qualname__ = "KTOTrainer"
     return KitKTOTrainer
@@ -1204,15 +1043,15 @@ def grpo_trainer_class():
 
 
 def dpo_trainer_class(cache_dir: Path | None, keys: dict, record: dict):
-    """DPOTrainer with two hooks into TRL 1.14's internals. Dataset preparation (prepare_pairs: chat template,
-    tokenisation at the prompt's own end, dropping prompts that fill max_length) is read from cache_dir/<key> when an earlier
-    run of the same split, tokenizer and settings left it there, else done and saved (rank 0, renamed into
-    place); what happened goes into record[split]. Per-token log-probs go through dpo_logps once
-    kit_fused_logps is set (TRL's chunked path wherever that one does not apply)."""
-    from datasets import Dataset
+    """DPOTrainer with two hooks into TRL 1.14's internals. Dataset preparation is tokenization.prepare_pairs
+    (chat template, tokenisation at the prompt's own end, dropping prompts that fill max_length) through the
+    tokenised-data cache (token_cache.cached: cache_dir/keys[split], None = off; what happened goes into
+    record[split]). Per-token log-probs go through dpo_logps once kit_fused_logps is set (TRL's chunked path
+    wherever that one does not apply)."""
     from trl import DPOTrainer
 
-    import ranks
+    import token_cache
+    import tokenization
 
     class KitDPOTrainer(DPOTrainer):
         kit_fused_logps = False  # the chunked head through dpo_logps
@@ -1221,32 +1060,8 @@ def dpo_trainer_class(cache_dir: Path | None, keys: dict, record: dict):
         kit_shared_batches = 0  # of those, the ones that shared their prompts
 
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
-            key = keys.get(dataset_name)
-            if cache_dir is None or key is None:
-                return prepare_pairs(dataset, processing_class, args, dataset_name)
-            path = cache_dir / key
-            if (path / "state.json").exists():
-                try:
-                    out = Dataset.load_from_disk(str(path))
-                    record[dataset_name] = f"from cache ({len(out)} pairs)"
-                    return out
-                except Exception as e:  # a damaged entry: tokenise again and replace it
-                    print(f"[data] ignoring damaged cache entry {path}: {e}")
-            t0 = time.time()
-            out = prepare_pairs(dataset, processing_class, args, dataset_name)
-            record[dataset_name] = f"tokenised in {time.time() - t0:.1f}s"
-            if ranks.is_main_process():
-                tmp = cache_dir / f".{key}.{os.getpid()}.tmp"
-                try:
-                    cache_dir.mkdir(parents=True, exist_ok=True)
-                    out.save_to_disk(str(tmp))
-                    shutil.rmtree(path, ignore_errors=True)
-                    os.replace(tmp, path)
-                    record[dataset_name] += ", cached"
-                except OSError as e:  # a read-only or full disk costs the next run time, not this one
-                    print(f"[data] tokenised data not cached ({e})")
-                    shutil.rmtree(tmp, ignore_errors=True)
-            return out
+            return token_cache.cached(cache_dir, keys.get(dataset_name), dataset_name, record,
+                                      lambda: tokenization.prepare_pairs(dataset, processing_class, args, dataset_name))
 
         def _get_per_token_logps_and_entropies(self, model, model_kwargs, input_ids, completion_mask):
             out = None

@@ -85,7 +85,7 @@ class TrainingData:
     dropped_too_long: int = 0
     truncated: int = 0  # pairs the collator cuts to max_length
     tokenized: dict = dataclasses.field(default_factory=dict)  # {split: "from cache (n pairs)" | "tokenised in ..."}
-    # Training pairs (KTO: examples) by where the completion's tokens start (fastpath.tokenize_pair and
+    # Training pairs (KTO: examples) by where the completion's tokens start (tokenization.tokenize_pair and
     # tokenize_example): aligned (the joint tokenisation split at the prompt's end), continued (tokenised after
     # the prompt's own tokens), not_exact (TRL's split: the prompt's last tokens left out). Empty: TRL's own
     # tokenisation (another TRL version).

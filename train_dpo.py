@@ -14,8 +14,9 @@ option. In-process callers (iterate.py, scaleout.py, bench) call `run(TrainConfi
 
 This file is the recipe: the options, then `run` in named steps. The parts live beside it: methods.py (what
 differs between DPO, KTO and GRPO: their checks, data, TRL config and trainer), rewards.py (GRPO's reward
-functions), models.py (loading, LoRA targets, generation), fastpath.py (kernels, TRL internals), evaluate.py (report, model card),
-runs.py (run directory, status, lock, tarball), formats.py (pair files, held-out split, mixing), ranks.py.
+functions), models.py (loading, LoRA targets, generation), fastpath.py (kernels, TRL internals), tokenization.py
+(pairs to tokens), token_cache.py (tokenised pairs kept between runs), evaluate.py (report, model card), runs.py
+(run directory, status, lock, tarball), formats.py (pair files, held-out split, mixing), ranks.py.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ import ranks
 import rewards
 import runs
 import shapes
+import token_cache
+import tokenization
 from kit import UserError, field
 
 KIT_NAME = "dpo-kit"
@@ -609,15 +612,15 @@ def tokenized_cache(cfg: TrainConfig, tokenizer, args, pairs: list[dict], held: 
     """(cache directory or None, {split: key}): what TRL's tokenisation of each split depends on."""
     import trl
 
-    cache_dir = fastpath.tokenized_cache_dir(cfg.tokenized_cache)
+    cache_dir = token_cache.tokenized_cache_dir(cfg.tokenized_cache)
     if cache_dir is None:
         return None, {}
     settings = {"max_length": cfg.max_length, "truncation_mode": args.truncation_mode, "trl": trl.__version__,
                 "kit_cache": 2}  # 2: tokenize_pair
-    digest = fastpath.tokenizer_digest(tokenizer)
-    keys = {"train": fastpath.tokenized_cache_key(pairs, digest, settings | {"split": "train"})}
+    digest = token_cache.tokenizer_digest(tokenizer)
+    keys = {"train": token_cache.tokenized_cache_key(pairs, digest, settings | {"split": "train"})}
     if held:
-        keys["eval"] = fastpath.tokenized_cache_key(held, digest, settings | {"split": "eval"})
+        keys["eval"] = token_cache.tokenized_cache_key(held, digest, settings | {"split": "eval"})
     return cache_dir, keys
 
 
@@ -669,16 +672,16 @@ def record_data(cfg: TrainConfig, run: runs.Run, built: Built, data: formats.Tra
         sides = ("completion_ids", "completion_ids") if built.method == "kto" else ("chosen_ids", "rejected_ids")
         data.truncated = truncation_stats(map(len, ds["prompt_ids"]), map(len, ds[sides[0]]), map(len, ds[sides[1]]),
                                           cfg.max_length)
-    if "boundary" in ds.column_names:  # fastpath.tokenize_pair's record of each pair
+    if "boundary" in ds.column_names:  # tokenization.tokenize_pair's record of each pair
         counts = Counter(ds["boundary"])
-        data.boundary = {k: counts[k] for k in fastpath.BOUNDARY}
+        data.boundary = {k: counts[k] for k in tokenization.BOUNDARY}
         print(f"[data] where completions start: {data.boundary['aligned']} pairs at the prompt's own end, "
               f"{data.boundary['continued']} tokenised after the prompt's tokens (the two merged across it), "
               f"{data.boundary['not_exact']} where the prompt's end merged and could not be kept (TRL's split)")
     print(f"[model] log-probs: {built.compute.logps}")
     if data.tokenized:
         print(f"[data] {'; '.join(f'{k}: {v}' for k, v in data.tokenized.items())} "
-              f"({fastpath.tokenized_cache_dir(cfg.tokenized_cache)})")
+              f"({token_cache.tokenized_cache_dir(cfg.tokenized_cache)})")
     if built.method != "grpo":
         print(f"[data] {data.truncated} {methods.UNITS[built.method]} truncated to max_length={cfg.max_length} "
               f"tokens; {data.dropped_too_long} dropped (prompt alone fills max_length)", flush=True)

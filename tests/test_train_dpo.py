@@ -123,19 +123,6 @@ def test_dpo_config_mapping_uses_trl_names_and_device():
     assert methods.dpo_config_kwargs(pinned, "/tmp/ck", on_gpu=True, bf16_ok=True)["bf16"] is False
 
 
-def test_tokenized_cache_key_changes_with_what_tokenisation_depends_on():
-    rows = [{"prompt": "p1", "chosen": "a", "rejected": "b"}, {"prompt": "p2", "chosen": "c", "rejected": "d"}]
-    key = fastpath.tokenized_cache_key(rows, "tok", {"max_length": 512})
-    assert key == fastpath.tokenized_cache_key([dict(r) for r in rows], "tok", {"max_length": 512})
-    assert key != fastpath.tokenized_cache_key(rows[::-1], "tok", {"max_length": 512})  # order is data order
-    assert key != fastpath.tokenized_cache_key(rows[:1], "tok", {"max_length": 512})
-    assert key != fastpath.tokenized_cache_key([rows[0], rows[1] | {"rejected": "e"}], "tok", {"max_length": 512})
-    assert key != fastpath.tokenized_cache_key(rows, "other tokenizer", {"max_length": 512})
-    assert key != fastpath.tokenized_cache_key(rows, "tok", {"max_length": 256})
-    assert fastpath.tokenized_cache_dir("none") is None
-    assert fastpath.tokenized_cache_dir("/x") == Path("/x/tokenized")
-
-
 def test_every_dpo_config_key_exists_in_trl():
     from trl import DPOConfig
 
@@ -392,7 +379,7 @@ def test_public_preference_sets_in_each_file_type_train_a_step(tmp_path):
         "ultrafeedback.parquet": ("ultrafeedback", {"messages": 4, "prompt_id": 4, "score_chosen": 4,
                                                     "score_rejected": 4})}
     assert data["ignored_columns"]["prompt_id"] == 4 and "columns ignored (rows):" in out
-    # the answer that starts with spaces is tokenised after the prompt's own tokens (fastpath.tokenize_pair)
+    # the answer that starts with spaces is tokenised after the prompt's own tokens (tokenization.tokenize_pair)
     assert data["boundary"] == {"aligned": 11, "continued": 1, "not_exact": 0}
 
 
@@ -718,17 +705,6 @@ def test_unknown_lora_target_is_a_user_error_with_the_choices(tmp_path, capsys):
 
 
 @needs_model
-def test_tokenizer_digest_sees_the_chat_template():
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(MODEL)
-    digest = fastpath.tokenizer_digest(tok)
-    assert digest == fastpath.tokenizer_digest(AutoTokenizer.from_pretrained(MODEL))
-    tok.chat_template = tok.chat_template.replace("<|im_start|>", "<|im_start|> ")
-    assert fastpath.tokenizer_digest(tok) != digest
-
-
-@needs_model
 @pytest.mark.integration
 def test_bfloat16_on_a_cpu_trains_through_the_fast_path(tmp_path):
     """--compute_dtype bfloat16 on a CPU (accelerate's autocast): the fused kernels, each prompt once and the lean
@@ -1042,7 +1018,7 @@ def test_kto_in_4bit_stops_on_sigterm_resumes_and_hands_off_a_tarball_that_verif
     data_json = json.loads((run_dir / "data.json").read_text())
     assert data_json["method"] == "kto" and data_json["labels"] == {"desirable": 8, "undesirable": 8}
     assert data_json["held_out"] == 2 * len(held) and data_json["pairs_trained"] == 16 - 2 * len(held)
-    # r0's indented answer is tokenised after the prompt's own tokens (fastpath.tokenize_example), not TRL's split
+    # r0's indented answer is tokenised after the prompt's own tokens (tokenization.tokenize_example), not TRL's split
     assert "r0" not in held
     assert data_json["boundary"] == {"aligned": 16 - 2 * len(held) - 1, "continued": 1, "not_exact": 0}
     assert "not a prefix" not in out.stdout + out.stderr
@@ -1081,7 +1057,7 @@ def test_tool_use_needs_a_template_that_shows_it_and_the_run_stops_before_any_mo
 @needs_model
 @pytest.mark.integration
 def test_tool_calling_conversations_train_with_the_shipped_template_to_a_tarball_peft_loads(tmp_path):
-    import fastpath
+    import tokenization
     from transformers import AutoTokenizer
 
     run_dir, out = small_run(tmp_path, "openai", "tools", "--chat_template", "chatml-tools", "--max_length", 512,
@@ -1097,7 +1073,7 @@ def test_tool_calling_conversations_train_with_the_shipped_template_to_a_tarball
     text = tok.apply_chat_template(record["prompt"] + record["chosen"], tools=record["tools"], tokenize=False)
     assert '<tool_call>\n{"name": "run_python", "arguments": {"code": ' in text and "<tool_response>\nok\n" in text
     assert '"name": "disk_usage"' in text.split("<|im_end|>")[0]  # the tools list is in the system turn
-    ids = fastpath.tokenize_pair(tok, formats.dataset_rows([record, pairs_in("trl_conversational")[0]])[0])
+    ids = tokenization.tokenize_pair(tok, formats.dataset_rows([record, pairs_in("trl_conversational")[0]])[0])
     assert tok.decode(ids["prompt_ids"] + ids["chosen_ids"]) == text  # what the trainer saw, through Arrow's rows
     assert generate(run_dir, "How do I free disk space?")  # PEFT loads the adapter on the 4-bit base
 
