@@ -252,9 +252,13 @@ precision: $(STAMP) $(BUNDLED_MODEL)/config.json ## bfloat16 against float32 ove
 	$(PY) bench/precision.py $(ARGS)
 
 .PHONY: bench
-bench: $(STAMP) $(if $(filter-out random:%,$(MODEL)),,$(BUNDLED_MODEL)/config.json) ## measure training modes: bench/results*.{md,json,png} (QUICK=1, DEVICE=cuda, MODEL=random:<shape>)
+bench: $(STAMP) $(if $(filter-out random:%,$(MODEL)),,$(BUNDLED_MODEL)/config.json) ## measure training modes and GRPO's step: bench/results*.{md,json,png} (QUICK=1, DEVICE=cuda, MODEL=random:<shape>)
 	$(PY) bench/bench.py $(if $(filter 1,$(QUICK)),--quick) $(if $(DEVICE),--device $(DEVICE)) \
 	  $(if $(MODEL),--model $(MODEL)) $(ARGS)
+
+.PHONY: compare
+compare: $(STAMP) $(BUNDLED_MODEL)/config.json ## base vs DPO vs KTO vs GRPO on LOGS, held-out checker scores over 3 seeds: bench/results-methods.{md,json} (long)
+	$(PY) bench/compare.py --logs $(LOGS) $(ARGS)
 
 .PHONY: bench-serve
 bench-serve: $(STAMP) $(BUNDLED_MODEL)/config.json ## status polling while a job trains: 50 clients for 30 s, p50/p99/errors -> bench/results-serve.md

@@ -52,8 +52,28 @@ class SupervisedBody(Strict):
     hyperparameters: Optional[SupervisedHyper] = None
 
 
-class ReinforcementBody(BaseModel):  # its grader takes many shapes; refused as a whole below
+class PythonGrader(Strict):
+    type: Literal["python"]
+    name: str
+    source: str
+    image_tag: Optional[str] = None
+
+
+class StringCheckGrader(Strict):
+    type: Literal["string_check"]
+    name: str
+    input: str
+    operation: Literal["eq", "ne", "like", "ilike"]
+    reference: str
+
+
+class OtherGrader(BaseModel):  # shapes the SDK allows that the kit does not evaluate: refused naming the type
     model_config = ConfigDict(extra="allow")
+    type: Literal["text_similarity", "score_model", "multi", "label_model"]
+
+
+class ReinforcementBody(Strict):
+    grader: Annotated[Union[PythonGrader, StringCheckGrader, OtherGrader], Field(discriminator="type")]
     hyperparameters: Optional[ReinforcementHyper] = None
 
 
@@ -95,15 +115,41 @@ def kit_defaults() -> dict:
 
     d = train_dpo.TrainConfig()
     return {"beta": d.beta, "batch_size": d.per_device_train_batch_size, "n_epochs": d.num_train_epochs,
-            "learning_rate_multiplier": 1.0, "learning_rate": d.learning_rate}
+            "learning_rate_multiplier": 1.0, "learning_rate": d.learning_rate, "eval_samples": d.eval_samples}
+
+
+GRPO_GENERATIONS = 4  # answers per prompt at compute_multiplier 1 (train_dpo.py's --num_generations default)
+
+
+def grader_flags(grader: dict) -> list[str]:
+    """A reinforcement job's grader as train_dpo.py flags: GRPO, rewarded by the grader alone (rewards.py runs a
+    python grader's source in the sandbox; a python grader named checker or ran with no source is the kit's own)."""
+    import rewards
+
+    if grader["type"] not in rewards.GRADER_TYPES:
+        raise ApiError(400, f"grader type {grader['type']!r} is not evaluated by this service: use python (its "
+                       "grade(sample, item) runs in the kit's sandbox), string_check, or the kit's checker (a python "
+                       "grader named 'checker' with an empty source)", "method.reinforcement.grader.type",
+                       "unsupported_grader")
+    try:
+        rewards.grader_problem(grader)
+    except ValueError as e:
+        raise ApiError(400, str(e), "method.reinforcement.grader") from None
+    return ["--method", "grpo", "--reward", "", "--reward_grader", json.dumps(grader, ensure_ascii=False)]
 
 
 def hyperparameter_flags(method_type: str, hyper: dict) -> list[str]:
     """OpenAI's method hyperparameters as train_dpo.py flags; "auto" and missing ones add no flag (the kit's
-    default, or the service's --train_args, applies). learning_rate_multiplier scales the kit's learning rate."""
+    default, or the service's --train_args, applies). learning_rate_multiplier scales the kit's learning rate;
+    reinforcement: compute_multiplier scales the answers sampled per prompt, eval_samples the checker's samples
+    per held-out prompt (eval_interval and reasoning_effort have no counterpart: recorded, not used)."""
     flags = []
     if method_type == "supervised":
         flags += ["--loss_type", "sft"]
+    if hyper.get("compute_multiplier") not in (None, "auto"):
+        flags += ["--num_generations", str(max(2, round(GRPO_GENERATIONS * float(hyper["compute_multiplier"]))))]
+    if hyper.get("eval_samples") not in (None, "auto"):
+        flags += ["--eval_samples", str(hyper["eval_samples"])]
     for key, flag in (("beta", "--beta"), ("batch_size", "--per_device_train_batch_size"),
                       ("n_epochs", "--num_train_epochs")):
         if hyper.get(key) not in (None, "auto") and not (key == "beta" and method_type == "supervised"):
@@ -117,6 +163,10 @@ def resolved_hyperparameters(method_type: str, hyper: dict) -> dict:
     """What a job reports: its own values, the kit's defaults for "auto"."""
     d = kit_defaults()
     keys = ("batch_size", "learning_rate_multiplier", "n_epochs") + (("beta",) if method_type == "dpo" else ())
+    if method_type == "reinforcement":
+        d |= {"compute_multiplier": 1.0, "eval_samples": d["eval_samples"], "eval_interval": "auto",
+              "reasoning_effort": "default"}
+        keys += ("compute_multiplier", "eval_interval", "eval_samples", "reasoning_effort")
     return {k: d[k] if hyper.get(k) in (None, "auto") else hyper[k] for k in keys}
 
 
@@ -125,9 +175,8 @@ def job_hyperparameters(body: JobCreate) -> tuple[str, dict]:
     train is refused naming the field."""
     method = body.method or Method(type="dpo")
     t = method.type
-    if t == "reinforcement":
-        raise ApiError(400, "method.type 'reinforcement' is not trained by this service yet: use 'dpo' or "
-                       "'supervised'", "method.type", "unsupported_method")
+    if t == "reinforcement" and method.reinforcement is None:
+        raise ApiError(400, "a reinforcement job needs method.reinforcement.grader", "method.reinforcement")
     if body.integrations:
         raise ApiError(400, "integrations: this service does not report jobs to Weights & Biases; train with "
                        "train_dpo.py --report_to wandb, or read the job's events and metrics", "integrations",
@@ -141,8 +190,8 @@ def job_hyperparameters(body: JobCreate) -> tuple[str, dict]:
                        "(give them in the method)", "hyperparameters")
     given = own.hyperparameters if own is not None and own.hyperparameters is not None else body.hyperparameters
     hyper = given.model_dump(exclude_none=True) if given is not None else {}
-    if t == "supervised" and hyper.get("beta") is not None:
-        raise ApiError(400, "hyperparameters.beta is DPO's; a supervised job has none", "hyperparameters.beta")
+    if t != "dpo" and hyper.get("beta") is not None:
+        raise ApiError(400, f"hyperparameters.beta is DPO's; a {t} job has none", "hyperparameters.beta")
     return t, hyper
 
 
@@ -162,7 +211,8 @@ def job_view(job: dict) -> dict:
             "result_files": job["result_files"] or [], "seed": job["seed"], "metadata": job["metadata"],
             "hyperparameters": job["hyperparameters"], "organization_id": "org-dpo-kit", "integrations": [],
             "estimated_finish": None, "suffix": job["suffix"],
-            "method": {"type": t, t: {"hyperparameters": job["hyperparameters"]}}}
+            "method": {"type": t, t: {"hyperparameters": job["hyperparameters"]}
+                       | ({"grader": job["method"]["grader"]} if "grader" in job["method"] else {})}}
 
 
 def router(svc, limit_bytes: int):
@@ -230,8 +280,13 @@ def router(svc, limit_bytes: int):
     def create_job(body: JobCreate):
         t, given = job_hyperparameters(body)
         flags = hyperparameter_flags(t, given) + (["--seed", str(body.seed)] if body.seed is not None else [])
+        method = {"type": t}
+        if t == "reinforcement":
+            grader = body.method.reinforcement.grader.model_dump(exclude_none=True)
+            flags = grader_flags(grader) + flags
+            method["grader"] = grader
         seed = body.seed if body.seed is not None else 42
-        return job_view(svc.new_job("openai", body.model, body.training_file, body.validation_file, {"type": t},
+        return job_view(svc.new_job("openai", body.model, body.training_file, body.validation_file, method,
                                     resolved_hyperparameters(t, given), flags, body.suffix, seed, body.metadata))
 
     @api.get("/fine_tuning/jobs", tags=["fine-tuning"])

@@ -308,7 +308,8 @@ def prompts_from_logs(logs: str) -> list[dict]:
 
 
 def load_prompts(path: str) -> list[dict]:
-    """--eval_prompts: JSONL rows {"prompt": text or [messages], "host": text, "run_id"?}; FILE:LINE errors."""
+    """--eval_prompts and GRPO's prompts: JSONL rows {"prompt": text or [messages], "host": text, "run_id"?, "item"?}
+    (item: fields an OpenAI-style grader reads); FILE:LINE errors."""
     import formats
 
     rows = []
@@ -328,9 +329,12 @@ def load_prompts(path: str) -> list[dict]:
                 formats.messages(prompt, "prompt")
             if not isinstance(row.get("host"), str):
                 raise ValueError("host must be a string (the host as the prompt describes it)")
+            if "item" in row and not isinstance(row["item"], dict):
+                raise ValueError("item must be an object (the fields a grader's {{item.FIELD}} reads)")
         except ValueError as e:
             raise UserError(str(e), path, line_no) from None
-        rows.append({"prompt": prompt, "host": row["host"]} | ({"run_id": str(row["run_id"])} if "run_id" in row else {}))
+        rows.append({"prompt": prompt, "host": row["host"]} | ({"run_id": str(row["run_id"])} if "run_id" in row else {})
+                    | ({"item": row["item"]} if "item" in row else {}))
     if not rows:
         raise UserError("no prompts in the file", path)
     return rows

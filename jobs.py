@@ -302,6 +302,8 @@ class Scheduler(threading.Thread):
         import formats
 
         kind = input_kind(f["path"])
+        if job["method"]["type"] == "reinforcement":
+            return self.training_prompts(job, f, work, kind)
         if job["method"]["type"] == "supervised":
             import iterate
             import self_pairs
@@ -323,6 +325,44 @@ class Scheduler(threading.Thread):
         self.store.event(job["id"], f"{stats['pairs']} pairs in {f['filename']} (format {stats['format']})",
                          data={"pairs": stats["pairs"], "format": stats["format"]})
         return f["path"]
+
+    def training_prompts(self, job: dict, f: dict, work: Path, kind: str) -> str:
+        """A reinforcement job's prompts (GRPO): run logs' code-asking prompts, or OpenAI's reinforcement rows
+        ({"messages": [...], ...the item's fields}), or the kit's prompts file; written as the kit's prompts file,
+        each row's other fields kept as the item its grader reads ({{item.FIELD}})."""
+        import build_pairs
+        import checker
+
+        if kind == "run_log":
+            rows = build_pairs.prompts_from_logs(f["path"])
+        else:
+            rows, lines = [], []
+            for line_no, raw in enumerate(Path(f["path"]).read_bytes().splitlines(), 1):
+                if not raw.strip():
+                    continue
+                try:
+                    row = json.loads(raw)
+                except ValueError as e:
+                    raise UserError(f"malformed JSON: {e}", f["path"], line_no) from None
+                if not isinstance(row, dict) or not ("messages" in row or "prompt" in row):
+                    raise UserError("a reinforcement row needs messages (the prompt) and the fields its grader "
+                                    "reads", f["path"], line_no)
+                prompt = row.pop("messages", None) or row.pop("prompt")
+                host = row.pop("host", "") if isinstance(row.get("host", ""), str) else ""
+                rows.append({"prompt": prompt, "host": host, "item": row.pop("item", row)})
+                lines.append(line_no)
+            out = work / "prompts.checked.jsonl"
+            kit.atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+            try:
+                rows = checker.load_prompts(str(out))  # every row's prompt checked, with its line
+            except UserError as e:
+                raise UserError(e.message, f["path"], lines[e.line - 1] if e.line else None) from None
+        out = work / "train.prompts.jsonl"
+        kit.atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        self.store.event(job["id"], f"{len(rows)} prompts in {f['filename']}: the job samples answers to each and "
+                         f"its grader ({job['method']['grader'].get('name') or job['method']['grader']['type']}) "
+                         "scores them (GRPO)", data={"prompts": len(rows)})
+        return str(out)
 
     def check_kto(self, job: dict, f: dict) -> None:
         """A file of labelled examples trains KTO (train_dpo.py --method auto): what its training command would

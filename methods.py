@@ -70,7 +70,7 @@ def grpo_problems(cfg) -> list[str]:
 
         if not importlib.util.find_spec("vllm"):
             p.append("--use_vllm needs the vllm package and a GPU (pip install vllm)")
-    return p + rewards.problems(cfg.reward, cfg.reward_cmd, cfg.reward_weights)
+    return p + rewards.problems(cfg.reward, cfg.reward_cmd, cfg.reward_weights, cfg.reward_grader)
 
 
 def method_problems(cfg, method: str) -> list[str]:
@@ -119,8 +119,10 @@ def load_prompts(path: str) -> tuple[list[dict], str]:
 
 
 def prompt_record(row: dict) -> dict:
-    """A prompt row as training and the held-out split see it: its run (the same split as the run's pairs)."""
+    """A prompt row as training and the held-out split see it: its run (the same split as the run's pairs), and
+    the row's item for OpenAI-style graders (a JSON string: Arrow would merge the items' keys across rows)."""
     return {"prompt": row["prompt"], "host": row.get("host", "")} | (
+        {"item": json.dumps(row["item"], ensure_ascii=False)} if "item" in row else {}) | (
         {formats.RUN_KEY: row["run_id"]} if "run_id" in row else {})
 
 
@@ -218,7 +220,8 @@ def grpo_config_kwargs(cfg, checkpoint_dir: str, on_gpu: bool, bf16_ok: bool) ->
         "per_device_train_batch_size": cfg.per_device_train_batch_size * cfg.num_generations,
         "num_generations": cfg.num_generations, "max_completion_length": cfg.max_completion_length,
         "temperature": cfg.temperature, "top_p": cfg.top_p, "use_vllm": cfg.use_vllm, "log_completions": False}
-    kwargs["reward_weights"] = rewards.weights(cfg.reward_weights) or rewards.default_weights(cfg.reward, cfg.reward_cmd)
+    kwargs["reward_weights"] = rewards.weights(cfg.reward_weights) or rewards.default_weights(
+        cfg.reward, cfg.reward_cmd, cfg.reward_grader)
     if cfg.use_vllm:
         kwargs["vllm_mode"] = "colocate"  # one process, the training GPU's memory shared (TRL's default)
     return kwargs
@@ -275,6 +278,6 @@ def make_trainer(cls, cfg, method: str, model, ref_model, args, train: list[dict
     if method == "grpo":
         import rewards
 
-        return cls(reward_funcs=rewards.reward_functions(cfg.reward, cfg.reward_cmd), **common)
+        return cls(reward_funcs=rewards.reward_functions(cfg.reward, cfg.reward_cmd, grader=cfg.reward_grader), **common)
     eval_rows = formats.dataset_rows(formats.trainable(held))
     return cls(ref_model=ref_model, eval_dataset=Dataset.from_list(eval_rows) if held else None, **common)

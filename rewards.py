@@ -13,6 +13,12 @@
   MODULE:FUNCTION  a Python function with TRL's signature, `f(prompts, completions, **kwargs) -> list[float]`
                    (kwargs: the prompt file's other columns, e.g. `host`); MODULE is importable or a .py path
 
+`--reward_grader GRADER` adds one of OpenAI's reinforcement fine-tuning graders (JSON, or a .json file): `python`
+(`def grade(sample, item) -> float`, run in the sandbox like the checker's code: the grader's source is data
+the kit was sent, not code the user wrote here), `string_check` (eq, ne, like, ilike over `{{sample.output_text}}`
+and `{{item.FIELD}}` templates), or the kit's own checker by name (a python grader named checker or ran with an
+empty source). `item` is the prompt row's other fields (the jobs service keeps them).
+
 `--reward_cmd CMD` adds a program: it reads one completion on stdin (the prompt as JSON in $KIT_PROMPT, the host
 in $KIT_HOST) and prints a number; a non-zero exit or no number is an error in the run. It is the user's own
 grader, run in a fresh temporary directory with a timeout; model-written code reaches the sandbox only through
@@ -46,17 +52,68 @@ def weights(spec: str) -> list[float]:
     return [float(w) for w in spec.split(",") if w.strip()]
 
 
-def default_weights(spec: str, cmd: str = "") -> list[float]:
+def default_weights(spec: str, cmd: str = "", grader: str = "") -> list[float]:
     """--reward_weights when not given: 1 for each reward function, RAN_WEIGHT for ran."""
-    return [RAN_WEIGHT if n == "ran" else 1.0 for n in names(spec)] + ([1.0] if cmd.strip() else [])
+    return [RAN_WEIGHT if n == "ran" else 1.0 for n in names(spec)] + [1.0] * (bool(cmd.strip()) + bool(grader))
 
 
-def problems(spec: str, cmd: str, weights_spec: str) -> list[str]:
-    """What is wrong with --reward / --reward_cmd / --reward_weights, before any model loads."""
+GRADER_TYPES = ("python", "string_check")
+STRING_OPS = ("eq", "ne", "like", "ilike")
+
+
+def parse_grader(spec: str) -> dict:
+    """--reward_grader: JSON text or a .json file -> the grader (ValueError saying what is wrong)."""
+    text = spec
+    if not spec.lstrip().startswith("{"):
+        try:
+            text = Path(spec).read_text(encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"cannot read {spec}: {e.strerror}") from None
+    try:
+        grader = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"not JSON: {e}") from None
+    return grader_problem(grader) or grader
+
+
+def grader_problem(grader) -> dict:
+    """Raise ValueError for a grader the kit cannot evaluate; returns {} (so parse_grader can `or` it)."""
+    if not isinstance(grader, dict):
+        raise ValueError("a grader is a JSON object")
+    kind = grader.get("type")
+    if kind not in GRADER_TYPES:
+        raise ValueError(f"grader type {kind!r} is not evaluated by the kit: use python, string_check, or the "
+                         "kit's checker (a python grader named checker, empty source)")
+    if kind == "python":
+        if not isinstance(grader.get("source"), str):
+            raise ValueError("a python grader needs its source (def grade(sample, item) -> float)")
+        if not grader["source"].strip() and grader.get("name") not in BUILT_IN:
+            raise ValueError(f"a python grader with no source selects a kit grader by name: {', '.join(BUILT_IN)}")
+        if grader["source"].strip():
+            try:
+                compile(grader["source"], "grader.py", "exec")
+            except SyntaxError as e:
+                raise ValueError(f"the python grader's source does not compile: {e}") from None
+    else:
+        for key in ("input", "reference"):
+            if not isinstance(grader.get(key), str):
+                raise ValueError(f"a string_check grader needs {key} (a string, templates allowed)")
+        if grader.get("operation") not in STRING_OPS:
+            raise ValueError(f"string_check operation must be one of {', '.join(STRING_OPS)}")
+    return {}
+
+
+def problems(spec: str, cmd: str, weights_spec: str, grader: str = "") -> list[str]:
+    """What is wrong with --reward / --reward_cmd / --reward_grader / --reward_weights, before any model loads."""
     p = []
     funcs = names(spec)
-    if not funcs and not cmd.strip():
-        p.append("--reward names no reward function and there is no --reward_cmd")
+    if not funcs and not cmd.strip() and not grader:
+        p.append("--reward names no reward function and there is no --reward_cmd or --reward_grader")
+    if grader:
+        try:
+            parse_grader(grader)
+        except ValueError as e:
+            p.append(f"--reward_grader: {e}")
     for name in funcs:
         if name in BUILT_IN:
             continue
@@ -80,7 +137,7 @@ def problems(spec: str, cmd: str, weights_spec: str) -> list[str]:
     except ValueError:
         p.append(f"--reward_weights {weights_spec!r}: expected numbers separated by commas")
     else:
-        n = len(funcs) + bool(cmd.strip())
+        n = len(funcs) + bool(cmd.strip()) + bool(grader)
         if w and len(w) != n:
             p.append(f"--reward_weights gives {len(w)} weights for {n} reward functions")
     return p
@@ -184,9 +241,84 @@ def command_reward(cmd: str):
     return reward_cmd
 
 
-def reward_functions(spec: str, cmd: str = "", wall_seconds: float = 20.0) -> list:
-    """--reward and --reward_cmd as TRL's reward_funcs, in that order (--reward_weights follows it)."""
+def render(template: str, sample: dict, item: dict) -> str:
+    """OpenAI's grader templates: {{sample.output_text}}, {{item.a.b}} (a missing field renders as '')."""
+    import re
+
+    def value(match):
+        root, *path = match.group(1).split(".")
+        node = {"sample": sample, "item": item}.get(root)
+        for key in path:
+            node = node.get(key) if isinstance(node, dict) else None
+        return "" if node is None else node if isinstance(node, str) else json.dumps(node)
+
+    return re.sub(r"\{\{\s*([\w.]+)\s*\}\}", value, template)
+
+
+def sample_of(completion) -> dict:
+    """A completion as OpenAI's graders see it: output_text, output_json (when it parses), choices."""
+    text = _text(completion)
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        parsed = None
+    return {"output_text": text, "output_json": parsed,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]}
+
+
+GRADE_HARNESS = """
+
+import json as _kit_json
+_kit_sample = _kit_json.loads({sample!r})
+_kit_item = _kit_json.loads({item!r})
+print("KIT_GRADE", float(grade(_kit_sample, _kit_item)))
+"""
+
+
+def python_grade(source: str, sample: dict, item: dict, wall_seconds: float = 20.0) -> float | None:
+    """The grader's grade(sample, item), run in the sandbox; None when it fails (TRL leaves the answer unscored)."""
+    import sandbox
+
+    code = source + GRADE_HARNESS.format(sample=json.dumps(sample), item=json.dumps(item))
+    result = sandbox.run_code(code, limits=sandbox.Limits(wall_seconds=wall_seconds))
+    lines = [x for x in result.stdout.splitlines() if x.startswith("KIT_GRADE ")]
+    if result.returncode != 0 or not lines:
+        return None
+    try:
+        return float(lines[-1].split()[1])
+    except ValueError:
+        return None
+
+
+def grader_reward(spec: str, checked: "Checked"):
+    """--reward_grader as a TRL reward function (named after the grader)."""
+    grader = parse_grader(spec)
+    if grader["type"] == "python" and not grader["source"].strip():  # the kit's own, by name
+        return dict(zip(BUILT_IN, checker_rewards(checked)))[grader["name"]]
+
+    def grade(prompts, completions, item=None, **kwargs):
+        items = [json.loads(x) if isinstance(x, str) and x else (x or {}) for x in (item or [None] * len(prompts))]
+        samples = [sample_of(c) for c in completions]
+        if grader["type"] == "python":
+            with ThreadPoolExecutor(checked.workers) as pool:
+                return list(pool.map(lambda si: python_grade(grader["source"], *si, checked.wall_seconds),
+                                     zip(samples, items)))
+        out = []
+        for sample, it in zip(samples, items):
+            got, want = render(grader["input"], sample, it), render(grader["reference"], sample, it)
+            op = grader["operation"]
+            hit = got == want if op == "eq" else got != want if op == "ne" else want in got if op == "like" \
+                else want.lower() in got.lower()
+            out.append(1.0 if hit else 0.0)
+        return out
+
+    grade.__name__ = str(grader.get("name") or grader["type"])
+    return grade
+
+
+def reward_functions(spec: str, cmd: str = "", wall_seconds: float = 20.0, grader: str = "") -> list:
+    """--reward, --reward_cmd and --reward_grader as TRL's reward_funcs, in that order (--reward_weights follows)."""
     checked = Checked(wall_seconds=wall_seconds)
     built = dict(zip(BUILT_IN, checker_rewards(checked)))
     funcs = [built[n] if n in built else load_function(n) for n in names(spec)]
-    return funcs + ([command_reward(cmd)] if cmd.strip() else [])
+    return funcs + ([command_reward(cmd)] if cmd.strip() else []) + ([grader_reward(grader, checked)] if grader else [])

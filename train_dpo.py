@@ -173,7 +173,10 @@ class TrainConfig:
                         "an error; MODULE:FUNCTION = your own, TRL's reward signature")
     reward_cmd: str = field("", "GRPO: a program that reads a completion on stdin and prints its reward "
                             "($KIT_PROMPT, $KIT_HOST: the prompt and host), added to --reward")
-    reward_weights: str = field("", "GRPO: one weight per reward function (--reward, then --reward_cmd), "
+    reward_grader: str = field("", "GRPO: one of OpenAI's reinforcement graders (JSON or a .json file): python "
+                               "(grade(sample, item), run in the sandbox), string_check, or a kit reward by name "
+                               "(a python grader named checker, empty source), added to --reward")
+    reward_weights: str = field("", "GRPO: one weight per reward function (--reward, --reward_cmd, --reward_grader), "
                                 f"comma-separated; '' = 1 each, but ran {rewards.RAN_WEIGHT} (a nudge towards "
                                 "running code, below what freeing space scores)")
     use_vllm: bool = field(False, "GRPO: generate with vLLM in the training process (TRL's colocate mode; needs "

@@ -49,6 +49,12 @@ Modes (issue 7's (a)-(d), plus what each of the kit's choices buys on its own):
   no_share          (a) with --no_share_prompts: TRL's layout, each prompt twice (not run by default)
   cpu_matmul_bf16   (a) with --cpu_matmul_precision bf16: float32 everywhere but the matmuls' inputs (not run
                     by default yet)
+GRPO (--grpo_steps, not a mode of the table: its unit is a prompt's group of sampled answers, not a pair):
+train_dpo.py --method grpo on the demo logs' prompts, the kit's defaults (num_generations answers per prompt, the
+checker and ran rewards), seconds per step split into generation (transformers' generate, sampling), scoring
+(the checker running each answer's code in the sandbox) and training (the rest: the reference's log-probs,
+forward, backward, optimiser), and generated tokens per second. Its first step is warm-up.
+
   kto               --method kto on the same pairs, unpaired (each completion an example labelled desirable or
                     not): TRL's KTOTrainer with the kit's module kernels; its pairs/s column is examples/s (one
                     completion each, plus the KL term's mismatched completion, against DPO's two); no FLOP count
@@ -157,6 +163,8 @@ class BenchConfig:
     pairs_runs: str = field("", "build_pairs log sizes in runs, or none; '' = 10000,100000,1000000 (quick: "
                             "10000,100000; CUDA: none)")
     matmul_size: int = field(0, "square matrix size for the matmul peaks; 0 = 2048 (CUDA: 8192)")
+    grpo_steps: int = field(3, "GRPO: optimiser steps on the demo logs' prompts (the first is warm-up); 0 = skip "
+                            "(quick: 2; CUDA: 3)")
     budget_s: float = field(0.0, "stop starting measurements after this many seconds and write what was measured "
                             "(a device call's time limit); 0 = no limit")
     seed: int = field(0, "data generation seed")
@@ -423,6 +431,8 @@ def markdown(results: dict) -> str:
     if "kto" in results["train"]:
         lines += ["", "kto: `--method kto` on the same pairs, unpaired: a step of that batch trains that many single "
                   "completions (each with the KL term's mismatched one), where DPO's trains that many pairs of two."]
+    if results.get("grpo"):
+        lines += grpo_markdown(results["grpo"])
     lines += [f"\n{note}" for note in results.get("notes", [])]
     if results["build_pairs"]:
         lines += ["", "| build_pairs runs | workers | runs/s | runs/s (wall, with interpreter start) | peak RSS, all "
@@ -625,6 +635,58 @@ def bench_train(cfg: BenchConfig, mode: str, case: Case, data: Path, work: Path,
     return out
 
 
+def grpo_summary(metrics: list[dict], answers_per_step: int) -> dict:
+    """GRPO's logged steps -> seconds per step (median over the steps after the first) split into generation,
+    scoring and training, and generated tokens per second (answers x their mean length / generation seconds)."""
+    import statistics
+
+    rows = [m for m in metrics if "time/generation" in m and "step_time" in m]
+    timed = rows[1:] or rows
+    med = lambda key: statistics.median(m[key] for m in timed)  # noqa: E731
+    step, gen, score = med("step_time"), med("time/generation"), med("time/scoring")
+    tokens = statistics.median(m["completions/mean_length"] * answers_per_step / m["time/generation"] for m in timed)
+    return {"steps": len(rows), "timed_steps": len(timed), "step_s": step, "generation_s": gen, "scoring_s": score,
+            "training_s": step - gen - score, "generated_tokens_per_s": tokens, "answers_per_step": answers_per_step,
+            "mean_completion_tokens": statistics.median(m["completions/mean_length"] for m in timed),
+            "reward": [m.get("reward") for m in rows], "pass_rate": [m.get("pass_rate") for m in rows]}
+
+
+def bench_grpo(cfg: BenchConfig, work: Path, model: str, steps: int, timeout: float) -> dict:
+    """--method grpo for a few steps on the demo logs, the kit's GRPO defaults: where a step's time goes."""
+    import train_dpo
+
+    d = train_dpo.TrainConfig()
+    run_dir, timing, log = work / "grpo", work / "grpo.timing.json", work / "grpo.log"
+    argv = ["--method", "grpo", "--data", str(ROOT / "data" / "runs.jsonl"), "--model_name_or_path", model,
+            "--output_dir", str(run_dir), "--run_name", "r", "--max_steps", str(steps), "--eval_fraction", "0",
+            "--probes", "", "--save_steps", "100000", "--seed", "42"]
+    env = os.environ | ({"CUDA_VISIBLE_DEVICES": ""} if not cfg.cuda else {})
+    status, wall = run_child(child_command("child_train", argv, str(timing)), log, timeout=timeout, env=env)
+    if status != 0 or not timing.exists():
+        tail = log.read_text()[-600:]
+        return {"error": "timed out (--budget_s)" if status == -9 else
+                f"exit {status}: {tail.strip().splitlines()[-1] if tail.strip() else ''}", "log_tail": tail}
+    metrics = [json.loads(r) for r in (run_dir / "r.partial" / "metrics.jsonl").read_text().splitlines() if r.strip()]
+    rec = json.loads(timing.read_text())
+    return grpo_summary(metrics, d.per_device_train_batch_size * d.num_generations) | {
+        "wall_s": wall, "peak_train_mb": rec.get("peak_gpu_mb" if cfg.cuda else "peak_train_mb"),
+        "num_generations": d.num_generations, "max_completion_length": d.max_completion_length,
+        "prompts_per_step": d.per_device_train_batch_size}
+
+
+def grpo_markdown(g: dict) -> list[str]:
+    if "error" in g:
+        return ["", f"GRPO: failed: {g['error']}"]
+    return ["", f"GRPO (`--method grpo` on the demo logs' prompts, {g['prompts_per_step']} prompts x "
+            f"{g['num_generations']} answers of up to {g['max_completion_length']} tokens a step; the median of "
+            f"{g['timed_steps']} steps after a warm-up one):", "",
+            "| s/step | generation (s) | scoring (s) | training (s) | generated tokens/s | answers/step | "
+            "mean answer (tokens) | peak (MB) |", "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            f"| {g['step_s']:.1f} | {g['generation_s']:.1f} | {g['scoring_s']:.2f} | {g['training_s']:.1f} | "
+            f"{g['generated_tokens_per_s']:.1f} | {g['answers_per_step']} | {g['mean_completion_tokens']:.0f} | "
+            f"{g['peak_train_mb']:,.0f} |"]
+
+
 def bench_build_pairs(n_runs: int, work: Path, seed: int) -> dict:
     logs, pairs = work / f"runs-{n_runs}.jsonl", work / f"pairs-{n_runs}.jsonl"
     write_run_logs(ROOT / "data" / "runs.jsonl", logs, n_runs, seed)
@@ -799,6 +861,14 @@ def main(argv=None) -> int:
                          f"MFU {'n/a' if r['mfu'] is None else format(r['mfu'], '.1%')}, peak {r['peak_train_mb']:,.0f} MB, start-up {r['startup_s']:.1f} s, "
                          f"loss {r['last_loss']}"), flush=True)
                 save(results, out_dir, stem, cfg, final=False)
+        grpo_steps = cfg.grpo_steps if cfg.grpo_steps != 3 or not cfg.quick else 2
+        left = cfg.budget_s - (time.time() - began) if cfg.budget_s else 900.0
+        if grpo_steps and left > 10:
+            g = results["grpo"] = bench_grpo(cfg, work, model, grpo_steps, timeout=min(900.0, left))
+            print("[bench] grpo " + (g.get("error") or f"{g['step_s']:.1f} s/step: generation {g['generation_s']:.1f} s, "
+                                     f"scoring {g['scoring_s']:.2f} s, training {g['training_s']:.1f} s; "
+                                     f"{g['generated_tokens_per_s']:.1f} generated tokens/s"), flush=True)
+            save(results, out_dir, stem, cfg, final=False)
         for n in cfg.run_sizes():
             r = bench_build_pairs(n, work, cfg.seed)
             results["build_pairs"].append(r)

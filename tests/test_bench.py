@@ -246,3 +246,31 @@ def test_a_tiny_cpu_bench_of_the_default_trl_best_and_kto_on_a_random_shape(tmp_
     kto = results["train"]["kto"]["64p0.75"]  # the same pairs, unpaired, through TRL's KTOTrainer
     assert kto["pairs_per_s"] > 0 and kto["peak_train_mb"] > 0 and kto["mfu"] is None and kto["last_loss"] > 0
     assert "| kto (examples/s) | 64 | 0.75 | 2 | float32 |" in table and "| n/a | n/a |" in table
+
+
+def test_grpo_summary_splits_a_step_and_counts_generated_tokens_on_worked_numbers():
+    rows = [{"step": 1, "step_time": 90.0, "time/generation": 60.0, "time/scoring": 2.0, "completions/mean_length": 100.0},
+            {"step": 2, "step_time": 40.0, "time/generation": 20.0, "time/scoring": 1.0, "completions/mean_length": 50.0,
+             "reward": 0.1, "pass_rate": 0.0},
+            {"step": 3, "step_time": 44.0, "time/generation": 24.0, "time/scoring": 3.0, "completions/mean_length": 60.0},
+            {"step": 3, "train_runtime": 174.0}]
+    g = bench.grpo_summary(rows, answers_per_step=8)
+    assert (g["steps"], g["timed_steps"]) == (3, 2)  # the first step is warm-up
+    assert (g["step_s"], g["generation_s"], g["scoring_s"]) == (42.0, 22.0, 2.0) and g["training_s"] == 18.0
+    assert g["generated_tokens_per_s"] == pytest.approx((50 * 8 / 20 + 60 * 8 / 24) / 2)  # 20 tokens/s each
+    assert "| 42.0 | 22.0 | 2.00 | 18.0 | 20.0 | 8 |" in "\n".join(bench.grpo_markdown(
+        g | {"prompts_per_step": 2, "num_generations": 4, "max_completion_length": 160, "peak_train_mb": 1000.0}))
+
+
+def test_method_comparison_summary_is_mean_and_spread_over_seeds():
+    import compare  # bench/compare.py
+
+    def arm(score, rate):
+        return {"mean_score": score, "pass_rate": rate, "outcomes": {"failed": 3}}
+
+    rows = [{"seed": s, "method": m, "base": arm(b, 0.0), "tuned": arm(t, r), "steps": 2, "minutes": 1.0}
+            for s, b in ((1, 0.0), (2, 0.1)) for m, t, r in (("dpo", 0.2, 0.5), ("grpo", 0.4, 1.0))]
+    summary = compare.summarize(rows)
+    assert summary["base"]["mean_score"] == {"mean": pytest.approx(0.05), "std": pytest.approx(0.0707, abs=1e-4), "n": 2}
+    assert summary["dpo"]["pass_rate"] == {"mean": 0.5, "std": 0.0, "n": 2} and summary["grpo"]["mean_score"]["mean"] == 0.4
+    assert "| grpo | +0.4000 ± 0.0000 | 1.000 ± 0.000 | 2 |" in compare.table(rows, summary)

@@ -24,7 +24,7 @@ MODEL = ROOT / models.BUNDLED_MODEL_DIR
 # Every job of these tests: tiny sequences, a rank-4 adapter on two projections, no probes, no held-out share,
 # a checkpoint at every step (what a restart resumes from).
 TRAIN_ARGS = ("--max_length 64 --lora_r 4 --lora_alpha 8 --lora_target_modules q_proj,v_proj --probes= "
-              "--eval_fraction 0 --save_steps 1")
+              "--eval_fraction 0 --save_steps 1 --max_completion_length 12")  # the last: reinforcement jobs' answers
 needs_model = pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="bundled model not converted (make model)")
 
 
@@ -318,6 +318,62 @@ def test_a_file_of_labelled_examples_trains_kto_and_what_kto_refuses_fails_the_v
         assert bad.error.message.startswith("kto.jsonl: the file holds unpaired examples (KTO)"), bad.error.message
         assert problem in bad.error.message, bad.error.message
         assert not (service.out / bad.id).exists()  # refused before any training started
+
+
+def test_reinforcement_graders_become_grpo_flags_and_what_the_kit_cannot_grade_is_a_400():
+    python = {"type": "python", "name": "has-answer", "source": "def grade(sample, item):\n    return 1.0\n"}
+    flags = api_openai.grader_flags(python)
+    assert flags[:4] == ["--method", "grpo", "--reward", ""] and json.loads(flags[5]) == python
+    assert api_openai.hyperparameter_flags("reinforcement", {"compute_multiplier": 0.5, "eval_samples": 2,
+                                                             "reasoning_effort": "low", "eval_interval": 3}) == [
+        "--num_generations", "2", "--eval_samples", "2"]
+    resolved = api_openai.resolved_hyperparameters("reinforcement", {"compute_multiplier": "auto"})
+    assert resolved["compute_multiplier"] == 1.0 and resolved["eval_interval"] == "auto" and "beta" not in resolved
+    for grader, param in (({"type": "text_similarity", "name": "t", "input": "a", "reference": "b",
+                            "evaluation_metric": "bleu"}, "method.reinforcement.grader.type"),
+                          ({"type": "python", "name": "g", "source": "def grade(:"}, "method.reinforcement.grader"),
+                          ({"type": "python", "name": "speed", "source": ""}, "method.reinforcement.grader")):
+        with pytest.raises(service_app.ApiError) as e:
+            api_openai.grader_flags(grader)
+        assert e.value.param == param, e.value.body()
+
+
+def rft_rows(n: int) -> str:
+    """OpenAI's reinforcement rows: the prompt's messages and the item's fields its grader reads."""
+    return "".join(json.dumps({"messages": [{"role": "user", "content": f"What is {i} + {i}? Answer with the number."}],
+                               "answer": str(2 * i)}) + "\n" for i in range(n))
+
+
+@needs_model
+@pytest.mark.integration
+def test_openai_sdk_runs_a_reinforcement_job_with_a_python_grader_to_succeeded(service, client, tmp_path):
+    path = tmp_path / "rft.jsonl"
+    path.write_text(rft_rows(4))
+    f = client.files.create(file=open(path, "rb"), purpose="fine-tune")
+    source = "def grade(sample, item):\n    return 1.0 if item['answer'] in sample['output_text'] else 0.0\n"
+    job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f.id, method={
+        "type": "reinforcement", "reinforcement": {
+            "grader": {"type": "python", "name": "has-answer", "source": source},
+            "hyperparameters": {"batch_size": 2, "n_epochs": 1, "compute_multiplier": 0.5, "eval_samples": "auto",
+                                "reasoning_effort": "low"}}})
+    assert job.method.type == "reinforcement" and job.method.reinforcement.grader.name == "has-answer"
+    job = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in jobs.TERMINAL)
+    assert job.status == "succeeded", (job.error, job_log(service.out, job.id)[-3000:])
+    messages = [e.message for e in client.fine_tuning.jobs.list_events(job.id, limit=100)]
+    assert any("4 prompts in rft.jsonl" in m and "has-answer" in m for m in messages), messages
+    manifest = runs.verify_tarball(service.out / f"{job.id}.tar.gz")
+    assert manifest["method"] == "grpo" and manifest["steps"] == 2
+    rows = [json.loads(x) for x in (service.out / job.id / "metrics.jsonl").read_text().splitlines()]
+    assert all("rewards/has-answer/mean" in r for r in rows if "reward" in r)  # the grader scored every answer
+    config = json.loads((service.out / job.id / "config.json").read_text())
+    assert config["num_generations"] == 2 and json.loads(config["reward_grader"])["source"] == source
+    from openai import BadRequestError
+
+    with pytest.raises(BadRequestError) as e:
+        client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f.id, method={
+            "type": "reinforcement", "reinforcement": {"grader": {
+                "type": "score_model", "name": "judge", "model": "m", "input": [{"role": "user", "content": "x"}]}}})
+    assert e.value.body["param"] == "method.reinforcement.grader.type", e.value.body
 
 
 @needs_model

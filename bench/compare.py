@@ -1,0 +1,119 @@
+"""Which method makes the agent's code better? The base, DPO, KTO and GRPO on the same run logs, over several seeds,
+each scored by running its sampled answers to the held-out runs' prompts through the checker.
+
+    make compare                        # 3 seeds x (DPO, KTO, GRPO) on the demo logs: bench/results-methods.{md,json}
+    .venv/bin/python bench/compare.py [--seeds 1,2,3] [--methods dpo,kto,grpo] [--logs data/runs.jsonl]
+                                      [--out bench/results-methods] [-- TRAIN_FLAGS...]
+
+Every run is one `train_dpo.py` with the demo's settings and the seed, on what build_pairs.py makes of the logs
+(pairs for DPO, --emit kto examples for KTO, the logs' own prompts for GRPO), and the same held-out runs (the
+split is by run). Its report's execution section is read back: `--eval_samples` sampled answers (seeded) to each
+held-out prompt from the base (adapter off) and from the tuned model, each run on the prompt's host. The base's
+numbers come from every run; with the same seed they are the same samples, so they are shown once per seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import kit  # noqa: E402
+
+
+@dataclasses.dataclass
+class CompareConfig:
+    seeds: str = kit.field("1,2,3", "training and sampling seeds")
+    methods: str = kit.field("dpo,kto,grpo", "methods to train (train_dpo.py --method)")
+    logs: str = kit.field("data/runs.jsonl", "agent run logs")
+    out: str = kit.field("bench/results-methods", "writes OUT.md and OUT.json")
+    work: str = kit.field("", "where the runs go (default: artifacts/bench-compare)")
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Per method (and the base): mean and sample standard deviation over seeds of the held-out mean checker score
+    and pass rate. rows: {seed, method, base: {mean_score, pass_rate}, tuned: {...}}."""
+    out = {}
+    arms = {"base": [r["base"] for r in rows if r["method"] == rows[0]["method"]]}
+    for r in rows:
+        arms.setdefault(r["method"], []).append(r["tuned"])
+    for name, values in arms.items():
+        out[name] = {}
+        for key in ("mean_score", "pass_rate"):
+            xs = [v[key] for v in values]
+            out[name][key] = {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0,
+                              "n": len(xs)}
+    return out
+
+
+def table(rows: list[dict], summary: dict) -> str:
+    lines = ["| method | held-out mean checker score | pass rate | seeds |", "| --- | --- | --- | --- |"]
+    for name, s in summary.items():
+        lines.append(f"| {name} | {s['mean_score']['mean']:+.4f} ± {s['mean_score']['std']:.4f} | "
+                     f"{s['pass_rate']['mean']:.3f} ± {s['pass_rate']['std']:.3f} | {s['mean_score']['n']} |")
+    lines += ["", "| seed | method | base score | tuned score | base pass | tuned pass | tuned outcomes | steps | minutes |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['seed']} | {r['method']} | {r['base']['mean_score']:+.4f} | {r['tuned']['mean_score']:+.4f} "
+                     f"| {r['base']['pass_rate']:.3f} | {r['tuned']['pass_rate']:.3f} | "
+                     + ", ".join(f"{k} {v}" for k, v in sorted(r["tuned"]["outcomes"].items()))
+                     + f" | {r['steps']} | {r['minutes']:.1f} |")
+    return "\n".join(lines)
+
+
+def data_for(method: str, logs: str, work: Path) -> tuple[str, str]:
+    """(training data, eval prompts) for a method, built once per method from the logs."""
+    prompts = work / "pairs" / "runs.prompts.jsonl"
+    if method == "grpo":
+        return logs, ""
+    out = work / "pairs" / f"runs.{'kto' if method == 'kto' else 'pairs'}.jsonl"
+    if not out.exists():
+        subprocess.run([sys.executable, str(ROOT / "build_pairs.py"), logs, "-o", str(out), "--prompts", str(prompts),
+                        *(["--emit", "kto"] if method == "kto" else [])], check=True, cwd=ROOT)
+    return str(out), str(prompts)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    cfg = kit.parse_config(CompareConfig, argv[:argv.index("--")] if "--" in argv else argv, __doc__)
+    work = Path(cfg.work or ROOT / "artifacts" / "bench-compare")
+    (work / "pairs").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for seed in [int(s) for s in cfg.seeds.split(",")]:
+        for method in cfg.methods.split(","):
+            data, prompts = data_for(method, str(Path(cfg.logs).resolve()), work)
+            name = f"{method}-s{seed}"
+            t0 = time.time()
+            cmd = [sys.executable, str(ROOT / "train_dpo.py"), "--data", data, "--method", method, "--seed", str(seed),
+                   "--output_dir", str(work), "--run_name", name, "--probes", "",
+                   *(["--eval_prompts", prompts] if prompts else []), *extra]
+            print(f"[compare] {name}: {' '.join(cmd[2:])}", flush=True)
+            subprocess.run(cmd, check=True, cwd=ROOT)
+            evaluation = json.loads((work / name / "evaluation.json").read_text())["execution"]
+            manifest = json.loads((work / name / "manifest.json").read_text())
+            rows.append({"seed": seed, "method": method, "base": evaluation["base"], "tuned": evaluation["tuned"],
+                         "prompts": evaluation["prompts"], "samples": evaluation["samples"],
+                         "steps": manifest["steps"], "minutes": (time.time() - t0) / 60})
+            kit.atomic_write_json(Path(cfg.out + ".json"), {"rows": rows, "summary": summarize(rows)})
+    summary = summarize(rows)
+    head = (f"# Held-out checker scores: base, DPO, KTO, GRPO on {cfg.logs}\n\n"
+            f"{rows[0]['samples']} sampled answers to each of {rows[0]['prompts']} held-out prompts per model and seed, "
+            f"each run on its prompt's host by checker.py (score: bytes freed over the plantable junk, -1 for "
+            f"deleting what must be kept; pass: it freed space). Mean ± standard deviation over seeds "
+            f"{cfg.seeds}; `python bench/compare.py` wrote this.\n\n")
+    kit.atomic_write_text(Path(cfg.out + ".md"), head + table(rows, summary) + "\n")
+    kit.atomic_write_json(Path(cfg.out + ".json"), {"rows": rows, "summary": summary})
+    print(table(rows, summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(kit.run_cli(main))
