@@ -359,23 +359,36 @@ class Scheduler(threading.Thread):
                 raise UserError(e.message, f["path"], lines[e.line - 1] if e.line else None) from None
         out = work / "train.prompts.jsonl"
         kit.atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        cfg = self.train_config(job, str(out))
+        if cfg is not None:  # what the training would refuse: too few prompts for a step, all held out
+            import formats
+            import methods
+
+            methods.grpo_data(cfg, formats.TrainingData(path=str(out), sha256="", format="", pairs=0, skipped={}))
         self.store.event(job["id"], f"{len(rows)} prompts in {f['filename']}: the job samples answers to each and "
                          f"its grader ({job['method']['grader'].get('name') or job['method']['grader']['type']}) "
                          "scores them (GRPO)", data={"prompts": len(rows)})
         return str(out)
 
+    def train_config(self, job: dict, data: str):
+        """The TrainConfig the job's training command will parse (None when its flags are not the kit's own:
+        train_dpo.py reports them in the job's log)."""
+        import train_dpo
+
+        argv = kit.normalise_argv(train_dpo.TrainConfig, job_flags(self.cfg, job | {"data": data}))
+        try:
+            values = vars(kit.build_parser(train_dpo.TrainConfig, "").parse_args(argv))
+        except SystemExit:
+            return None
+        values.pop("config", None)
+        return train_dpo.TrainConfig(**values)
+
     def check_kto(self, job: dict, f: dict) -> None:
         """A file of labelled examples trains KTO (train_dpo.py --method auto): what its training command would
         refuse (a fine-tuned model to continue, batch size 1, DPO-only hyperparameters) fails the validation."""
-        import train_dpo
-
-        argv = kit.normalise_argv(train_dpo.TrainConfig, job_flags(self.cfg, job | {"data": f["path"]}))
-        try:
-            values = vars(kit.build_parser(train_dpo.TrainConfig, "").parse_args(argv))
-        except SystemExit:  # not the kit's own flags: train_dpo.py reports them in the job's log
+        cfg = self.train_config(job, f["path"])
+        if cfg is None:
             return
-        values.pop("config", None)
-        cfg = train_dpo.TrainConfig(**values)
         dpo = dataclasses.replace(cfg, method="dpo").problems()  # the rest train_dpo.py reports itself
         problems = [p for p in dataclasses.replace(cfg, method="kto").problems() if p not in dpo]
         if job["init_adapter"]:

@@ -137,6 +137,12 @@ def grpo_data(cfg, data: formats.TrainingData) -> tuple[list[dict], list[dict]]:
         raise UserError(f"every prompt fell in the held-out share (--eval_fraction {cfg.eval_fraction}); lower it "
                         "or add prompts", cfg.data)
     data.held_out = len(held)
+    import ranks
+
+    per_step = cfg.per_device_train_batch_size * ranks.world()["world_size"] * cfg.gradient_accumulation_steps
+    if len(train) < per_step:  # TRL's sampler keeps whole batches of prompts only: it would have none
+        raise UserError(f"{len(train)} training prompts ({len(held)} held out of {len(records)}), fewer than the "
+                        f"{per_step} a step samples: add prompts, or lower --per_device_train_batch_size", cfg.data)
     random.Random(cfg.seed).shuffle(train)
     return train, held
 

@@ -85,7 +85,7 @@ def test_without_the_key_every_path_is_refused_and_with_it_the_schema_and_docs_a
 
 
 @pytest.mark.parametrize("shape", ["dpo method", "top level", "top level with a dpo method", "supervised method",
-                                   "numbers"])
+                                   "numbers", "reinforcement method"])
 def test_every_hyperparameter_auto_as_the_sdk_types_allow_creates_the_job_with_the_kits_defaults(
         sdk, bad_file, shape):
     method, top = {
@@ -95,6 +95,11 @@ def test_every_hyperparameter_auto_as_the_sdk_types_allow_creates_the_job_with_t
         "supervised method": ({"type": "supervised", "supervised": {"hyperparameters": ALL_AUTO}}, None),
         "numbers": ({"type": "dpo", "dpo": {"hyperparameters": {"batch_size": 3, "learning_rate_multiplier": 0.5,
                                                                 "n_epochs": "auto", "beta": 0.25}}}, None),
+        "reinforcement method": ({"type": "reinforcement", "reinforcement": {
+            "grader": {"type": "string_check", "name": "g", "input": "{{sample.output_text}}",
+                       "reference": "{{item.answer}}", "operation": "eq"},
+            "hyperparameters": {**ALL_AUTO, "compute_multiplier": "auto", "eval_interval": "auto",
+                                "eval_samples": "auto", "reasoning_effort": "default"}}}, None),
     }[shape]
     kwargs = {"method": method} if method else {}
     kwargs |= {"hyperparameters": top} if top else {}
@@ -104,20 +109,30 @@ def test_every_hyperparameter_auto_as_the_sdk_types_allow_creates_the_job_with_t
     expected = {k: defaults[k] for k in ("batch_size", "learning_rate_multiplier", "n_epochs")}
     if shape == "numbers":
         expected |= {"batch_size": 3, "learning_rate_multiplier": 0.5, "beta": 0.25}
+    elif shape == "reinforcement method":
+        expected |= {"compute_multiplier": 1.0, "eval_interval": "auto", "eval_samples": defaults["eval_samples"],
+                     "reasoning_effort": "default"}
     elif shape != "supervised method":
         expected["beta"] = defaults["beta"]
     assert job.hyperparameters.model_dump(exclude_none=True) == expected
     assert (job.method.type, job.seed, job.metadata, job.suffix) == (
-        "supervised" if shape == "supervised method" else "dpo", 7, {"round": "1"}, "auto-test")
+        shape.split()[0] if shape in ("supervised method", "reinforcement method") else "dpo", 7, {"round": "1"},
+        "auto-test")
     failed = wait_for(lambda: sdk.fine_tuning.jobs.retrieve(job.id), lambda j: j.status == "failed", timeout=60)
     assert failed.error.param == "training_file"  # what these tests give it; nothing trained
 
 
 REFUSED = [
-    ({"method": {"type": "reinforcement", "reinforcement": {"grader": {"type": "string_check", "name": "g",
-                                                                       "input": "{{sample.output_text}}",
-                                                                       "reference": "x", "operation": "eq"}}}},
-     "method.type"),
+    ({"method": {"type": "reinforcement", "reinforcement": {"grader": {
+        "type": "text_similarity", "name": "g", "input": "{{sample.output_text}}", "reference": "x",
+        "evaluation_metric": "bleu"}}}}, "method.reinforcement.grader.type"),
+    ({"method": {"type": "reinforcement", "reinforcement": {"grader": {"type": "python", "name": "g",
+                                                                       "source": "def grade(:"}}}},
+     "method.reinforcement.grader"),
+    ({"method": {"type": "reinforcement", "reinforcement": {"grader": {
+        "type": "string_check", "name": "g", "input": "a", "reference": "b", "operation": "eq"},
+        "hyperparameters": {"beta": 0.1}}}}, "method.reinforcement.hyperparameters.beta"),
+    ({"method": {"type": "reinforcement"}}, "method.reinforcement"),
     ({"integrations": [{"type": "wandb", "wandb": {"project": "p"}}]}, "integrations"),
     ({"method": {"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.1}}}, "hyperparameters": {"n_epochs": 1}},
      "hyperparameters"),
