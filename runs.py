@@ -530,15 +530,18 @@ def describe_run(manifest: dict) -> str:
 
 
 def runs_table(root: str | os.PathLike) -> str:
-    """One line per run under root (finished, partial, failed): status, data, steps, held-out accuracy, size."""
-    rows = [("run", "status", "data", "pairs", "steps", "held-out acc", "size")]
+    """One line per run under root (finished, partial, failed): status, data, method, steps, held-out accuracy, the
+    checker's mean score of held-out answers (base -> tuned), size."""
+    rows = [("run", "status", "data", "method", "pairs", "steps", "held-out acc", "checker score", "size")]
     for d in sorted(p for p in Path(root).glob("*") if (p / "status.json").exists()):
         status, data, manifest = (read_json(d / name) for name in ("status.json", "data.json", "manifest.json"))
-        acc = manifest.get("eval") or {}
+        acc, run = manifest.get("eval") or {}, manifest.get("execution") or {}
         size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
-        rows.append((d.name, status.get("state", "?"), Path(data.get("path", "?")).name,
+        rows.append((d.name, status.get("state", "?"), Path(data.get("path", "?")).name, data.get("method", "-"),
                      str(data.get("pairs_trained", data.get("pairs", "?"))), str(status.get("step", "-")),
-                     f"{acc['base']:.2f} -> {acc['tuned']:.2f}" if acc else "-", f"{size / 1e6:.1f} MB"))
+                     f"{acc['base']:.2f} -> {acc['tuned']:.2f}" if acc else "-",
+                     f"{run['base']['mean_score']:+.3f} -> {run['tuned']['mean_score']:+.3f}" if run else "-",
+                     f"{size / 1e6:.1f} MB"))
     if len(rows) == 1:
         return f"no runs in {root}"
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -166,6 +166,8 @@ def test_grpo_in_4bit_stops_on_sigterm_resumes_and_hands_off_a_tarball_that_veri
     manifest = runs.verify_tarball(run_dir.with_name("g.tar.gz"))
     assert manifest["method"] == "grpo" and manifest["execution"]["base"]["pass_rate"] == execution["base"]["pass_rate"]
     assert "4 GRPO prompts" in runs.describe_run(manifest) and "checker:" in runs.describe_run(manifest)
+    line = next(x for x in runs.runs_table(tmp_path / "art").splitlines() if x.startswith("g "))
+    assert " grpo " in line and f"{execution['base']['mean_score']:+.3f} -> " in line
     data_json = json.loads((run_dir / "data.json").read_text())
     assert data_json["method"] == "grpo" and data_json["held_out"] == 2 and data_json["pairs_trained"] == 4
     from peft import PeftModel
