@@ -165,6 +165,7 @@ class BenchConfig:
     matmul_size: int = field(0, "square matrix size for the matmul peaks; 0 = 2048 (CUDA: 8192)")
     grpo_steps: int = field(3, "GRPO: optimiser steps on the demo logs' prompts (the first is warm-up); 0 = skip "
                             "(quick: 2; CUDA: 3)")
+    grpo_completion_length: int = field(0, "GRPO: longest sampled answer in tokens; 0 = the kit's default")
     budget_s: float = field(0.0, "stop starting measurements after this many seconds and write what was measured "
                             "(a device call's time limit); 0 = no limit")
     seed: int = field(0, "data generation seed")
@@ -659,7 +660,8 @@ def bench_grpo(cfg: BenchConfig, work: Path, model: str, steps: int, timeout: fl
     run_dir, timing, log = work / "grpo", work / "grpo.timing.json", work / "grpo.log"
     argv = ["--method", "grpo", "--data", str(ROOT / "data" / "runs.jsonl"), "--model_name_or_path", model,
             "--output_dir", str(run_dir), "--run_name", "r", "--max_steps", str(steps), "--eval_fraction", "0",
-            "--probes", "", "--save_steps", "100000", "--seed", "42"]
+            "--probes", "", "--save_steps", "100000", "--seed", "42",
+            "--max_completion_length", str(cfg.grpo_completion_length or d.max_completion_length)]
     env = os.environ | ({"CUDA_VISIBLE_DEVICES": ""} if not cfg.cuda else {})
     status, wall = run_child(child_command("child_train", argv, str(timing)), log, timeout=timeout, env=env)
     if status != 0 or not timing.exists():
@@ -670,7 +672,7 @@ def bench_grpo(cfg: BenchConfig, work: Path, model: str, steps: int, timeout: fl
     rec = json.loads(timing.read_text())
     return grpo_summary(metrics, d.per_device_train_batch_size * d.num_generations) | {
         "wall_s": wall, "peak_train_mb": rec.get("peak_gpu_mb" if cfg.cuda else "peak_train_mb"),
-        "num_generations": d.num_generations, "max_completion_length": d.max_completion_length,
+        "num_generations": d.num_generations, "max_completion_length": cfg.grpo_completion_length or d.max_completion_length,
         "prompts_per_step": d.per_device_train_batch_size}
 
 

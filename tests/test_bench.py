@@ -229,7 +229,8 @@ def test_a_tiny_cpu_bench_of_the_default_trl_best_and_kto_on_a_random_shape(tmp_
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench.py"), "--device", "cpu", "--model",
                           "random:smollm2-135m", "--lengths", "64", "--prompt_fractions", "0.75", "--modes",
                           "default,trl_best,kto", "--steps", "1", "--batch_size", "2", "--pairs_runs", "none",
-                          "--matmul_size", "256", "--out_dir", str(tmp_path), "--out_stem", "r"],
+                          "--matmul_size", "256", "--out_dir", str(tmp_path), "--out_stem", "r", "--grpo_steps", "2",
+                          "--grpo_completion_length", "8"],
                          capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     results = json.loads((tmp_path / "r.json").read_text())
@@ -246,6 +247,10 @@ def test_a_tiny_cpu_bench_of_the_default_trl_best_and_kto_on_a_random_shape(tmp_
     kto = results["train"]["kto"]["64p0.75"]  # the same pairs, unpaired, through TRL's KTOTrainer
     assert kto["pairs_per_s"] > 0 and kto["peak_train_mb"] > 0 and kto["mfu"] is None and kto["last_loss"] > 0
     assert "| kto (examples/s) | 64 | 0.75 | 2 | float32 |" in table and "| n/a | n/a |" in table
+    grpo = results["grpo"]  # a GRPO step on the demo logs' prompts, split into its parts
+    assert grpo["steps"] == 2 and grpo["generation_s"] > 0 and grpo["scoring_s"] > 0 and grpo["training_s"] > 0
+    assert grpo["generated_tokens_per_s"] > 0 and grpo["answers_per_step"] == 8 and grpo["max_completion_length"] == 8
+    assert "GRPO (`--method grpo` on the demo logs' prompts, 2 prompts x 4 answers of up to 8 tokens" in table
 
 
 def test_grpo_summary_splits_a_step_and_counts_generated_tokens_on_worked_numbers():
