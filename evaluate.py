@@ -485,6 +485,28 @@ def chat(path: str, prompts: list[str], compare: bool = False, max_new_tokens: i
     return 0
 
 
+def held_out_data(source: str, cfg: dict, every: bool) -> tuple[list[dict], list[dict]]:
+    """(pairs, prompts the checker scores) to evaluate a finished run on: its held-out share of its own data
+    (every=False; and of its --eval_prompts, where that file is still here), or all of another file. A file of
+    prompts or run logs (GRPO's data) gives prompts only."""
+    import methods
+
+    if methods.holds_prompts(methods.first_record(source)):
+        rows = [methods.prompt_record(r) for r in methods.load_prompts(source)[0]]
+        return [], [{k: v for k, v in r.items() if k != formats.RUN_KEY} for r in rows
+                    if every or formats.held_out(r, cfg["eval_fraction"])]
+    columns = {} if every else formats.parse_columns(cfg.get("columns", ""))  # another file: its own shape
+    pairs, _ = formats.load_pairs(source, cfg["skip_invalid"], columns, 0.0 if every else cfg.get("min_score_gap", 0.0))
+    held = pairs if every else [r for r in pairs if formats.held_out(r, cfg["eval_fraction"])]
+    prompts = []
+    if not every and cfg.get("eval_prompts") and Path(cfg["eval_prompts"]).is_file():
+        import checker
+
+        prompts = [{k: v for k, v in r.items() if k != "run_id"} for r in checker.load_prompts(cfg["eval_prompts"])
+                   if "run_id" not in r or formats.held_out({formats.RUN_KEY: r["run_id"]}, cfg["eval_fraction"])]
+    return held, prompts
+
+
 def evaluate_run(path: str, data: str = "", out_dir: str | None = None) -> Path:
     """Re-run the evaluation of a finished run (directory or tarball) into <run>-eval/: on the run's
     own held-out pairs (recomputed from its data file), or on every pair of another file."""
@@ -493,17 +515,17 @@ def evaluate_run(path: str, data: str = "", out_dir: str | None = None) -> Path:
         source = data or cfg["data"]
         if not Path(source).exists() and not formats.is_hub_id(source):
             raise UserError(f"the run's data file {source} is not here; pass another with DATA=")
-        columns = {} if data else formats.parse_columns(cfg.get("columns", ""))  # another file: its own shape
-        pairs, _ = formats.load_pairs(source, cfg["skip_invalid"], columns, 0.0 if data else cfg.get("min_score_gap", 0.0))
-        held = pairs if data else [r for r in pairs if formats.held_out(r, cfg["eval_fraction"])]
+        held, prompts = held_out_data(source, cfg, every=bool(data))
         model, tokenizer = models.load_run(run_dir, cfg)
-        evaluation = evaluate(model, tokenizer, held, load_probes(cfg["probes"]), cfg["max_length"], cfg["seed"])
+        evaluation = evaluate(model, tokenizer, held, load_probes(cfg["probes"]), cfg["max_length"], cfg["seed"],
+                              prompts, cfg.get("eval_samples", 4), cfg.get("eval_max_new_tokens", 256))
         dest = Path(out_dir or Path(cfg["output_dir"]) / f"{run_dir.name}-eval")
         partial = dest.with_name(dest.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         metrics = runs.read_metrics(run_dir)
-        what = f"all {len(held)} pairs of {data}" if data else f"its {len(held)} held-out pairs"
+        what = (f"all {len(held) or len(prompts)} {'pairs' if held else 'prompts'} of {data}" if data else
+                f"its {len(held)} held-out pairs" + (f" and {len(prompts)} held-out prompts" if prompts else ""))
         write_report(partial, f"{run_dir.name}: evaluated on {what}", evaluation | {"data": source, "pairs": len(held)},
                      metrics)
         shutil.rmtree(dest, ignore_errors=True)

@@ -174,6 +174,10 @@ def test_grpo_in_4bit_stops_on_sigterm_resumes_and_hands_off_a_tarball_that_veri
     from transformers import AutoModelForCausalLM
 
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(MODEL), run_dir)  # the adapter loads in PEFT
+    import evaluate  # make eval: the run's held-out prompts scored again by the checker
+
+    again = json.loads((evaluate.evaluate_run(str(run_dir), "", str(tmp_path / "re")) / "evaluation.json").read_text())
+    assert again["execution"]["prompts"] == 2 and again["execution"]["samples"] == 1
     # Stopped and resumed, it trained what the same command trains uninterrupted (sampling's RNG is checkpointed)
     whole = subprocess.run(list(map(str, command("whole"))), cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
