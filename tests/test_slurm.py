@@ -272,3 +272,29 @@ def test_make_train_runner_slurm_gives_the_local_runs_adapter_and_its_lock_turns
     adapter = "adapter_model.safetensors"
     assert (out / "r" / adapter).read_bytes() == (tmp_path / "local" / "r" / adapter).read_bytes()
     assert runs.verify_tarball(out / "r.tar.gz")["run_name"] == "r"
+
+
+@pytest.mark.slurm
+def test_a_job_sbatch_took_before_the_service_died_unrecorded_is_found_by_its_name_not_submitted_again(cluster,
+                                                                                                         tmp_path):
+    out = tmp_path / "art"
+    store = jobs.Store(out / "serve")
+    job_id = jobs.new_id("ftjob")
+    # What a kill -9 between sbatch and storing its answer leaves: running, submitted, no SLURM id.
+    store.insert("jobs", {"id": job_id, "created_at": jobs.now(), "api": "openai", "status": "running",
+                          "model": "m", "base": "m", "method": {"type": "dpo"}, "flags": [], "result_files": [],
+                          "submitted_at": jobs.now()})
+    done = subprocess.run(["sbatch", "--parsable", f"--job-name=dpo-kit-{job_id}", "--wrap", "sleep 6"],
+                          capture_output=True, text=True, check=True)
+    slurm_id = slurm.parse_job_id(done.stdout)
+    svc = slurm_service(out)
+    try:
+        wait_for(lambda: store.job(job_id)["status"], lambda s: s in jobs.TERMINAL, what="the adopted job's end")
+    finally:
+        svc.stop()
+    assert store.job(job_id)["slurm_job_id"] == slurm_id
+    assert sacct(f"dpo-kit-{job_id}") == [(slurm_id, "COMPLETED")]  # adopted, never submitted a second time
+    messages = [r["message"] for r in store.query("SELECT message FROM events WHERE job_id = ?", job_id)]
+    assert messages[0] == f"The service restarted: following SLURM job {slurm_id} again"
+    assert f"SLURM job {slurm_id} ended COMPLETED" in messages
+    assert store.job(job_id)["status"] == "failed"  # a sleep trains nothing: the run is not there
