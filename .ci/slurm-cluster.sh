@@ -4,7 +4,8 @@
 # plain daemon (no systemd), with a minimal slurm.conf (no cgroups: proctrack/linuxproc, task/none).
 #
 #     .ci/slurm-cluster.sh start     # install what is missing (root + apt), start; prints SLURM_CONF=<state>/slurm.conf
-#     .ci/slurm-cluster.sh stop      # stop the daemons this script started (by their pid files), keep the state
+#     .ci/slurm-cluster.sh stop      # cancel the cluster's jobs, stop the daemons this script started (by their pid
+#                                    # files); the state is kept
 #     .ci/slurm-cluster.sh status    # exit 0 when the cluster answers
 #
 # Everything lives in $SLURM_STATE (default /tmp/dpo-kit-slurm): configs, its own munge key and socket, the database,
@@ -152,6 +153,10 @@ start_slurm() {
 }
 
 stop() {
+  if alive slurmctld; then  # every job here is the tests': none is left running without its daemons
+    SLURM_CONF=$CONF timeout 10 scancel --user "$(id -un)" 2>/dev/null || true
+    for _ in $(seq 60); do [[ -z $(SLURM_CONF=$CONF timeout 10 squeue -h 2>/dev/null) ]] && break; sleep 0.5; done
+  fi
   for d in slurmd slurmctld slurmdbd mariadb munged; do
     if alive $d; then say "stopping $d"; kill "$(cat "$STATE/$d.pid")"; fi
   done
@@ -172,6 +177,6 @@ case ${1:-start} in
     echo "SLURM_CONF=$CONF"
     ;;
   stop) stop ;;
-  status) answers ;;
+  status) alive slurmctld && answers ;;
   *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
 esac
