@@ -31,6 +31,7 @@ start it again: queued jobs stay queued and the running one resumes from its las
 import contextlib
 import dataclasses
 import os
+import shutil
 import sys
 
 import kit
@@ -84,6 +85,9 @@ class ServeConfig:
             p.append("--slurm_args is for --runner slurm")
         elif self.runner == "slurm" and (flag_problem := slurm_args_problem(self.slurm_args)):
             p.append(f"--slurm_args: {flag_problem}")
+        if self.runner == "slurm" and not shutil.which("sbatch"):
+            p.append("--runner slurm: sbatch is not on the PATH (run the service on a machine of the cluster, such "
+                     "as a login node)")
         if self.runner == "slurm" and self.gpus:
             p.append("--runner slurm: give GPUs per node as --slurm_args='--gpus_per_node N' (make: GPUS=N)")
         return p

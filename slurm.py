@@ -254,16 +254,19 @@ def live_states(job_ids: list[str]) -> dict[str, str] | None:
 
 
 def final_state(job_id: str) -> tuple[str | None, int | None]:
-    """(state, exit status) of a job that has left the queue: sacct, else scontrol (which keeps a finished job
-    for MinJobAge seconds, on a cluster without accounting), else (None, None)."""
+    """(state, exit status) of a job that has left the queue: the controller's (scontrol keeps a finished job for
+    MinJobAge seconds), else accounting's (sacct; a state it has not caught up with yet is not taken), else
+    (None, None)."""
+    done = _run(["scontrol", "show", "job", job_id])
+    found = dict(re.findall(r"(JobState|ExitCode)=(\S+)", done.stdout)) if done.returncode == 0 else {}
+    if found.get("JobState") and found["JobState"] not in LIVE:
+        return found["JobState"], exit_status(found.get("ExitCode", ""))
     done = _run(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "JobID,State,ExitCode"])
     for line in done.stdout.splitlines() if done.returncode == 0 else []:
         parts = line.split("|")
-        if parts[0] == job_id and len(parts) >= 3:
+        if parts[0] == job_id and len(parts) >= 3 and parts[1].split()[0] not in LIVE:
             return parts[1].split()[0], exit_status(parts[2])
-    done = _run(["scontrol", "show", "job", job_id])
-    found = dict(re.findall(r"(JobState|ExitCode)=(\S+)", done.stdout)) if done.returncode == 0 else {}
-    return found.get("JobState"), exit_status(found.get("ExitCode", ""))
+    return None, None
 
 
 def find_jobs(run_name: str, since: int | None = None) -> list[str]:
@@ -280,8 +283,13 @@ def find_jobs(run_name: str, since: int | None = None) -> list[str]:
 
 def stop(job_id: str, kind: str) -> None:
     """cancel: scancel (SLURM sends SIGTERM, then SIGKILL after the cluster's KillWait; the job is CANCELLED);
-    pause: scancel --signal=TERM (the training saves a checkpoint and stops; the job ends with its status)."""
-    _run(["scancel", job_id] if kind == "cancel" else ["scancel", "--signal=TERM", job_id])
+    pause: scancel --signal=TERM to a running job (the training saves a checkpoint and stops; the job ends with
+    its status), and a job still pending, which has nothing to save, is cancelled (a signal would not reach it)."""
+    if kind == "cancel":
+        _run(["scancel", job_id])
+    else:
+        _run(["scancel", "--state=RUNNING", "--signal=TERM", job_id])
+        _run(["scancel", "--state=PENDING", job_id])
 
 
 def write_script(cfg: SlurmConfig, workdir: Path, run_name: str, train_args: list[str]) -> Path:
@@ -470,7 +478,7 @@ def main(argv=None) -> int:
     if status.get("state") == "cancelled":
         print(f"[slurm] resume with the same command (RUN={run.name})", file=sys.stderr)
         return 143
-    return kit.EXIT_USAGE if status.get("error", "").startswith(("bad options", "run ")) else 1
+    return kit.EXIT_USAGE if str(status.get("error") or "").startswith(("bad options", "run ")) else 1
 
 
 def absolute_paths(train_args: list[str], data: str, output_dir: str) -> list[str]:

@@ -75,14 +75,16 @@ def test_the_kits_image_runs_through_apptainer_or_pyxis_with_the_shared_director
         "--container-mounts=/s/art:/s/art --container-workdir=/opt/kit python /opt/kit/train_dpo.py")
 
 
-def test_slurm_options_are_checked_before_anything_is_written():
+def test_slurm_options_are_checked_before_anything_is_written(monkeypatch, tmp_path):
     problems = SlurmConfig(nodes=0, gpus_per_node="all", time="soon", partition="gpu\n#SBATCH --x",
                            sbatch_args="qos=high").problems()
     assert len(problems) == 5, problems
     assert SlurmConfig(time="1-12:00:00", partition="gpu", account="my-lab", sbatch_args="--qos=high").problems() == []
-    assert serve.ServeConfig(runner="slurm", slurm_args="--time 5x").problems() == [
-        "--slurm_args: --time '5x': expected SLURM's time format (minutes, H:MM:SS or D-HH:MM:SS)"]
     assert serve.ServeConfig(slurm_args="--nodes 2").problems() == ["--slurm_args is for --runner slurm"]
+    monkeypatch.setenv("PATH", str(tmp_path))  # a machine without SLURM's commands
+    assert serve.ServeConfig(runner="slurm", slurm_args="--time 5x").problems() == [
+        "--slurm_args: --time '5x': expected SLURM's time format (minutes, H:MM:SS or D-HH:MM:SS)",
+        "--runner slurm: sbatch is not on the PATH (run the service on a machine of the cluster, such as a login node)"]
 
 
 def test_slurms_answers_parsed():
@@ -144,7 +146,8 @@ def cluster():
 
 def sacct(name: str) -> list[tuple[str, str]]:
     """(SLURM job id, state) of every job SLURM's accounting has under this name."""
-    done = subprocess.run(["sacct", "-X", "-n", "-P", "--name", name, "-S", "now-1days", "-o", "JobID,State"],
+    done = subprocess.run(["sacct", "-X", "-n", "-P", "--name", name, "-S", "now-1days", "-E", "now+1days", "-o",
+                           "JobID,State"],  # -E: a job held pending until later is in the window too
                           capture_output=True, text=True, check=True)
     return [(i, s.split()[0]) for i, s in (line.split("|") for line in done.stdout.splitlines() if line)]
 
@@ -298,3 +301,32 @@ def test_a_job_sbatch_took_before_the_service_died_unrecorded_is_found_by_its_na
     assert messages[0] == f"The service restarted: following SLURM job {slurm_id} again"
     assert f"SLURM job {slurm_id} ended COMPLETED" in messages
     assert store.job(job_id)["status"] == "failed"  # a sleep trains nothing: the run is not there
+
+
+@needs_model
+@pytest.mark.slurm
+def test_a_job_slurm_holds_pending_pauses_and_cancels_without_a_training(cluster, tmp_path):
+    from openai import OpenAI
+
+    out = tmp_path / "art"
+    svc = Service(out, None, "--runner", "slurm", "--slurm_args=--poll_seconds 1 --sbatch_args=--begin=now+1hour")
+    client = OpenAI(base_url=f"{svc.url}/v1", api_key="unused", max_retries=0)
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(openai_pairs(2))
+    try:
+        f = client.files.create(file=open(path, "rb"), purpose="fine-tune")
+        job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f.id)
+        events = lambda: [e.message for e in client.fine_tuning.jobs.list_events(job.id, limit=100)]  # noqa: E731
+        wait_for(events, lambda m: any(x.endswith(": PENDING") for x in m), what="SLURM to hold the job")
+        assert "#SBATCH --begin=now+1hour" in (out / "serve" / "jobs" / job.id / "train.sbatch").read_text()
+        client.fine_tuning.jobs.pause(job.id)  # a signal cannot reach a pending job: it is cancelled in SLURM
+        wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id).status, lambda s: s == "paused", what="the pause")
+        client.fine_tuning.jobs.resume(job.id)
+        wait_for(lambda: len(sacct(f"dpo-kit-{job.id}")), lambda n: n == 2, what="the second submission")
+        client.fine_tuning.jobs.cancel(job.id)
+        job = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in jobs.TERMINAL)
+    finally:
+        svc.stop()
+    assert job.status == "cancelled"
+    assert [s for _, s in sacct(f"dpo-kit-{job.id}")] == ["CANCELLED", "CANCELLED"]
+    assert not (out / f"{job.id}.partial").exists()  # nothing ever trained
