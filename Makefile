@@ -250,8 +250,10 @@ test: $(STAMP) $(BUNDLED_MODEL)/config.json ## run the tests (unit, then integra
 # start here, and the tests skip saying why.
 .PHONY: test-slurm
 test-slurm: $(STAMP) $(BUNDLED_MODEL)/config.json ## start a one-node SLURM cluster here (.ci/slurm-cluster.sh: root, Debian packages), run the SLURM tests on it
-	@conf=$$(.ci/slurm-cluster.sh start | tee /dev/stderr | sed -n 's/^SLURM_CONF=//p'); \
-	  SLURM_CONF=$${conf:-$$SLURM_CONF} $(PY) -m pytest -q tests/test_slurm.py $(ARGS)
+	@out=$$(.ci/slurm-cluster.sh start 2>&1); echo "$$out"; \
+	  conf=$$(echo "$$out" | sed -n 's/^SLURM_CONF=//p'); \
+	  SLURM_CONF=$${conf:-$$SLURM_CONF} DPO_KIT_SLURM_UNAVAILABLE="$$(echo "$$out" | sed -n 's/^.*SLURM cannot start here: //p')" \
+	  $(PY) -m pytest -q tests/test_slurm.py $(ARGS)
 
 .PHONY: test-triton
 test-triton: $(TRITON_STAMP) ## Liger's Triton kernels on the CPU under Triton's interpreter (installs triton + liger-kernel into .venv-triton/)

@@ -28,6 +28,12 @@ wait_for() {  # wait_for SECONDS WHAT COMMAND...
   until "$@"; do ((SECONDS < deadline)) || skip "$what did not come up in ${limit}s (logs in $STATE/log/)"; sleep 0.25; done
 }
 
+daemon() {  # daemon NAME COMMAND...: start it (it forks); when it fails, say why from its stderr or its log
+  local name=$1; shift
+  "$@" 2>"$STATE/log/$name.stderr" && return 0
+  skip "$name did not start: $(cat "$STATE/log/$name.stderr" "$STATE/log/$name.log" 2>/dev/null | grep -v '^$' | tail -2 | tr '\n' ' ')"
+}
+
 install() {
   local need=()
   for pair in munged:munge slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client slurmdbd:slurmdbd \
@@ -113,8 +119,8 @@ EOF
 start_munge() {
   alive munged && return 0
   say "munged"
-  munged --force --socket="$SOCK" --key-file="$STATE/munge.key" --pid-file="$STATE/munged.pid" \
-    --log-file="$STATE/log/munged.log" --seed-file="$STATE/munge/munge.seed" || skip "munged did not start: $(tail -1 "$STATE/log/munged.log" 2>/dev/null)"
+  daemon munged munged --force --socket="$SOCK" --key-file="$STATE/munge.key" --pid-file="$STATE/munged.pid" \
+    --log-file="$STATE/log/munged.log" --seed-file="$STATE/munge/munge.seed"
   wait_for 10 munged munge --socket="$SOCK" -n -o /dev/null
 }
 
@@ -137,17 +143,17 @@ start_db() {
 start_slurm() {
   if ! alive slurmdbd; then
     say "slurmdbd"
-    SLURM_CONF=$CONF slurmdbd || skip "slurmdbd did not start: $(tail -2 "$STATE/log/slurmdbd.log")"
+    SLURM_CONF=$CONF daemon slurmdbd slurmdbd
     wait_for 30 slurmdbd bash -c "SLURM_CONF=$CONF timeout 5 sacctmgr -n -P show cluster >/dev/null 2>&1"
     SLURM_CONF=$CONF sacctmgr -i add cluster dpokit >/dev/null 2>&1 || true
   fi
   if ! alive slurmctld; then
     say "slurmctld"
-    slurmctld -f "$CONF" || skip "slurmctld did not start: $(tail -2 "$STATE/log/slurmctld.log")"
+    daemon slurmctld slurmctld -f "$CONF"
   fi
   if ! alive slurmd; then
     say "slurmd"
-    slurmd -f "$CONF" || skip "slurmd did not start: $(tail -2 "$STATE/log/slurmd.log")"
+    daemon slurmd slurmd -f "$CONF"
   fi
   wait_for 60 "the node (sinfo: idle)" answers
 }
