@@ -289,8 +289,8 @@ def test_a_job_sbatch_took_before_the_service_died_unrecorded_is_found_by_its_na
     store.insert("jobs", {"id": job_id, "created_at": jobs.now(), "api": "openai", "status": "running",
                           "model": "m", "base": "m", "method": {"type": "dpo"}, "flags": [], "result_files": [],
                           "submitted_at": jobs.now()})
-    done = subprocess.run(["sbatch", "--parsable", f"--job-name=dpo-kit-{job_id}", "--wrap", "sleep 6"],
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(["sbatch", "--parsable", f"--job-name=dpo-kit-{job_id}", f"--output={tmp_path}/%j.out",
+                           "--wrap", "sleep 6"], capture_output=True, text=True, check=True)
     slurm_id = slurm.parse_job_id(done.stdout)
     svc = slurm_service(out)
     try:
