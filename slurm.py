@@ -238,7 +238,7 @@ def submit(script: Path) -> str:
     """sbatch the script; its job id. A refusal (no such partition, account, time limit too long) is a UserError."""
     done = _run(["sbatch", "--parsable", str(script)])
     if done.returncode != 0:
-        raise UserError(f"sbatch refused the job: {done.stderr.strip() or done.stdout.strip()}", script)
+        raise UserError(f"sbatch refused the job: {done.stderr.strip() or done.stdout.strip()}")
     return parse_job_id(done.stdout)
 
 
@@ -370,16 +370,20 @@ class SlurmScheduler(jobs.Scheduler):
     def launch(self, job: dict) -> bool:
         if self.run_locked(job):
             return False
+        submitted = now()
         if not self.store.move(job["id"], ("queued",), status="running", waiting_on=None, slurm_job_id=None,
-                               submitted_at=now()):
+                               submitted_at=submitted):
             return True  # cancelled or paused a moment ago
         last = runs.last_checkpoint(runs.Run(self.out, job["id"]).checkpoints)
         script = write_script(self.slurm, self.store.jobs_dir / job["id"], job["id"], jobs.job_flags(self.cfg, job))
         try:
             slurm_id = submit(script)
-        except UserError as e:
-            self.fail(job, "slurm_refused", str(e))
-            return True
+        except UserError as e:  # refused; or sbatch timed out, and the controller may have taken it all the same
+            found = find_jobs(job["id"], since=submitted)
+            if not found:
+                self.fail(job, "slurm_refused", str(e))
+                return True
+            slurm_id = found[-1]
         self.store.update_job(job["id"], slurm_job_id=slurm_id)
         self.slurm_jobs[job["id"]] = slurm_id
         self.store.event(job["id"], (f"Resuming from {last.name}" if last else "Fine-tuning job started")

@@ -332,3 +332,24 @@ def test_a_job_slurm_holds_pending_pauses_and_cancels_without_a_training(cluster
     assert job.status == "cancelled"
     assert [s for _, s in sacct(f"dpo-kit-{job.id}")] == ["CANCELLED", "CANCELLED"]
     assert not (out / f"{job.id}.partial").exists()  # nothing ever trained
+
+
+@needs_model
+@pytest.mark.slurm
+def test_a_job_sbatch_refuses_fails_saying_what_slurm_said(cluster, tmp_path):
+    from openai import OpenAI
+
+    out = tmp_path / "art"
+    svc = Service(out, None, "--runner", "slurm", "--slurm_args=--poll_seconds 1 --partition nosuch")
+    client = OpenAI(base_url=f"{svc.url}/v1", api_key="unused", max_retries=0)
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(openai_pairs(2))
+    try:
+        f = client.files.create(file=open(path, "rb"), purpose="fine-tune")
+        job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f.id)
+        job = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in jobs.TERMINAL)
+    finally:
+        svc.stop()
+    assert job.status == "failed" and job.error.code == "slurm_refused", job.error
+    assert "sbatch refused the job" in job.error.message and "partition" in job.error.message.lower()
+    assert sacct(f"dpo-kit-{job.id}") == []
