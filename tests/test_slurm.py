@@ -248,35 +248,36 @@ def test_service_stopped_and_killed_mid_job_follows_the_same_slurm_job_to_succee
 @needs_model
 @pytest.mark.slurm
 def test_make_train_runner_slurm_gives_the_local_runs_adapter_and_its_lock_turns_a_second_job_away(cluster, tmp_path):
+    run = f"r-{os.urandom(4).hex()}"  # SLURM's accounting keeps every earlier test's jobs: a name of its own
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text(openai_pairs(6))
     args = f"{TRAIN_ARGS} --max_steps 4 --per_device_train_batch_size 1 --seed 3"
     local = subprocess.run([sys.executable, "train_dpo.py", "--data", pairs, "--output_dir", tmp_path / "local",
-                            "--run_name", "r", *args.split()], cwd=ROOT, capture_output=True, text=True)
+                            "--run_name", run, *args.split()], cwd=ROOT, capture_output=True, text=True)
     assert local.returncode == 0, local.stderr[-3000:]
     out = tmp_path / "art"
-    make = subprocess.Popen(["make", "train", "RUNNER=slurm", f"DATA={pairs}", f"OUT={out}", "RUN=r",
+    make = subprocess.Popen(["make", "train", "RUNNER=slurm", f"DATA={pairs}", f"OUT={out}", f"RUN={run}",
                              f"ARGS={args}", "SLURM_ARGS=--poll_seconds 1"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
-        wait_for(lambda: sacct("dpo-kit-r"), lambda j: j and j[0][1] == "RUNNING", what="the SLURM job")
-        wait_for(lambda: runs.lock_holder(out, "r"), lambda pid: pid is not None, what="the run's lock")
-        script = out / "slurm" / "r" / "train.sbatch"
+        wait_for(lambda: sacct(f"dpo-kit-{run}"), lambda j: j and j[0][1] == "RUNNING", what="the SLURM job")
+        wait_for(lambda: runs.lock_holder(out, run), lambda pid: pid is not None, what="the run's lock")
+        script = out / "slurm" / run / "train.sbatch"
         second = subprocess.run(["sbatch", "--parsable", script], capture_output=True, text=True, check=True)
         second_id = slurm.parse_job_id(second.stdout)  # by hand, while the first holds the run
-        wait_for(lambda: dict(sacct("dpo-kit-r")).get(second_id), lambda s: s == "FAILED", what="the second job")
+        wait_for(lambda: dict(sacct(f"dpo-kit-{run}")).get(second_id), lambda s: s == "FAILED", what="the second job")
         output, _ = make.communicate(timeout=600)
     finally:
         if make.poll() is None:
             make.kill()
     assert make.returncode == 0, output[-3000:]
-    assert "is in use by pid" in (out / "slurm" / "r" / "train.log").read_text()
-    assert "[run] succeeded" in output and "ended COMPLETED; run r: succeeded" in output  # the log, followed
-    first_id = [i for i, _ in sacct("dpo-kit-r") if i != second_id]
-    assert dict(sacct("dpo-kit-r")) == {first_id[0]: "COMPLETED", second_id: "FAILED"}
+    assert "is in use by pid" in (out / "slurm" / run / "train.log").read_text()
+    assert "[run] succeeded" in output and f"ended COMPLETED; run {run}: succeeded" in output  # the log, followed
+    first_id = [i for i, _ in sacct(f"dpo-kit-{run}") if i != second_id]
+    assert dict(sacct(f"dpo-kit-{run}")) == {first_id[0]: "COMPLETED", second_id: "FAILED"}
     adapter = "adapter_model.safetensors"
-    assert (out / "r" / adapter).read_bytes() == (tmp_path / "local" / "r" / adapter).read_bytes()
-    assert runs.verify_tarball(out / "r.tar.gz")["run_name"] == "r"
+    assert (out / run / adapter).read_bytes() == (tmp_path / "local" / run / adapter).read_bytes()
+    assert runs.verify_tarball(out / f"{run}.tar.gz")["run_name"] == run
 
 
 @pytest.mark.slurm
