@@ -2,6 +2,7 @@
 # Every variable can be set on the command line: make train DATA=pairs.jsonl RUN=try1 ARGS="--max_steps 20"
 # In a container (launcher.py, Docker SDK): make train RUNNER=docker GPUS=all DATA=pairs.jsonl [DRY_RUN=1]
 # Data parallel (scaleout.py -> accelerate launch): make train GPUS=4 | NPROC=2 | GPUS=8 NNODES=2 NODE_RANK=1 MASTER_ADDR=ip
+# On SLURM (slurm.py: an sbatch script per run): make train RUNNER=slurm GPUS=8 NNODES=2 SLURM_ARGS="--partition gpu"
 .DEFAULT_GOAL := help
 SHELL := /bin/bash
 
@@ -18,8 +19,11 @@ PYTHON ?= python3
 TORCH_INDEX ?=
 # Container path. RUNNER=auto: train in a container when a Docker engine answers (`docker version`,
 # honouring DOCKER_HOST), else in .venv; RUNNER=local|docker forces one. TAG defaults to a hash of the
-# Dockerfile, requirements.txt, scripts, certs/ and build args (launcher.py computes it).
+# Dockerfile, requirements.txt, scripts, certs/ and build args (launcher.py computes it). RUNNER=slurm: an sbatch
+# script per run (slurm.py), GPUS per node and NNODES nodes; SLURM_ARGS: slurm.py's options (--partition, --account,
+# --time, --container, --sbatch_args='--qos=high', ...; python slurm.py --help)
 RUNNER ?= auto
+SLURM_ARGS ?=
 IMAGE ?= dpo-kit
 TAG ?=
 GPUS ?=
@@ -71,9 +75,10 @@ DIST_FLAGS = $(if $(NPROC),--nproc $(NPROC)) $(if $(NNODES),--nnodes $(NNODES)) 
 # Through scaleout.py when any of these asks for more than one plain process (GPUS=all alone does not).
 DISTRIBUTED := $(strip $(NPROC)$(NNODES)$(NODE_RANK)$(MASTER_ADDR)$(MASTER_PORT)$(DIST)$(filter-out all 1,$(GPUS)))
 LAUNCH_RUN = $(LAUNCH_IMAGE) --output_dir $(OUT) $(if $(GPUS),--gpus $(GPUS)) $(DIST_FLAGS) $(if $(DRY_RUN),--dry_run)
+SLURM_FLAGS = $(if $(GPUS),--gpus_per_node $(GPUS)) $(if $(NNODES),--nodes $(NNODES)) $(SLURM_ARGS)
 # A dry run needs no Docker SDK: any Python prints the commands.
 LAUNCHER_PY = $(if $(DRY_RUN),$(PYTHON),$(LVENV)/bin/python)
-$(if $(filter-out auto local docker,$(RUNNER)),$(error RUNNER=$(RUNNER): expected auto, local or docker))
+$(if $(filter-out auto local docker slurm,$(RUNNER)),$(error RUNNER=$(RUNNER): expected auto, local, docker or slurm))
 $(if $(filter-out ddp zero2 zero3 fsdp,$(DIST)),$(error DIST=$(DIST): expected ddp, zero2, zero3 or fsdp))
 ifeq ($(RUNNER),auto)
 ifneq ($(filter train,$(MAKECMDGOALS)),)
@@ -157,7 +162,7 @@ iterate: $(STAMP) $(BUNDLED_MODEL)/config.json ## rounds from PLAN=plan.yaml (SP
 	$(PY) entrypoint.py iterate $(PLAN) --output_dir $(OUT) $(ARGS)
 
 .PHONY: train
-train: train-$(RUNNER) ## train an adapter: DATA= or LOGS=, METHOD=kto|grpo, MODEL=, RUN=, ARGS=; RUNNER=local|docker; GPUS=N NPROC= NNODES= DIST=
+train: train-$(RUNNER) ## train an adapter: DATA= or LOGS=, METHOD=kto|grpo, MODEL=, RUN=, ARGS=; RUNNER=local|docker|slurm; GPUS=N NPROC= NNODES= DIST=
 
 .PHONY: train-auto
 train-auto: train-local
@@ -168,6 +173,13 @@ train-local: $(STAMP) $(if $(filter-out random:%,$(MODEL)),,$(BUNDLED_MODEL)/con
 	  --data $(PAIRS) --output_dir $(OUT) $(if $(MODEL),--model_name_or_path $(MODEL)) \
 	  $(if $(RUN),--run_name $(RUN)) $(if $(METHOD),--method $(METHOD)) $(if $(MIX),--mix $(MIX)) \
 	  $(if $(EVAL_PROMPTS),--eval_prompts $(EVAL_PROMPTS)) $(ARGS)
+
+# Submits the run's sbatch script (<OUT>/slurm/<run>/train.sbatch), prints its log as it grows, exits as the run did.
+.PHONY: train-slurm
+train-slurm: $(STAMP) $(if $(filter-out random:%,$(MODEL)),,$(BUNDLED_MODEL)/config.json) $(if $(DATA),,$(PAIRS))
+	$(PY) slurm.py $(SLURM_FLAGS) $(if $(DRY_RUN),--dry_run) -- --data $(PAIRS) --output_dir $(OUT) \
+	  $(if $(MODEL),--model_name_or_path $(MODEL)) $(if $(RUN),--run_name $(RUN)) $(if $(METHOD),--method $(METHOD)) \
+	  $(if $(MIX),--mix $(MIX)) $(if $(EVAL_PROMPTS),--eval_prompts $(EVAL_PROMPTS)) $(ARGS)
 
 .PHONY: train-docker
 train-docker: $(if $(DRY_RUN),,$(LAUNCHER_STAMP))
@@ -223,8 +235,9 @@ eval: $(STAMP) ## re-evaluate RUN=name (or TARBALL=) on its held-out pairs, or o
 	$(PY) entrypoint.py eval $(RUN_OR_TARBALL) $(DATA)
 
 .PHONY: serve
-serve: $(STAMP) $(BUNDLED_MODEL)/config.json ## fine-tuning jobs over HTTP (OpenAI + nip APIs) on 127.0.0.1:8000: ARGS="--port 8001 --max_jobs 2"; RUNNER=docker, GPUS=
-	$(PY) serve.py --output_dir $(OUT) $(if $(filter docker,$(RUNNER)),--runner docker) $(if $(GPUS),--gpus $(GPUS)) $(ARGS)
+serve: $(STAMP) $(BUNDLED_MODEL)/config.json ## fine-tuning jobs over HTTP (OpenAI + nip APIs) on 127.0.0.1:8000: ARGS="--port 8001 --max_jobs 2"; RUNNER=docker|slurm, GPUS=
+	$(PY) serve.py --output_dir $(OUT) $(if $(filter docker,$(RUNNER)),--runner docker) \
+	  $(if $(filter slurm,$(RUNNER)),--runner slurm --slurm_args="$(strip $(SLURM_FLAGS))",$(if $(GPUS),--gpus $(GPUS))) $(ARGS)
 
 .PHONY: runs
 runs: ## list the runs in artifacts/: status, data, steps, held-out accuracy before -> after, size
@@ -236,7 +249,16 @@ test-container: ## build the image on a local base with podman, train in it thro
 
 .PHONY: test
 test: $(STAMP) $(BUNDLED_MODEL)/config.json ## run the tests (unit, then integration on the bundled model in 4-bit)
-	$(PY) -m pytest -q tests $(ARGS)
+	$(PY) -m pytest -q tests -m "not slurm" $(ARGS)
+
+# The cluster is started once and left up (.ci/slurm-cluster.sh stop ends it); exit 77 from the script: SLURM cannot
+# start here, and the tests skip saying why.
+.PHONY: test-slurm
+test-slurm: $(STAMP) $(BUNDLED_MODEL)/config.json ## start a one-node SLURM cluster here (.ci/slurm-cluster.sh: root, Debian packages), run the SLURM tests on it
+	@out=$$(.ci/slurm-cluster.sh start 2>&1); echo "$$out"; \
+	  conf=$$(echo "$$out" | sed -n 's/^SLURM_CONF=//p'); \
+	  SLURM_CONF=$${conf:-$$SLURM_CONF} DPO_KIT_SLURM_UNAVAILABLE="$$(echo "$$out" | sed -n 's/^.*SLURM cannot start here: //p')" \
+	  $(PY) -m pytest -q tests/test_slurm.py $(ARGS)
 
 .PHONY: test-triton
 test-triton: $(TRITON_STAMP) ## Liger's Triton kernels on the CPU under Triton's interpreter (installs triton + liger-kernel into .venv-triton/)

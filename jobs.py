@@ -3,7 +3,8 @@ job's training file, starts its training as a separate process, follows its metr
 
 Used by serve.py (the HTTP side); nothing here imports FastAPI. `Store(root)` opens or creates
 <root>/serve.db (WAL); `Scheduler(cfg, store).start()` runs the queue until `.stop_all()`. cfg: serve.py's
-ServeConfig (the scheduler reads its runner, gpus, train_args, output_dir and timings).
+ServeConfig (the scheduler reads its runner, gpus, train_args, output_dir and timings). With --runner slurm the
+service runs slurm.SlurmScheduler, this scheduler with SLURM jobs in place of child processes.
 """
 
 from __future__ import annotations
@@ -110,11 +111,14 @@ CREATE TABLE IF NOT EXISTS jobs (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT 
     api TEXT, status TEXT, model TEXT, base TEXT, init_adapter TEXT, training_file TEXT, validation_file TEXT,
     method TEXT, hyperparameters TEXT, flags TEXT, suffix TEXT, seed INTEGER, metadata TEXT, nip_config TEXT,
     fine_tuned_model TEXT, finished_at INTEGER, trained_tokens INTEGER, error TEXT, result_files TEXT,
-    data TEXT, pid INTEGER, stop_request TEXT, metrics_step INTEGER DEFAULT 0, waiting_on INTEGER);
+    data TEXT, pid INTEGER, stop_request TEXT, metrics_step INTEGER DEFAULT 0, waiting_on INTEGER,
+    slurm_job_id TEXT, submitted_at INTEGER);
 CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, job_id TEXT,
     created_at INTEGER, level TEXT, message TEXT, type TEXT, data TEXT);
 CREATE INDEX IF NOT EXISTS events_job ON events (job_id, seq);
 """
+# Columns added since the first serve.db: added to an older database when the service opens it.
+ADDED_COLUMNS = {"jobs": {"slurm_job_id": "TEXT", "submitted_at": "INTEGER"}}
 JSON_COLUMNS = ("method", "hyperparameters", "flags", "metadata", "nip_config", "error", "result_files")
 
 
@@ -132,6 +136,12 @@ class Store:
         with self.connect() as db:
             db.execute("PRAGMA journal_mode=WAL")
             db.executescript(SCHEMA)
+            for table, columns in ADDED_COLUMNS.items():
+                have = {r["name"] for r in db.execute(f"PRAGMA table_info({table})")}
+                for name, kind in columns.items():
+                    if name not in have:
+                        with contextlib.suppress(sqlite3.OperationalError):  # another service added it just now
+                            db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
 
     @contextlib.contextmanager
     def connect(self):
@@ -229,15 +239,18 @@ class Scheduler(threading.Thread):
         self.recover()
 
     def recover(self) -> None:
+        for job in self.store.query("SELECT * FROM jobs WHERE status = 'running'"):
+            self.recover_job(job)
+
+    def recover_job(self, job: dict) -> None:
         """After a restart (however the last service ended), a job marked running has no process here: it goes
         back to the queue and resumes from its checkpoint; a stop asked for before the restart is honoured."""
-        for job in self.store.query("SELECT * FROM jobs WHERE status = 'running'"):
-            stop = job["stop_request"]
-            status = {"cancel": "cancelled", "pause": "paused"}.get(stop, "queued")
-            self.store.update_job(job["id"], status=status, pid=None, stop_request=None,
-                                  finished_at=now() if status == "cancelled" else None)
-            self.store.event(job["id"], "The service restarted: the job resumes from its last checkpoint"
-                             if status == "queued" else f"The service restarted: job {status}")
+        stop = job["stop_request"]
+        status = {"cancel": "cancelled", "pause": "paused"}.get(stop, "queued")
+        self.store.update_job(job["id"], status=status, pid=None, stop_request=None,
+                              finished_at=now() if status == "cancelled" else None)
+        self.store.event(job["id"], "The service restarted: the job resumes from its last checkpoint"
+                         if status == "queued" else f"The service restarted: job {status}")
 
     def run(self) -> None:
         while not self.stopping.wait(self.cfg.poll_seconds):
@@ -251,6 +264,18 @@ class Scheduler(threading.Thread):
     def tick(self) -> None:
         for job in self.store.query("SELECT * FROM jobs WHERE status = 'validating_files' ORDER BY seq"):
             self.validate(job)
+        self.follow_running()
+        for job in self.store.query("SELECT * FROM jobs WHERE status = 'queued' ORDER BY seq"):
+            if self.active() >= self.cfg.max_jobs or not self.launch(job):
+                break  # first come, first trained: a job waiting on its lock keeps its place
+
+    # The runner seam: how a training starts, is followed, stopped and found again. Here each is a child process
+    # (train_dpo.py, scaleout.py or launcher.py); slurm.SlurmScheduler overrides these for SLURM jobs.
+    def active(self) -> int:
+        """Trainings started and not yet reaped."""
+        return len(self.procs)
+
+    def follow_running(self) -> None:
         for job_id, proc in list(self.procs.items()):
             job = self.store.job(job_id)
             self.follow_metrics(job)
@@ -259,9 +284,6 @@ class Scheduler(threading.Thread):
             elif job["stop_request"] and not getattr(proc, "signalled", False):
                 proc.send_signal(signal.SIGTERM)  # train_dpo.py saves a checkpoint at the end of the step
                 proc.signalled = True
-        for job in self.store.query("SELECT * FROM jobs WHERE status = 'queued' ORDER BY seq"):
-            if len(self.procs) >= self.cfg.max_jobs or not self.launch(job):
-                break  # first come, first trained: a job waiting on its lock keeps its place
 
     # -- validation: the whole file checked before the job is queued ------------------------------------
     def validate(self, job: dict) -> None:
@@ -421,14 +443,18 @@ class Scheduler(threading.Thread):
         return str(out)
 
     # -- processes --------------------------------------------------------------------------------
+    def run_locked(self, job: dict) -> bool:
+        """Whether a process (the last service's training, still saving) holds the run's lock; said once."""
+        holder = runs.lock_holder(self.out, job["id"])
+        if holder is not None and job["waiting_on"] != holder:
+            self.store.update_job(job["id"], waiting_on=holder)
+            self.store.event(job["id"], f"Waiting for pid {holder}, which holds the run's lock")
+        return holder is not None
+
     def launch(self, job: dict) -> bool:
         """Start the job's training; False when a process (the last service's training, still saving) holds the
         run's lock."""
-        holder = runs.lock_holder(self.out, job["id"])
-        if holder is not None:  # an earlier training of this run (the last service's) is still saving
-            if job["waiting_on"] != holder:
-                self.store.update_job(job["id"], waiting_on=holder)
-                self.store.event(job["id"], f"Waiting for pid {holder}, which holds the run's lock")
+        if self.run_locked(job):
             return False
         if not self.store.move(job["id"], ("queued",), status="running", waiting_on=None):
             return True  # cancelled or paused a moment ago
@@ -462,7 +488,7 @@ class Scheduler(threading.Thread):
     def reap(self, job: dict, rc: int) -> None:
         """The process ended: succeeded (the run is complete), or stopped as asked (cancel, pause, the service
         stopping), or failed with the run's own error."""
-        del self.procs[job["id"]]
+        self.procs.pop(job["id"], None)
         run = runs.Run(self.out, job["id"])
         status = runs.read_json((run.final if run.final.exists() else run.partial) / "status.json")
         stop = job["stop_request"]

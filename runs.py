@@ -3,7 +3,7 @@
 Not run on its own: train_dpo.py makes runs through `Run`; entrypoint.py (verify, runs), scaleout.py and
 iterate.py read them. Standard library only, so the launcher and `--help` never pay for torch.
 
-    artifacts/.<run>.lock      held by the one process that trains <run> (a second gets exit 2)
+    artifacts/.<run>.lock      held by the one process that trains <run> (a second gets exit 2); says its pid and host
     artifacts/<run>.partial/   while training: config.json, status.json, metrics.jsonl, checkpoints/, ...
     artifacts/<run>/           renamed into place when complete; manifest.json lists every file's sha256
     artifacts/<run>.tar.gz     the handoff, with <run>.tar.gz.sha256 beside it (`sha256sum -c` reads it)
@@ -22,6 +22,7 @@ import io
 import json
 import os
 import shutil
+import socket
 import tarfile
 import tempfile
 from pathlib import Path
@@ -92,8 +93,10 @@ def write_status(directory: Path, run_name: str, state: str, **fields) -> None:
 
 
 class RunLock:
-    """An exclusive lock on a run name (flock on <output_dir>/.<run>.lock, holding the owner's pid), so two
-    trainings never write into one <run>.partial. Released when the process ends, however it ends."""
+    """An exclusive lock on a run name (flock on <output_dir>/.<run>.lock, holding the owner's pid and host), so
+    two trainings never write into one <run>.partial. Released when the process ends, however it ends. Across
+    machines (SLURM, several nodes) it holds where the shared filesystem takes flock from every client (NFS, which
+    Linux maps onto byte-range locks; CephFS; Lustre mounted -o flock): docs/slurm.md."""
 
     def __init__(self, output_dir: Path, name: str):
         self.name, self.path, self.fd = name, Path(output_dir) / f".{name}.lock", None
@@ -108,10 +111,10 @@ class RunLock:
                 if e.errno not in (errno.EAGAIN, errno.EACCES):
                     os.close(fd)
                     raise
-                pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                pid, _, host = os.pread(fd, 300, 0).decode(errors="replace").strip().partition(" ")
                 os.close(fd)
-                raise UserError(f"run {self.name} is in use by pid {pid}; wait for it, or choose another "
-                                "--run_name (RUN=)") from None
+                raise UserError(f"run {self.name} is in use by pid {pid or '?'}{f' on {host}' if host else ''}; "
+                                "wait for it, or choose another --run_name (RUN=)") from None
             try:  # the holder before us may have removed the file after we opened it: lock the file that is there
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:
@@ -120,7 +123,7 @@ class RunLock:
                 break
             os.close(fd)
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
         self.fd = fd
         return self
 
@@ -140,9 +143,9 @@ def lock_holder(output_dir: str | os.PathLike, name: str) -> int | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError:
-        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        text = os.pread(fd, 300, 0).decode(errors="replace").split()
         os.close(fd)
-        return int(text) if text.isdigit() else -1
+        return int(text[0]) if text and text[0].isdigit() else -1
     fcntl.flock(fd, fcntl.LOCK_UN)
     os.close(fd)
     return None

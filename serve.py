@@ -3,6 +3,7 @@ with the result, through the official `openai` SDK (only `base_url` changed) or 
 
     make serve [ARGS="--port 8000 --max_jobs 1 --train_args='--max_length 256'"]
     python serve.py [--host 127.0.0.1] [--port 8000] [--output_dir artifacts] [--max_jobs 1] [--train_args="..."]
+    python serve.py --runner slurm [--slurm_args="--partition gpu --time 4:00:00"] --max_jobs 8   # jobs go to SLURM
     DPO_KIT_API_KEY=secret python serve.py --host 0.0.0.0     # any host but loopback needs an API key (Bearer)
     docker run -p 8000:8000 -e DPO_KIT_API_KEY=secret -v $PWD/artifacts:/artifacts dpo-kit serve --host 0.0.0.0 \
         --output_dir /artifacts
@@ -18,8 +19,8 @@ Endpoints (docs/service.md has the table; the running service describes them at 
 /v1/chat/completions (api_openai.py, api_chat.py); nip's /version, /training/jobs and /vllm/* (api_nip.py);
 service.py holds what they share. This file is the command line and `create_app`, which assembles them.
 
-Each job is a separate `train_dpo.py` process (or scaleout.py / launcher.py with --gpus / --runner docker), one
-at a time by default, so a crashed training never takes the service down and status requests never wait on it.
+Each job is a separate `train_dpo.py` process (or scaleout.py / launcher.py with --gpus / --runner docker; with
+--runner slurm, a SLURM job: slurm.py and docs/slurm.md), one at a time by default, so a crashed training never takes the service down and status requests never wait on it.
 Files, jobs and events live in SQLite (WAL) at <output_dir>/serve/serve.db; uploads in <output_dir>/serve/files/<id>
 (never under the client's filename); each job trains the run <output_dir>/<job id>/ with the kit's run directory,
 lock, resume and tarball. Stop the service (SIGTERM, or kill -9: the trainer gets SIGTERM from the kernel) and
@@ -30,6 +31,7 @@ start it again: queued jobs stay queued and the running one resumes from its las
 import contextlib
 import dataclasses
 import os
+import shutil
 import sys
 
 import kit
@@ -51,8 +53,11 @@ class ServeConfig:
     max_file_mb: float = field(512.0, "largest upload, in MB (a larger one gets 413)")
     train_args: str = field("", "train_dpo.py flags for every job, before the job's own hyperparameters "
                             "(--train_args='--max_length 256 --probes=', with =); checked at start")
-    runner: str = field("local", "how a job trains: local (train_dpo.py, or scaleout.py with --gpus N) or docker "
-                        "(launcher.py: the kit's image)", choices=("local", "docker"))
+    runner: str = field("local", "how a job trains: local (train_dpo.py, or scaleout.py with --gpus N), docker "
+                        "(launcher.py: the kit's image) or slurm (an sbatch script per job: slurm.py)",
+                        choices=("local", "docker", "slurm"))
+    slurm_args: str = field("", "with --runner slurm: slurm.py's options for every job (--slurm_args='--partition "
+                            "gpu --time 4:00:00 --nodes 2 --gpus_per_node 8'); checked at start")
     gpus: str = field("", "GPUs for each job, as make's GPUS= ('' = train_dpo.py's own choice; N or 0,1: "
                       "accelerate through scaleout.py; all)")
     poll_seconds: float = field(0.5, "how often the scheduler looks at validations, processes and metrics")
@@ -76,6 +81,15 @@ class ServeConfig:
                      "'Authorization: Bearer <key>', the openai SDK's api_key)")
         if flag_problem := train_args_problem(self.train_args):
             p.append(f"--train_args: {flag_problem}")
+        if self.slurm_args and self.runner != "slurm":
+            p.append("--slurm_args is for --runner slurm")
+        elif self.runner == "slurm" and (flag_problem := slurm_args_problem(self.slurm_args)):
+            p.append(f"--slurm_args: {flag_problem}")
+        if self.runner == "slurm" and not shutil.which("sbatch"):
+            p.append("--runner slurm: sbatch is not on the PATH (run the service on a machine of the cluster, such "
+                     "as a login node)")
+        if self.runner == "slurm" and self.gpus:
+            p.append("--runner slurm: give GPUs per node as --slurm_args='--gpus_per_node N' (make: GPUS=N)")
         return p
 
 
@@ -101,6 +115,26 @@ def train_args_problem(train_args: str) -> str | None:
     return None
 
 
+def slurm_args_problem(slurm_args: str) -> str | None:
+    """Why slurm.py would refuse these options, or None."""
+    import io
+    import shlex
+
+    import slurm
+
+    err = io.StringIO()
+    try:
+        argv = kit.normalise_argv(slurm.SlurmConfig, shlex.split(slurm_args))
+        with contextlib.redirect_stderr(err):
+            values = vars(kit.build_parser(slurm.SlurmConfig, "").parse_args(argv))
+    except ValueError as e:
+        return str(e)
+    except SystemExit:
+        return err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else "not accepted"
+    values.pop("config", None)
+    return "; ".join(slurm.SlurmConfig(**values).problems()) or None
+
+
 def create_app(cfg):
     """The FastAPI application: the shared state, the scheduler thread (started and stopped with the app),
     errors in OpenAI's shape, the API key, the upload limit, and the three APIs' routers."""
@@ -123,7 +157,12 @@ def create_app(cfg):
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        scheduler = Scheduler(cfg, svc.store)
+        if cfg.runner == "slurm":
+            import slurm
+
+            scheduler = slurm.SlurmScheduler(cfg, svc.store)
+        else:
+            scheduler = Scheduler(cfg, svc.store)
         scheduler.start()
         print(f"[serve] http://{cfg.host}:{cfg.port}/v1 (jobs in {svc.store.path}; runs in {svc.out}/<job id>/; "
               f"API: /docs)", flush=True)

@@ -3,6 +3,7 @@ import datetime as dt
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -770,10 +771,10 @@ def test_fastpath_version_check_names_what_it_was_written_for():
 
 def test_run_lock_keeps_a_run_to_one_process(tmp_path):
     with runs.RunLock(tmp_path, "x"):
-        assert (tmp_path / ".x.lock").read_text().strip() == str(os.getpid())
+        assert (tmp_path / ".x.lock").read_text().strip() == f"{os.getpid()} {socket.gethostname()}"
         with pytest.raises(UserError) as e:
             runs.RunLock(tmp_path, "x").__enter__()  # another open file: flock refuses it as it would another process
-        assert str(e.value).startswith(f"run x is in use by pid {os.getpid()};")
+        assert str(e.value).startswith(f"run x is in use by pid {os.getpid()} on {socket.gethostname()};")
         with runs.RunLock(tmp_path, "y"):  # another run name is another lock
             pass
     assert not (tmp_path / ".x.lock").exists()
@@ -808,8 +809,8 @@ def test_a_second_training_into_one_run_stops_with_exit_2_and_the_first_finishes
     second = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
     log = first.communicate(timeout=900)[0]
     assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
-    assert second.stderr.strip() == f"error: run lk is in use by pid {first.pid}; wait for it, or choose another " \
-                                    "--run_name (RUN=)"
+    assert second.stderr.strip() == f"error: run lk is in use by pid {first.pid} on {socket.gethostname()}; wait " \
+                                    "for it, or choose another --run_name (RUN=)"
     assert first.returncode == 0, log[-3000:]
     run_dir = tmp_path / "art" / "lk"
     check_complete_run(run_dir, steps=3)

@@ -1,0 +1,356 @@
+"""slurm.py: the sbatch script, SLURM's answers and what a job's end means, on worked examples (no SLURM needed); then,
+marked `slurm`, against a real one-node cluster (.ci/slurm-cluster.sh; make test-slurm starts it): the jobs service
+with --runner slurm driven by the openai SDK (a job succeeds, one is paused, resumed and cancelled, the service is
+stopped and killed -9 mid-job), and make train RUNNER=slurm against the same training run locally.
+
+    .venv/bin/python -m pytest -q tests/test_slurm.py -m "not slurm"      # the pure part (make test runs it)
+    make test-slurm                                                      # starts the cluster, runs the rest
+"""
+
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import jobs
+import runs
+import serve
+import slurm
+from slurm import SlurmConfig
+from test_serve import TRAIN_ARGS, Service, job_log, needs_model, openai_pairs, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ------------------------------------------------------------------ pure helpers, no SLURM
+
+def test_one_node_script_runs_train_dpo_once_with_the_flags_the_local_runner_uses(tmp_path):
+    flags = ["--data", "/shared/p.jsonl", "--output_dir", "/shared/art", "--run_name", "ftjob-1", "--beta", "0.2"]
+    text = slurm.sbatch_script(SlurmConfig(partition="gpu", account="lab", time="1:00:00"), "ftjob-1",
+                               "/shared/art/serve/jobs/ftjob-1/train.log", flags, "/kit/.venv/bin/python", "/kit")
+    directives = [line.split(" ", 1)[1] for line in text.splitlines() if line.startswith("#SBATCH")]
+    assert directives == ["--job-name=dpo-kit-ftjob-1", "--output=/shared/art/serve/jobs/ftjob-1/train.log",
+                          "--open-mode=append", "--nodes=1", "--ntasks-per-node=1", "--partition=gpu",
+                          "--account=lab", "--time=1:00:00", "--signal=TERM@300", "--requeue"]
+    assert text.splitlines()[-1] == ("srun --kill-on-bad-exit=1 --ntasks-per-node=1 /kit/.venv/bin/python "
+                                     "/kit/train_dpo.py --data /shared/p.jsonl --output_dir /shared/art --run_name "
+                                     "ftjob-1 --beta 0.2")
+    assert jobs.train_command(serve.ServeConfig(), flags, "/kit/.venv/bin/python")[2:] == flags  # the same flags
+    script = tmp_path / "train.sbatch"
+    script.write_text(text)
+    assert subprocess.run(["bash", "-n", script]).returncode == 0  # a script bash reads
+
+
+def test_two_nodes_of_four_gpus_launch_accelerate_on_each_node_with_its_place_in_the_allocation():
+    text = slurm.sbatch_script(SlurmConfig(nodes=2, gpus_per_node="4", cpus_per_task=32, requeue=False,
+                                           sbatch_args="--qos=high --constraint=a100"),
+                               "r1", "/s/log", ["--data", "/s/p.jsonl", "--run_name", "r1"], "py", "/kit")
+    assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n#SBATCH --gpus-per-node=4\n#SBATCH --cpus-per-task=32\n" \
+           "#SBATCH --no-requeue\n#SBATCH --qos=high\n#SBATCH --constraint=a100\n" in text
+    assert 'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in text
+    assert text.splitlines()[-1] == (
+        "srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c 'exec py /kit/scaleout.py --nproc 4 --nnodes "
+        "\"$SLURM_NNODES\" --node_rank \"$SLURM_NODEID\" --master_addr \"$MASTER_ADDR\" --master_port \"$MASTER_PORT\" "
+        "-- --data /s/p.jsonl --run_name r1'")
+
+
+def test_the_kits_image_runs_through_apptainer_or_pyxis_with_the_shared_directories_at_the_same_paths():
+    flags = ["--data", "/s/d/p.jsonl", "--output_dir", "/s/art"]
+    sif = slurm.sbatch_script(SlurmConfig(container="/s/dpo-kit.sif", gpus_per_node="1"), "r", "/s/log", flags,
+                              "py", "/kit", ["/s/art", "/s/d"])
+    assert sif.splitlines()[-1] == ("srun --kill-on-bad-exit=1 --ntasks-per-node=1 apptainer exec --nv --bind "
+                                    "/s/art:/s/art,/s/d:/s/d --pwd /opt/kit /s/dpo-kit.sif python "
+                                    "/opt/kit/train_dpo.py --data /s/d/p.jsonl --output_dir /s/art")
+    pyxis = slurm.sbatch_script(SlurmConfig(container="registry#lab/dpo-kit:1.0", container_runtime="pyxis"), "r",
+                                "/s/log", flags, "py", "/kit", ["/s/art"])
+    assert pyxis.splitlines()[-1].startswith(
+        "srun --kill-on-bad-exit=1 --ntasks-per-node=1 '--container-image=registry#lab/dpo-kit:1.0' "
+        "--container-mounts=/s/art:/s/art --container-workdir=/opt/kit python /opt/kit/train_dpo.py")
+
+
+def test_slurm_options_are_checked_before_anything_is_written(monkeypatch, tmp_path):
+    problems = SlurmConfig(nodes=0, gpus_per_node="all", time="soon", partition="gpu\n#SBATCH --x",
+                           sbatch_args="qos=high").problems()
+    assert len(problems) == 5, problems
+    assert SlurmConfig(time="1-12:00:00", partition="gpu", account="my-lab", sbatch_args="--qos=high").problems() == []
+    assert serve.ServeConfig(slurm_args="--nodes 2").problems() == ["--slurm_args is for --runner slurm"]
+    monkeypatch.setenv("PATH", str(tmp_path))  # a machine without SLURM's commands
+    assert serve.ServeConfig(runner="slurm", slurm_args="--time 5x").problems() == [
+        "--slurm_args: --time '5x': expected SLURM's time format (minutes, H:MM:SS or D-HH:MM:SS)",
+        "--runner slurm: sbatch is not on the PATH (run the service on a machine of the cluster, such as a login node)"]
+
+
+def test_slurms_answers_parsed():
+    assert slurm.parse_job_id("4242\n") == "4242" and slurm.parse_job_id("17;cluster-a\n") == "17"
+    with pytest.raises(ValueError):
+        slurm.parse_job_id("sbatch: error: Batch job submission failed")
+    assert slurm.parse_states("12|RUNNING\n12.batch|RUNNING\n13|CANCELLED by 0\n") == {"12": "RUNNING",
+                                                                                      "13": "CANCELLED"}
+    assert [slurm.exit_status(x) for x in ("0:0", "143:0", "0:9", "2:0", "")] == [0, 143, 137, 2, None]
+
+
+@pytest.mark.parametrize("state, complete, run_state, stop, expected", [
+    ("COMPLETED", True, "succeeded", None, "succeeded"),
+    ("CANCELLED", True, "succeeded", "cancel", "succeeded"),  # it finished before the cancel reached it
+    ("CANCELLED", False, "cancelled", "cancel", "cancelled"),
+    ("FAILED", False, "cancelled", "pause", "paused"),  # scancel --signal=TERM: the training exits 143
+    ("CANCELLED", False, "running", None, "cancelled"),  # someone's scancel
+    ("PREEMPTED", False, "cancelled", None, "resubmit"),
+    ("NODE_FAIL", False, "running", None, "resubmit"),
+    ("TIMEOUT", False, "cancelled", None, "paused"),
+    ("FAILED", False, "cancelled", None, "paused"),  # SIGTERM --stop_seconds before the time limit
+    ("FAILED", False, "failed", None, "reap"),  # the run's own error, as a local job's
+    ("OUT_OF_MEMORY", False, "running", None, "reap"),
+    (None, False, None, None, "reap"),  # no record anywhere: the run's status and log say what happened
+])
+def test_what_the_end_of_a_slurm_job_means_for_the_service(state, complete, run_state, stop, expected):
+    assert slurm.outcome(state, complete, run_state, stop) == expected
+
+
+def test_an_older_serve_db_gains_the_slurm_columns_and_keeps_its_jobs(tmp_path):
+    db = sqlite3.connect(tmp_path / "serve.db")
+    db.execute("CREATE TABLE jobs (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, status TEXT)")
+    db.execute("INSERT INTO jobs (id, status) VALUES ('ftjob-old', 'queued')")
+    db.commit()
+    db.close()
+    store = jobs.Store(tmp_path)
+    assert store.job("ftjob-old") == {"seq": 1, "id": "ftjob-old", "status": "queued", "slurm_job_id": None,
+                                      "submitted_at": None}
+    store.update_job("ftjob-old", slurm_job_id="12")
+    assert jobs.Store(tmp_path).job("ftjob-old")["slurm_job_id"] == "12"  # opened again: nothing added twice
+
+
+# ------------------------------------------------------------------ a real one-node cluster
+
+@pytest.fixture(scope="module")
+def cluster():
+    if os.environ.get("DPO_KIT_SLURM_UNAVAILABLE"):  # make test-slurm: .ci/slurm-cluster.sh said why
+        pytest.skip(f"SLURM cannot start here: {os.environ['DPO_KIT_SLURM_UNAVAILABLE']}")
+    if not shutil.which("sbatch"):
+        pytest.skip("no sbatch on the PATH: make test-slurm installs SLURM and starts a one-node cluster "
+                    "(.ci/slurm-cluster.sh)")
+    try:
+        done = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.skip("sinfo did not answer in 30 s: no SLURM controller (make test-slurm starts one)")
+    if done.returncode != 0 or not {"idle", "mixed", "allocated"} & set(done.stdout.split()):
+        pytest.skip(f"SLURM does not answer here ({(done.stderr or done.stdout).strip()[-200:]}); make test-slurm "
+                    "starts a one-node cluster (.ci/slurm-cluster.sh)")
+    return True
+
+
+def sacct(name: str) -> list[tuple[str, str]]:
+    """(SLURM job id, state) of every job SLURM's accounting has under this name."""
+    done = subprocess.run(["sacct", "-X", "-n", "-P", "--name", name, "-S", "now-1days", "-E", "now+1days", "-o",
+                           "JobID,State"],  # -E: a job held pending until later is in the window too
+                          capture_output=True, text=True, check=True)
+    return [(i, s.split()[0]) for i, s in (line.split("|") for line in done.stdout.splitlines() if line)]
+
+
+def slurm_service(out: Path) -> Service:
+    return Service(out, None, "--runner", "slurm", "--slurm_args=--poll_seconds 1")
+
+
+def metrics_steps(client, job_id: str) -> list[int]:
+    return [e.data["step"] for e in client.fine_tuning.jobs.list_events(job_id, limit=100) if e.type == "metrics"]
+
+
+@needs_model
+@pytest.mark.slurm
+def test_service_on_slurm_a_job_succeeds_as_one_slurm_job_and_another_pauses_resumes_and_cancels(cluster, tmp_path):
+    from openai import OpenAI
+
+    out = tmp_path / "art"
+    svc = slurm_service(out)
+    client = OpenAI(base_url=f"{svc.url}/v1", api_key="unused", max_retries=0)
+    try:
+        small, longer = tmp_path / "small.jsonl", tmp_path / "longer.jsonl"
+        small.write_text(openai_pairs(4))
+        longer.write_text(openai_pairs(8))
+        f = client.files.create(file=open(small, "rb"), purpose="fine-tune")
+        job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f.id, method={
+            "type": "dpo", "dpo": {"hyperparameters": {"batch_size": 2}}})
+        job = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in jobs.TERMINAL)
+        assert job.status == "succeeded", (job.error, job_log(out, job.id)[-3000:])
+        assert runs.verify_tarball(out / f"{job.id}.tar.gz")["run_name"] == job.id
+        ((slurm_id, state),) = sacct(f"dpo-kit-{job.id}")
+        assert state == "COMPLETED"
+        script = out / "serve" / "jobs" / job.id / "train.sbatch"
+        assert f"#SBATCH --output={out / 'serve' / 'jobs' / job.id / 'train.log'}" in script.read_text()
+        assert f"[slurm] job {slurm_id} " in job_log(out, job.id)  # SLURM's output file is the job's log
+        messages = [e.message for e in client.fine_tuning.jobs.list_events(job.id, limit=100)]
+        assert f"Fine-tuning job started: SLURM job {slurm_id} ({script})" in messages
+
+        f = client.files.create(file=open(longer, "rb"), purpose="fine-tune")
+        job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f.id, method={
+            "type": "dpo", "dpo": {"hyperparameters": {"batch_size": 1}}})
+        wait_for(lambda: metrics_steps(client, job.id), lambda s: len(s) >= 1, what="a first step")
+        client.fine_tuning.jobs.pause(job.id)  # scancel --signal=TERM: a checkpoint, then the SLURM job ends
+        wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id).status, lambda s: s == "paused", what="the pause")
+        paused_at = client.fine_tuning.jobs.checkpoints.list(job.id).data[0].step_number
+        assert [s for _, s in sacct(f"dpo-kit-{job.id}")] == ["FAILED"]  # the training's own exit status: 143
+        client.fine_tuning.jobs.resume(job.id)  # submitted again; the same run resumes
+        wait_for(lambda: metrics_steps(client, job.id), lambda s: max(s) > paused_at, what="a step after resume")
+        client.fine_tuning.jobs.cancel(job.id)  # scancel: SIGTERM, a checkpoint within KillWait
+        job = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in jobs.TERMINAL)
+        assert job.status == "cancelled", (job.error, job_log(out, job.id)[-3000:])
+        assert client.fine_tuning.jobs.checkpoints.list(job.id).data[0].step_number > paused_at
+        assert [s for _, s in sacct(f"dpo-kit-{job.id}")] == ["FAILED", "CANCELLED"]
+        assert runs.read_json(out / f"{job.id}.partial" / "status.json")["state"] == "cancelled"
+        assert job_log(out, job.id).count("[run] resuming") == 1
+    finally:
+        svc.stop()
+
+
+@needs_model
+@pytest.mark.slurm
+def test_service_stopped_and_killed_mid_job_follows_the_same_slurm_job_to_succeeded(cluster, tmp_path):
+    from openai import OpenAI
+
+    out = tmp_path / "art"
+    svc = slurm_service(out)
+    client = OpenAI(base_url=f"{svc.url}/v1", api_key="unused", max_retries=0)
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(openai_pairs(6))
+    try:
+        f = client.files.create(file=open(path, "rb"), purpose="fine-tune")
+        job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f.id,
+                                             method={"type": "dpo", "dpo": {"hyperparameters": {"batch_size": 1}}})
+        wait_for(lambda: metrics_steps(client, job.id), lambda s: len(s) >= 1, what="a first step")
+        svc.stop(signal.SIGTERM)  # SLURM's job runs on
+        ((slurm_id, state),) = sacct(f"dpo-kit-{job.id}")
+        assert state == "RUNNING"
+        svc.start()
+        before = max(metrics_steps(client, job.id))
+        wait_for(lambda: metrics_steps(client, job.id), lambda s: max(s) > before, what="a step after the restart")
+        svc.stop(signal.SIGKILL)
+        wait_for(lambda: sacct(f"dpo-kit-{job.id}"), lambda jobs_: jobs_[0][1] == "COMPLETED",
+                 what="the SLURM job to finish while the service is down")
+        svc.start()  # picks up the job that finished while it was down
+        job = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in jobs.TERMINAL)
+        assert job.status == "succeeded", (job.error, job_log(out, job.id)[-3000:])
+        assert sacct(f"dpo-kit-{job.id}") == [(slurm_id, "COMPLETED")]  # one SLURM job, never submitted twice
+        assert sorted(metrics_steps(client, job.id)) == [1, 2, 3, 4, 5, 6]  # each step said once
+        messages = [e.message for e in client.fine_tuning.jobs.list_events(job.id, limit=100)]
+        assert messages.count(f"The service restarted: following SLURM job {slurm_id} again") == 2
+        assert "[run] resuming" not in job_log(out, job.id)  # the training itself never stopped
+    finally:
+        svc.stop()
+
+
+@needs_model
+@pytest.mark.slurm
+def test_make_train_runner_slurm_gives_the_local_runs_adapter_and_its_lock_turns_a_second_job_away(cluster, tmp_path):
+    run = f"r-{os.urandom(4).hex()}"  # SLURM's accounting keeps every earlier test's jobs: a name of its own
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(openai_pairs(6))
+    args = f"{TRAIN_ARGS} --max_steps 4 --per_device_train_batch_size 1 --seed 3"
+    local = subprocess.run([sys.executable, "train_dpo.py", "--data", pairs, "--output_dir", tmp_path / "local",
+                            "--run_name", run, *args.split()], cwd=ROOT, capture_output=True, text=True)
+    assert local.returncode == 0, local.stderr[-3000:]
+    out = tmp_path / "art"
+    make = subprocess.Popen(["make", "train", "RUNNER=slurm", f"DATA={pairs}", f"OUT={out}", f"RUN={run}",
+                             f"ARGS={args}", "SLURM_ARGS=--poll_seconds 1"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: sacct(f"dpo-kit-{run}"), lambda j: j and j[0][1] == "RUNNING", what="the SLURM job")
+        wait_for(lambda: runs.lock_holder(out, run), lambda pid: pid is not None, what="the run's lock")
+        script = out / "slurm" / run / "train.sbatch"
+        second = subprocess.run(["sbatch", "--parsable", script], capture_output=True, text=True, check=True)
+        second_id = slurm.parse_job_id(second.stdout)  # by hand, while the first holds the run
+        wait_for(lambda: dict(sacct(f"dpo-kit-{run}")).get(second_id), lambda s: s == "FAILED", what="the second job")
+        output, _ = make.communicate(timeout=600)
+    finally:
+        if make.poll() is None:
+            make.kill()
+    assert make.returncode == 0, output[-3000:]
+    assert "is in use by pid" in (out / "slurm" / run / "train.log").read_text()
+    assert "[run] succeeded" in output and f"ended COMPLETED; run {run}: succeeded" in output  # the log, followed
+    first_id = [i for i, _ in sacct(f"dpo-kit-{run}") if i != second_id]
+    assert dict(sacct(f"dpo-kit-{run}")) == {first_id[0]: "COMPLETED", second_id: "FAILED"}
+    adapter = "adapter_model.safetensors"
+    assert (out / run / adapter).read_bytes() == (tmp_path / "local" / run / adapter).read_bytes()
+    assert runs.verify_tarball(out / f"{run}.tar.gz")["run_name"] == run
+
+
+@pytest.mark.slurm
+def test_a_job_sbatch_took_before_the_service_died_unrecorded_is_found_by_its_name_not_submitted_again(cluster,
+                                                                                                         tmp_path):
+    out = tmp_path / "art"
+    store = jobs.Store(out / "serve")
+    job_id = jobs.new_id("ftjob")
+    # What a kill -9 between sbatch and storing its answer leaves: running, submitted, no SLURM id.
+    store.insert("jobs", {"id": job_id, "created_at": jobs.now(), "api": "openai", "status": "running",
+                          "model": "m", "base": "m", "method": {"type": "dpo"}, "flags": [], "result_files": [],
+                          "submitted_at": jobs.now()})
+    done = subprocess.run(["sbatch", "--parsable", f"--job-name=dpo-kit-{job_id}", f"--output={tmp_path}/%j.out",
+                           "--wrap", "sleep 6"], capture_output=True, text=True, check=True)
+    slurm_id = slurm.parse_job_id(done.stdout)
+    svc = slurm_service(out)
+    try:
+        wait_for(lambda: store.job(job_id)["status"], lambda s: s in jobs.TERMINAL, what="the adopted job's end")
+    finally:
+        svc.stop()
+    assert store.job(job_id)["slurm_job_id"] == slurm_id
+    assert sacct(f"dpo-kit-{job_id}") == [(slurm_id, "COMPLETED")]  # adopted, never submitted a second time
+    messages = [r["message"] for r in store.query("SELECT message FROM events WHERE job_id = ?", job_id)]
+    assert messages[0] == f"The service restarted: following SLURM job {slurm_id} again"
+    assert f"SLURM job {slurm_id} ended COMPLETED" in messages
+    assert store.job(job_id)["status"] == "failed"  # a sleep trains nothing: the run is not there
+
+
+@needs_model
+@pytest.mark.slurm
+def test_a_job_slurm_holds_pending_pauses_and_cancels_without_a_training(cluster, tmp_path):
+    from openai import OpenAI
+
+    out = tmp_path / "art"
+    svc = Service(out, None, "--runner", "slurm", "--slurm_args=--poll_seconds 1 --sbatch_args=--begin=now+1hour")
+    client = OpenAI(base_url=f"{svc.url}/v1", api_key="unused", max_retries=0)
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(openai_pairs(2))
+    try:
+        f = client.files.create(file=open(path, "rb"), purpose="fine-tune")
+        job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f.id)
+        events = lambda: [e.message for e in client.fine_tuning.jobs.list_events(job.id, limit=100)]  # noqa: E731
+        wait_for(events, lambda m: any(x.endswith(": PENDING") for x in m), what="SLURM to hold the job")
+        assert "#SBATCH --begin=now+1hour" in (out / "serve" / "jobs" / job.id / "train.sbatch").read_text()
+        client.fine_tuning.jobs.pause(job.id)  # a signal cannot reach a pending job: it is cancelled in SLURM
+        wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id).status, lambda s: s == "paused", what="the pause")
+        client.fine_tuning.jobs.resume(job.id)
+        wait_for(lambda: len(sacct(f"dpo-kit-{job.id}")), lambda n: n == 2, what="the second submission")
+        client.fine_tuning.jobs.cancel(job.id)
+        job = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in jobs.TERMINAL)
+    finally:
+        svc.stop()
+    assert job.status == "cancelled"
+    assert [s for _, s in sacct(f"dpo-kit-{job.id}")] == ["CANCELLED", "CANCELLED"]
+    assert not (out / f"{job.id}.partial").exists()  # nothing ever trained
+
+
+@needs_model
+@pytest.mark.slurm
+def test_a_job_sbatch_refuses_fails_saying_what_slurm_said(cluster, tmp_path):
+    from openai import OpenAI
+
+    out = tmp_path / "art"
+    svc = Service(out, None, "--runner", "slurm", "--slurm_args=--poll_seconds 1 --partition nosuch")
+    client = OpenAI(base_url=f"{svc.url}/v1", api_key="unused", max_retries=0)
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(openai_pairs(2))
+    try:
+        f = client.files.create(file=open(path, "rb"), purpose="fine-tune")
+        job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f.id)
+        job = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in jobs.TERMINAL)
+    finally:
+        svc.stop()
+    assert job.status == "failed" and job.error.code == "slurm_refused", job.error
+    assert "sbatch refused the job" in job.error.message and "partition" in job.error.message.lower()
+    assert sacct(f"dpo-kit-{job.id}") == []
