@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 BASE=localhost/debian-base:bookworm
 WHEEL=${TORCH_WHEEL:-/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl}  # Debian 12: Python 3.11
 RUN=ci-container
-STEPS="--max_steps 2 --max_length 96 --per_device_train_batch_size 2 --lora_r 4 --probes="  # in the image and .venv; no retention probes: the adapter is saved before them
+STEPS="--max_steps 2 --max_length 96 --per_device_train_batch_size 2 --lora_r 4 --probes= --eval_samples 1 --eval_max_new_tokens 16"  # in the image and .venv; probes and the checker's samples cut short: the adapter is saved before them
 SOCK=/run/dpo-kit-smoke-$$.sock
 export DOCKER_HOST=unix://$SOCK
 BUILD=(BASE_IMAGE=$BASE TORCH_VARIANT=cpu)
