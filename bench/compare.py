@@ -15,6 +15,7 @@ numbers come from every run; with the same seed they are the same samples, so th
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import json
 import statistics
 import subprocess
@@ -58,7 +59,7 @@ def table(rows: list[dict], summary: dict) -> str:
     for name, s in summary.items():
         lines.append(f"| {name} | {s['mean_score']['mean']:+.4f} ± {s['mean_score']['std']:.4f} | "
                      f"{s['pass_rate']['mean']:.3f} ± {s['pass_rate']['std']:.3f} | {s['mean_score']['n']} |")
-    lines += ["", "| seed | method | base score | tuned score | base pass | tuned pass | tuned outcomes | steps | minutes |",
+    lines += ["", "| seed | method | base score | tuned score | base pass | tuned pass | tuned outcomes | steps | minutes (run start to handoff) |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['seed']} | {r['method']} | {r['base']['mean_score']:+.4f} | {r['tuned']['mean_score']:+.4f} "
@@ -99,9 +100,11 @@ def main(argv=None) -> int:
             subprocess.run(cmd, check=True, cwd=ROOT)
             evaluation = json.loads((work / name / "evaluation.json").read_text())["execution"]
             manifest = json.loads((work / name / "manifest.json").read_text())
+            took = dt.datetime.fromisoformat(manifest["finished_at"]) - dt.datetime.fromisoformat(manifest["started_at"])
             rows.append({"seed": seed, "method": method, "base": evaluation["base"], "tuned": evaluation["tuned"],
                          "prompts": evaluation["prompts"], "samples": evaluation["samples"],
-                         "steps": manifest["steps"], "minutes": (time.time() - t0) / 60})
+                         "steps": manifest["steps"], "minutes": took.total_seconds() / 60,
+                         "this_call_s": time.time() - t0})  # a finished run found again is not trained again
             kit.atomic_write_json(Path(cfg.out + ".json"), {"rows": rows, "summary": summarize(rows)})
     summary = summarize(rows)
     head = (f"# Held-out checker scores: base, DPO, KTO, GRPO on {cfg.logs}\n\n"
