@@ -23,7 +23,8 @@ On CUDA (--device auto finds one) the defaults change to what a GPU is for: leng
 three quarters and a quarter of each sequence, the modes default, trl_separate_ref and trl_best at every length,
 4 steps each (the first is warm-up), bfloat16 (the kit's auto dtype there), no build_pairs.
 
-Modes (issue 7's (a)-(d), plus what each of the kit's choices buys on its own):
+Modes ((a)-(d): the kit's default against TRL's own reference modes and without 4-bit, plus what each of the
+kit's choices buys on its own):
   default           (a) the kit's default: reference = base with the adapter disabled, log-probs of the
                     completion tokens only through the head in chunks, float32 matmuls on a CPU (bfloat16 on a GPU;
                     LoRA weights and optimizer in float32), NF4 dequantised once (CPU), fastpath.py's fused
@@ -125,10 +126,10 @@ MODES = {  # mode -> extra train_dpo flags (see the docstring; mode_flags fills 
 }
 OPTIONAL_MODES = ("separate_ref", "full_logits", "bnb_kernels", "cpu_matmul_bf16", "no_fused", "no_share")  # --modes: each a minute more (15-minute budget)
 DEFAULT_MODES = [m for m in MODES if m not in OPTIONAL_MODES]
-BASELINE = "trl_separate_ref"  # issue 7's (b): the ratios are against it
+BASELINE = "trl_separate_ref"  # (b): the ratios are against it
 QUICK_MODES = f"default,{BASELINE},trl_best"
-GPU_MODES = f"default,{BASELINE},trl_best"  # issue 17: (a), (b) and (e)
-DEFAULT_PROMPT_FRACTION = 0.25  # the CPU bench's layout since issue 7: results keyed by length alone
+GPU_MODES = f"default,{BASELINE},trl_best"  # (a), (b) and (e)
+DEFAULT_PROMPT_FRACTION = 0.25  # the CPU bench's layout: results keyed by length alone
 
 
 @dataclasses.dataclass
@@ -159,7 +160,7 @@ class BenchConfig:
     modes: str = field("", f"training modes to measure, comma-separated; '' = {','.join(DEFAULT_MODES)} "
                        f"(quick: {QUICK_MODES}; CUDA: {GPU_MODES})")
     long_modes: str = field("", f"the modes also run at the longest length; '' = default,{BASELINE} (the ratios "
-                            "issue 7 asks for; the others there would take a CPU run past 15 minutes; CUDA: all)")
+                            "the CPU goals read; the others there would take a CPU run past 15 minutes; CUDA: all)")
     pairs_runs: str = field("", "build_pairs log sizes in runs, or none; '' = 10000,100000,1000000 (quick: "
                             "10000,100000; CUDA: none)")
     matmul_size: int = field(0, "square matrix size for the matmul peaks; 0 = 2048 (CUDA: 8192)")
@@ -318,7 +319,7 @@ def summarize_steps(step_ends: list[float], process_start: float, init_end: floa
 
 def ratios(train: dict, lengths: list[int], fractions: tuple[float, ...] = (DEFAULT_PROMPT_FRACTION,),
            every_memory: bool = False) -> dict:
-    """The numbers issues 7, 17 and 19 ask for, from {mode: {case_key: result}}, for every length and prompt
+    """The numbers the CPU and GPU goals read, from {mode: {case_key: result}}, for every length and prompt
     share; None where a mode was not run. Memory at the longest length (each prompt share), or at every length
     (every_memory: the GPU's goals are at 1,024 tokens)."""
     def get(mode, case, key):
@@ -354,9 +355,9 @@ GOALS = (  # (ratio key prefix, comparison, target, what)
 )
 
 
-GPU_CASE = "L1024p0.75"  # issue 19's goals: 1,024 tokens, the prompt three quarters (agent data), an 8B shape
+GPU_CASE = "L1024p0.75"  # the GPU goals' case: 1,024 tokens, the prompt three quarters (agent data), an 8B shape
 GPU_GOALS = (
-    (f"speed_default_vs_{BASELINE}_{GPU_CASE}", ">=", 1.9, "default pairs/s >= 1.9x (b) TRL as it comes (issue 19)"),
+    (f"speed_default_vs_{BASELINE}_{GPU_CASE}", ">=", 1.9, "default pairs/s >= 1.9x (b) TRL as it comes"),
     (f"speed_default_vs_trl_best_{GPU_CASE}", ">=", 1.3, "default pairs/s >= 1.3x (e) TRL with its best switches"),
     (f"memory_default_vs_{BASELINE}_{GPU_CASE}", "<=", 0.6, "default peak GPU memory <= 0.6x (b)"),
     (f"mfu_default_{GPU_CASE}", ">=", 0.35, "default MFU >= 35% of the measured bfloat16 peak"),
@@ -364,7 +365,7 @@ GPU_GOALS = (
 
 
 def goal_rows(r: dict, pairs: list[dict], goals=GOALS) -> list[tuple[str, str, str]]:
-    """(goal, measured, met?) rows for the markdown report: issue 7's on a CPU, issue 19's (GPU_GOALS) on CUDA."""
+    """(goal, measured, met?) rows for the markdown report: the CPU goals (GOALS) on a CPU, GPU_GOALS on CUDA."""
     rows = []
     for prefix, op, target, what in goals:
         for key, value in r.items():
@@ -444,7 +445,7 @@ def markdown(results: dict) -> str:
                   for p in results["build_pairs"]]
     lines += ["", "| ratio | value |", "| --- | --- |"]
     lines += [f"| {k} | {'n/a' if v is None else f'{v:.3g}'} |" for k, v in results["ratios"].items()]
-    lines += ["", f"| goal (issue {19 if cuda else 7}) | measured | |", "| --- | --- | --- |"]
+    lines += ["", f"| goal ({'GPU' if cuda else 'CPU'}) | measured | |", "| --- | --- | --- |"]
     lines += [f"| {g} | {v} | {ok} |" for g, v, ok in goal_rows(results["ratios"], results["build_pairs"],
                                                                  GPU_GOALS if cuda else GOALS)]
     return "\n".join(lines) + "\n"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One command for a lent GPU machine (issue 19): install the wheels carried in .whl/, print the versions, then
+# One command for a lent GPU machine: install the wheels carried in .whl/, print the versions, then
 # run the kit's CUDA checks and benchmarks in order, each step's output in $OUT/<step>.log.
 #
 #   bench/gpu.sh [STEP ...]       STEP: tests e2e bench-1b bench-8b bench-8b-4k, or all (the default: each in turn)
@@ -11,7 +11,7 @@
 #                default and with --no_fused_ops, their losses side by side, then chat, merge and verify   ~4 min
 #   bench-1b     bench.py --device cuda at random:llama-3.2-1b: 1,024 and 4,096 tokens, prompt 3/4 and 1/4,
 #                default vs trl_separate_ref vs trl_best -> $OUT/results-gpu-1b.{md,json}           ~6 min
-#   bench-8b     the same at random:llama-3-8b, 1,024 tokens (issue 19's goals) -> $OUT/results-gpu.{md,json}
+#   bench-8b     the same at random:llama-3-8b, 1,024 tokens (the GPU speed goals) -> $OUT/results-gpu.{md,json}
 #   bench-8b-4k  random:llama-3-8b at 4,096 tokens -> $OUT/results-gpu-8b-4k.{md,json}
 #
 # Here first: `make gpu-wheels` (the lock's transformers, peft, bitsandbytes, trl, datasets, dill, multiprocess,
