@@ -7,14 +7,12 @@ stopped and killed -9 mid-job), and make train RUNNER=slurm against the same tra
     make test-slurm                                                      # starts the cluster, runs the rest
 """
 
-import json
 import os
 import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -154,8 +152,18 @@ def sacct(name: str) -> list[tuple[str, str]]:
     return [(i, s.split()[0]) for i, s in (line.split("|") for line in done.stdout.splitlines() if line)]
 
 
-def slurm_service(out: Path) -> Service:
-    return Service(out, None, "--runner", "slurm", "--slurm_args=--poll_seconds 1")
+def slurm_service(out: Path, slurm_args: str = "") -> tuple[Service, object]:
+    """serve.py --runner slurm on the test cluster, and an openai client of it."""
+    from openai import OpenAI
+
+    svc = Service(out, None, "--runner", "slurm", f"--slurm_args=--poll_seconds 1 {slurm_args}".rstrip())
+    return svc, OpenAI(base_url=f"{svc.url}/v1", api_key="unused", max_retries=0)
+
+
+def upload_pairs(client, path: Path, n: int) -> str:
+    """n OpenAI preference pairs written to path and uploaded: the file id."""
+    path.write_text(openai_pairs(n))
+    return client.files.create(file=open(path, "rb"), purpose="fine-tune").id
 
 
 def metrics_steps(client, job_id: str) -> list[int]:
@@ -165,11 +173,8 @@ def metrics_steps(client, job_id: str) -> list[int]:
 @needs_model
 @pytest.mark.slurm
 def test_service_on_slurm_a_job_succeeds_as_one_slurm_job_and_another_pauses_resumes_and_cancels(cluster, tmp_path):
-    from openai import OpenAI
-
     out = tmp_path / "art"
-    svc = slurm_service(out)
-    client = OpenAI(base_url=f"{svc.url}/v1", api_key="unused", max_retries=0)
+    svc, client = slurm_service(out)
     try:
         small, longer = tmp_path / "small.jsonl", tmp_path / "longer.jsonl"
         small.write_text(openai_pairs(4))
@@ -212,16 +217,11 @@ def test_service_on_slurm_a_job_succeeds_as_one_slurm_job_and_another_pauses_res
 @needs_model
 @pytest.mark.slurm
 def test_service_stopped_and_killed_mid_job_follows_the_same_slurm_job_to_succeeded(cluster, tmp_path):
-    from openai import OpenAI
-
     out = tmp_path / "art"
-    svc = slurm_service(out)
-    client = OpenAI(base_url=f"{svc.url}/v1", api_key="unused", max_retries=0)
-    path = tmp_path / "pairs.jsonl"
-    path.write_text(openai_pairs(6))
+    svc, client = slurm_service(out)
     try:
-        f = client.files.create(file=open(path, "rb"), purpose="fine-tune")
-        job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f.id,
+        f = upload_pairs(client, tmp_path / "pairs.jsonl", 6)
+        job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f,
                                              method={"type": "dpo", "dpo": {"hyperparameters": {"batch_size": 1}}})
         wait_for(lambda: metrics_steps(client, job.id), lambda s: len(s) >= 1, what="a first step")
         svc.stop(signal.SIGTERM)  # SLURM's job runs on
@@ -293,7 +293,7 @@ def test_a_job_sbatch_took_before_the_service_died_unrecorded_is_found_by_its_na
     done = subprocess.run(["sbatch", "--parsable", f"--job-name=dpo-kit-{job_id}", f"--output={tmp_path}/%j.out",
                            "--wrap", "sleep 6"], capture_output=True, text=True, check=True)
     slurm_id = slurm.parse_job_id(done.stdout)
-    svc = slurm_service(out)
+    svc, _ = slurm_service(out)
     try:
         wait_for(lambda: store.job(job_id)["status"], lambda s: s in jobs.TERMINAL, what="the adopted job's end")
     finally:
@@ -309,16 +309,11 @@ def test_a_job_sbatch_took_before_the_service_died_unrecorded_is_found_by_its_na
 @needs_model
 @pytest.mark.slurm
 def test_a_job_slurm_holds_pending_pauses_and_cancels_without_a_training(cluster, tmp_path):
-    from openai import OpenAI
-
     out = tmp_path / "art"
-    svc = Service(out, None, "--runner", "slurm", "--slurm_args=--poll_seconds 1 --sbatch_args=--begin=now+1hour")
-    client = OpenAI(base_url=f"{svc.url}/v1", api_key="unused", max_retries=0)
-    path = tmp_path / "pairs.jsonl"
-    path.write_text(openai_pairs(2))
+    svc, client = slurm_service(out, "--sbatch_args=--begin=now+1hour")
     try:
-        f = client.files.create(file=open(path, "rb"), purpose="fine-tune")
-        job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f.id)
+        f = upload_pairs(client, tmp_path / "pairs.jsonl", 2)
+        job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f)
         events = lambda: [e.message for e in client.fine_tuning.jobs.list_events(job.id, limit=100)]  # noqa: E731
         wait_for(events, lambda m: any(x.endswith(": PENDING") for x in m), what="SLURM to hold the job")
         assert "#SBATCH --begin=now+1hour" in (out / "serve" / "jobs" / job.id / "train.sbatch").read_text()
@@ -338,16 +333,11 @@ def test_a_job_slurm_holds_pending_pauses_and_cancels_without_a_training(cluster
 @needs_model
 @pytest.mark.slurm
 def test_a_job_sbatch_refuses_fails_saying_what_slurm_said(cluster, tmp_path):
-    from openai import OpenAI
-
     out = tmp_path / "art"
-    svc = Service(out, None, "--runner", "slurm", "--slurm_args=--poll_seconds 1 --partition nosuch")
-    client = OpenAI(base_url=f"{svc.url}/v1", api_key="unused", max_retries=0)
-    path = tmp_path / "pairs.jsonl"
-    path.write_text(openai_pairs(2))
+    svc, client = slurm_service(out, "--partition nosuch")
     try:
-        f = client.files.create(file=open(path, "rb"), purpose="fine-tune")
-        job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f.id)
+        f = upload_pairs(client, tmp_path / "pairs.jsonl", 2)
+        job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f)
         job = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in jobs.TERMINAL)
     finally:
         svc.stop()
