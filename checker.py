@@ -17,8 +17,8 @@ used. The score, with build_pairs' outcome labels:
   freed      it ran and freed space                                 bytes freed / plantable junk bytes (0..1]
   broke      it deleted or changed anything that must be kept      -1 (worse than any gain)
 
-An answer's code is the first ```python block of a completion, else the whole text. `reward` is a TRL reward
-function (GRPO) over the same checks.
+An answer's code is the first ```python block of a completion, else the whole text. rewards.py makes TRL reward
+functions (GRPO) of the same checks.
 """
 
 from __future__ import annotations
@@ -286,18 +286,6 @@ def check(code: str, host: str = CheckConfig.host, limits=None) -> Check:
                                   root_owned=() if host.privileged else SYSTEM_DIRS)
         outcome, value, freed, broken = score(root, junk, keep, result.returncode)
     return Check(outcome, value, freed, broken, result.reason, result.isolation, result.stdout[-2000:])
-
-
-def reward(completions, prompts=None, **kwargs) -> list[float]:
-    """TRL's reward-function signature (GRPOTrainer's reward_funcs): each completion's checker score on the host
-    its prompt describes."""
-    scores = []
-    for i, completion in enumerate(completions):
-        text = completion if isinstance(completion, str) else completion[-1]["content"]
-        prompt = prompts[i] if prompts else ""
-        host = prompt if isinstance(prompt, str) else " ".join(m.get("content") or "" for m in prompt)
-        scores.append(check(code_of(text), host or CheckConfig.host).score)
-    return scores
 
 
 def prompts_from_logs(logs: str) -> list[dict]:

@@ -502,8 +502,7 @@ def held_out_data(source: str, cfg: dict, every: bool) -> tuple[list[dict], list
     if not every and cfg.get("eval_prompts") and Path(cfg["eval_prompts"]).is_file():
         import checker
 
-        prompts = [{k: v for k, v in r.items() if k != "run_id"} for r in checker.load_prompts(cfg["eval_prompts"])
-                   if "run_id" not in r or formats.held_out({formats.RUN_KEY: r["run_id"]}, cfg["eval_fraction"])]
+        prompts = [r for r in checker.load_prompts(cfg["eval_prompts"]) if formats.held_out_prompt(r, cfg["eval_fraction"])]
     return held, prompts
 
 

@@ -745,6 +745,12 @@ def held_out(record: dict, fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2 ** 64 < fraction
 
 
+def held_out_prompt(row: dict, fraction: float) -> bool:
+    """An --eval_prompts row ({prompt, host, run_id?}) scored as held out: one without a run always, one with a run
+    when that run's pairs are held out (so the tuned model is scored on prompts it never trained on)."""
+    return "run_id" not in row or held_out({RUN_KEY: row["run_id"]}, fraction)
+
+
 def parse_mix(spec: str) -> list[tuple[str, float]]:
     """'a.jsonl:0.2,b.jsonl:0.1' -> [('a.jsonl', 0.2), ('b.jsonl', 0.1)]; '0.2' -> the bundled general file."""
     out = []

@@ -62,6 +62,27 @@ def input_kind(path: str | os.PathLike) -> str:
     return "pairs"
 
 
+def rft_rows(path: str) -> tuple[list[dict], list[int]]:
+    """OpenAI's reinforcement rows ({"messages": [...], ...fields}) or the kit's prompts ({"prompt", "host"}) as
+    the kit's prompt rows, the other fields as the item a grader reads; and each row's line in the file."""
+    rows, lines = [], []
+    for line_no, raw in enumerate(Path(path).read_bytes().splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw)
+        except ValueError as e:
+            raise UserError(f"malformed JSON: {e}", path, line_no) from None
+        if not isinstance(row, dict) or not ("messages" in row or "prompt" in row):
+            raise UserError("a reinforcement row needs messages (the prompt) and the fields its grader reads",
+                            path, line_no)
+        prompt = row.pop("messages", None) or row.pop("prompt")
+        host = row.pop("host", "") if isinstance(row.get("host", ""), str) else ""
+        rows.append({"prompt": prompt, "host": host, "item": row.pop("item", row)})
+        lines.append(line_no)
+    return rows, lines
+
+
 def train_command(cfg, flags: list[str], python: str = sys.executable) -> list[str]:
     """The process a job runs: train_dpo.py here, scaleout.py (accelerate) for several GPUs, launcher.py for
     the kit's container. flags: train_dpo.py's, with --data, --output_dir and --run_name."""
@@ -351,42 +372,21 @@ class Scheduler(threading.Thread):
     def training_prompts(self, job: dict, f: dict, work: Path, kind: str) -> str:
         """A reinforcement job's prompts (GRPO): run logs' code-asking prompts, or OpenAI's reinforcement rows
         ({"messages": [...], ...the item's fields}), or the kit's prompts file; written as the kit's prompts file,
-        each row's other fields kept as the item its grader reads ({{item.FIELD}})."""
+        each row's other fields kept as the item its grader reads ({{item.FIELD}}). Checked as the training will
+        read them (every prompt, with its line; enough training prompts for a step)."""
         import build_pairs
-        import checker
+        import formats
+        import methods
+        import train_dpo
 
-        if kind == "run_log":
-            rows = build_pairs.prompts_from_logs(f["path"])
-        else:
-            rows, lines = [], []
-            for line_no, raw in enumerate(Path(f["path"]).read_bytes().splitlines(), 1):
-                if not raw.strip():
-                    continue
-                try:
-                    row = json.loads(raw)
-                except ValueError as e:
-                    raise UserError(f"malformed JSON: {e}", f["path"], line_no) from None
-                if not isinstance(row, dict) or not ("messages" in row or "prompt" in row):
-                    raise UserError("a reinforcement row needs messages (the prompt) and the fields its grader "
-                                    "reads", f["path"], line_no)
-                prompt = row.pop("messages", None) or row.pop("prompt")
-                host = row.pop("host", "") if isinstance(row.get("host", ""), str) else ""
-                rows.append({"prompt": prompt, "host": host, "item": row.pop("item", row)})
-                lines.append(line_no)
-            out = work / "prompts.checked.jsonl"
-            kit.atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-            try:
-                rows = checker.load_prompts(str(out))  # every row's prompt checked, with its line
-            except UserError as e:
-                raise UserError(e.message, f["path"], lines[e.line - 1] if e.line else None) from None
+        rows, lines = (build_pairs.prompts_from_logs(f["path"]), []) if kind == "run_log" else rft_rows(f["path"])
         out = work / "train.prompts.jsonl"
         kit.atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-        cfg = self.train_config(job, str(out))
-        if cfg is not None:  # what the training would refuse: too few prompts for a step, all held out
-            import formats
-            import methods
-
+        cfg = self.train_config(job, str(out)) or train_dpo.TrainConfig(data=str(out), method="grpo")
+        try:
             methods.grpo_data(cfg, formats.TrainingData(path=str(out), sha256="", format="", pairs=0, skipped={}))
+        except UserError as e:
+            raise UserError(e.message, f["path"], lines[e.line - 1] if e.line and lines else None) from None
         self.store.event(job["id"], f"{len(rows)} prompts in {f['filename']}: the job samples answers to each and "
                          f"its grader ({job['method']['grader'].get('name') or job['method']['grader']['type']}) "
                          "scores them (GRPO)", data={"prompts": len(rows)})

@@ -20,7 +20,7 @@ and `{{item.FIELD}}` templates), or the kit's own checker by name (a python grad
 empty source). `item` is the prompt row's other fields (the jobs service keeps them).
 
 `--reward_cmd CMD` adds a program: it reads one completion on stdin (the prompt as JSON in $KIT_PROMPT, the host
-in $KIT_HOST) and prints a number; a non-zero exit or no number is an error in the run. It is the user's own
+in $KIT_HOST) and prints a number; a non-zero exit or no number stops the run (failed, resumable), saying so. It is the user's own
 grader, run in a fresh temporary directory with a timeout; model-written code reaches the sandbox only through
 the checker (or through what the grader itself does).
 """
@@ -36,6 +36,8 @@ import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from kit import UserError
 
 BUILT_IN = ("checker", "ran")
 RAN_WEIGHT = 0.1  # ran's default weight: running code is worth less than freeing space (checker: up to 1)
@@ -122,7 +124,7 @@ def problems(spec: str, cmd: str, weights_spec: str, grader: str = "") -> list[s
             continue
         try:
             load_function(name)
-        except (ImportError, AttributeError, OSError, SyntaxError, TypeError) as e:
+        except Exception as e:  # noqa: BLE001 - the user's module, imported: whatever it raises is its problem to report
             p.append(f"--reward {name}: {type(e).__name__}: {e}")
     if cmd.strip():
         try:
@@ -229,13 +231,13 @@ def command_reward(cmd: str):
                     done = subprocess.run(argv, input=_text(completion), capture_output=True, text=True, env=env,
                                           cwd=tmp, timeout=CMD_TIMEOUT)
                 except (OSError, subprocess.TimeoutExpired) as e:
-                    raise RuntimeError(f"--reward_cmd {cmd!r}: {e}") from None
+                    raise UserError(f"--reward_cmd {cmd!r}: {e}") from None
             if done.returncode != 0:
-                raise RuntimeError(f"--reward_cmd {cmd!r} exited {done.returncode}: {done.stderr.strip()[-300:]}")
+                raise UserError(f"--reward_cmd {cmd!r} exited {done.returncode}: {done.stderr.strip()[-300:]}")
             try:
                 out.append(float(done.stdout.strip().split()[-1]))
             except (ValueError, IndexError):
-                raise RuntimeError(f"--reward_cmd {cmd!r} printed no number (got {done.stdout.strip()[-100:]!r})") from None
+                raise UserError(f"--reward_cmd {cmd!r} printed no number (got {done.stdout.strip()[-100:]!r})") from None
         return out
 
     return reward_cmd

@@ -348,7 +348,7 @@ def held_out_prompts(cfg: TrainConfig) -> list[dict]:
     import checker
 
     rows = checker.load_prompts(cfg.eval_prompts)
-    kept = [r for r in rows if "run_id" not in r or formats.held_out({formats.RUN_KEY: r["run_id"]}, cfg.eval_fraction)]
+    kept = [r for r in rows if formats.held_out_prompt(r, cfg.eval_fraction)]
     print(f"[eval] {len(kept)} of {len(rows)} --eval_prompts prompts are held out; the checker runs "
           f"{cfg.eval_samples} sampled answers to each, base and tuned", flush=True)
     return kept

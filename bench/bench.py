@@ -164,8 +164,8 @@ class BenchConfig:
     pairs_runs: str = field("", "build_pairs log sizes in runs, or none; '' = 10000,100000,1000000 (quick: "
                             "10000,100000; CUDA: none)")
     matmul_size: int = field(0, "square matrix size for the matmul peaks; 0 = 2048 (CUDA: 8192)")
-    grpo_steps: int = field(3, "GRPO: optimiser steps on the demo logs' prompts (the first is warm-up); 0 = skip "
-                            "(quick: 2; CUDA: 3)")
+    grpo_steps: int = field(-1, "GRPO: optimiser steps on the demo logs' prompts (the first is warm-up); -1 = 3 "
+                            "(quick: 2); 0 = skip")
     grpo_completion_length: int = field(0, "GRPO: longest sampled answer in tokens; 0 = the kit's default")
     budget_s: float = field(0.0, "stop starting measurements after this many seconds and write what was measured "
                             "(a device call's time limit); 0 = no limit")
@@ -596,6 +596,13 @@ class Case:
         return case_key(self.seq_len, self.prompt_fraction)
 
 
+def child_failure(status: int, log: Path) -> dict:
+    """A measurement whose child did not finish: why, in a few words, and the end of its log."""
+    tail = log.read_text()[-600:]
+    return {"error": "timed out (--budget_s)" if status == -9 else
+            f"exit {status}: {tail.strip().splitlines()[-1] if tail.strip() else ''}", "log_tail": tail}
+
+
 def bench_train(cfg: BenchConfig, mode: str, case: Case, data: Path, work: Path, shape: dict, n_lora: int,
                 peaks: dict, model: str, liger: bool, timeout: float) -> dict:
     name = f"{mode}-{case.key}"
@@ -611,10 +618,7 @@ def bench_train(cfg: BenchConfig, mode: str, case: Case, data: Path, work: Path,
     start = time.time()
     status, wall = run_child(child_command("child_train", argv, str(timing)), log, timeout=timeout, env=env)
     if status != 0 or not timing.exists():
-        tail = log.read_text()[-600:]
-        error = "timed out (--budget_s)" if status == -9 else \
-            f"exit {status}: {tail.strip().splitlines()[-1] if tail.strip() else ''}"
-        return {"error": error, "log_tail": tail}
+        return child_failure(status, log)
     rec = json.loads(timing.read_text())
     out = summarize_steps(rec["step_ends"], start, rec["init_end"], rec["train_begin"], case.batch, case.seq_len)
     kto = "kto" in flags
@@ -666,9 +670,7 @@ def bench_grpo(cfg: BenchConfig, work: Path, model: str, steps: int, timeout: fl
     env = os.environ | ({"CUDA_VISIBLE_DEVICES": ""} if not cfg.cuda else {})
     status, wall = run_child(child_command("child_train", argv, str(timing)), log, timeout=timeout, env=env)
     if status != 0 or not timing.exists():
-        tail = log.read_text()[-600:]
-        return {"error": "timed out (--budget_s)" if status == -9 else
-                f"exit {status}: {tail.strip().splitlines()[-1] if tail.strip() else ''}", "log_tail": tail}
+        return child_failure(status, log)
     metrics = [json.loads(r) for r in (run_dir / "r.partial" / "metrics.jsonl").read_text().splitlines() if r.strip()]
     rec = json.loads(timing.read_text())
     return grpo_summary(metrics, d.per_device_train_batch_size * d.num_generations) | {
@@ -864,7 +866,7 @@ def main(argv=None) -> int:
                          f"MFU {'n/a' if r['mfu'] is None else format(r['mfu'], '.1%')}, peak {r['peak_train_mb']:,.0f} MB, start-up {r['startup_s']:.1f} s, "
                          f"loss {r['last_loss']}"), flush=True)
                 save(results, out_dir, stem, cfg, final=False)
-        grpo_steps = cfg.grpo_steps if cfg.grpo_steps != 3 or not cfg.quick else 2
+        grpo_steps = cfg.grpo_steps if cfg.grpo_steps >= 0 else 2 if cfg.quick else 3
         left = cfg.budget_s - (time.time() - began) if cfg.budget_s else 900.0
         if grpo_steps and left > 10:
             g = results["grpo"] = bench_grpo(cfg, work, model, grpo_steps, timeout=min(900.0, left))

@@ -82,11 +82,13 @@ def test_hostile_answers_score_0_with_their_reason(code, reason):
     assert (result.outcome, result.score) == ("failed", 0.0) and reason in result.reason, result
 
 
-def test_reward_has_trls_signature_and_reads_the_host_from_the_prompt():
+def test_the_grpo_reward_has_trls_signature_and_without_a_host_column_reads_the_host_from_the_prompt():
+    import rewards
+
     completions = [[{"role": "assistant", "content": f"Clear pip's cache.\n```python\n{PIP}```"}],
                    [{"role": "assistant", "content": "```python\nprint(\n```"}]]
     prompts = [[{"role": "user", "content": CI_HOST}]] * 2
-    scores = checker.reward(completions=completions, prompts=prompts)
+    scores = rewards.checker_rewards(rewards.Checked())[0](completions=completions, prompts=prompts)
     assert scores[0] > 0 and scores[1] == 0.0
 
 

@@ -64,7 +64,7 @@ def test_a_reward_command_reads_the_completion_and_its_number_is_the_reward(tmp_
     assert fn(prompts=["p", "q"], completions=["abc", "de"], host=["h", ""]) == [103.0, 2.0]
     bad = tmp_path / "bad.py"
     bad.write_text("print('no number here')\n")
-    with pytest.raises(RuntimeError, match="printed no number"):
+    with pytest.raises(UserError, match="printed no number"):
         rewards.command_reward(f"{sys.executable} {bad}")(prompts=["p"], completions=["x"])
 
 
