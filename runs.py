@@ -179,7 +179,11 @@ class Run:
         if from_disk is not None:
             old = read_json(from_disk / "config.json")
             old_data = read_json(from_disk / "data.json").get("sha256")
-            conflicts = config_conflicts(old, resolved) + (["data (sha256)"] if old_data not in (None, data_sha) else [])
+            conflicts = config_conflicts(old, resolved)
+            if old_data == data_sha:  # the same bytes at another path (a moved clone, a container's mount): the same run
+                conflicts = [k for k in conflicts if k != "data"]
+            elif old_data is not None:
+                conflicts.append("data (sha256)")
             if conflicts:
                 raise UserError(f"run {self.name!r} exists in {from_disk} with different {', '.join(conflicts)}; "
                                 "choose another --run_name (RUN=)")

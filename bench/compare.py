@@ -69,6 +69,31 @@ def table(rows: list[dict], summary: dict) -> str:
     return "\n".join(lines)
 
 
+def grpo_signal(metrics: list[dict]) -> dict:
+    """What a GRPO run had to learn from, from its metrics.jsonl rows: steps, steps where every answer of every
+    group scored the same (zero advantage: nothing learned), and the training answers' mean reward, ran and pass
+    rates."""
+    steps = [m for m in metrics if "reward" in m]
+    n = max(len(steps), 1)
+    return {"steps": len(steps), "flat_steps": sum(m.get("reward_std", 0.0) == 0.0 for m in steps),
+            "reward": sum(m["reward"] for m in steps) / n, "ran_rate": sum(m.get("ran_rate", 0.0) for m in steps) / n,
+            "pass_rate": sum(m.get("pass_rate", 0.0) for m in steps) / n}
+
+
+def findings(rows: list[dict]) -> list[str]:
+    """Sentences the numbers say on their own: whether any arm freed space, and GRPO's learning signal."""
+    out = []
+    if all(r[arm]["pass_rate"] == 0 for r in rows for arm in ("base", "tuned")):
+        out.append("No held-out answer of any model, base or tuned, in any run freed space.")
+    for r in rows:
+        g = r.get("grpo")
+        if g:
+            out.append(f"GRPO seed {r['seed']}: in {g['flat_steps']} of its {g['steps']} steps every sampled answer "
+                       f"scored the same (no advantage, nothing learned); over all its training answers the mean reward "
+                       f"was {g['reward']:.4f}, {g['ran_rate']:.3f} of them ran and {g['pass_rate']:.3f} freed space.")
+    return out
+
+
 def data_for(method: str, logs: str, work: Path) -> tuple[str, str]:
     """(training data, eval prompts) for a method, built once per method from the logs."""
     prompts = work / "pairs" / "runs.prompts.jsonl"
@@ -97,21 +122,29 @@ def main(argv=None) -> int:
                    "--output_dir", str(work), "--run_name", name, "--probes", "",
                    *(["--eval_prompts", prompts] if prompts else []), *extra]
             print(f"[compare] {name}: {' '.join(cmd[2:])}", flush=True)
-            subprocess.run(cmd, check=True, cwd=ROOT)
+            code = subprocess.run(cmd, cwd=ROOT).returncode
+            if code:
+                print(f"[compare] {name} failed (exit {code}): its output is above; the finished runs in {work} are "
+                      "found again by the next make compare", file=sys.stderr)
+                return code
             evaluation = json.loads((work / name / "evaluation.json").read_text())["execution"]
             manifest = json.loads((work / name / "manifest.json").read_text())
             took = dt.datetime.fromisoformat(manifest["finished_at"]) - dt.datetime.fromisoformat(manifest["started_at"])
             rows.append({"seed": seed, "method": method, "base": evaluation["base"], "tuned": evaluation["tuned"],
                          "prompts": evaluation["prompts"], "samples": evaluation["samples"],
                          "steps": manifest["steps"], "minutes": took.total_seconds() / 60,
-                         "this_call_s": time.time() - t0})  # a finished run found again is not trained again
+                         "this_call_s": time.time() - t0})
+            if method == "grpo":
+                rows[-1]["grpo"] = grpo_signal([json.loads(line) for line in
+                                                (work / name / "metrics.jsonl").read_text().splitlines() if line.strip()])  # a finished run found again is not trained again
             kit.atomic_write_json(Path(cfg.out + ".json"), {"rows": rows, "summary": summarize(rows)})
     summary = summarize(rows)
     head = (f"# Held-out checker scores: base, DPO, KTO, GRPO on {cfg.logs}\n\n"
             f"{rows[0]['samples']} sampled answers to each of {rows[0]['prompts']} held-out prompts per model and seed, "
             f"each run on its prompt's host by checker.py (score: bytes freed over the plantable junk, -1 for "
             f"deleting what must be kept; pass: it freed space). Mean ± standard deviation over seeds "
-            f"{cfg.seeds}; `python bench/compare.py` wrote this.\n\n")
+            f"{cfg.seeds}; `python bench/compare.py` wrote this.\n\n" + "".join(f"- {line}\n" for line in findings(rows))
+            + "\n")
     kit.atomic_write_text(Path(cfg.out + ".md"), head + table(rows, summary) + "\n")
     kit.atomic_write_json(Path(cfg.out + ".json"), {"rows": rows, "summary": summary})
     print(table(rows, summary))

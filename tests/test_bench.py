@@ -279,3 +279,19 @@ def test_method_comparison_summary_is_mean_and_spread_over_seeds():
     assert summary["base"]["mean_score"] == {"mean": pytest.approx(0.05), "std": pytest.approx(0.0707, abs=1e-4), "n": 2}
     assert summary["dpo"]["pass_rate"] == {"mean": 0.5, "std": 0.0, "n": 2} and summary["grpo"]["mean_score"]["mean"] == 0.4
     assert "| grpo | +0.4000 ± 0.0000 | 1.000 ± 0.000 | 2 |" in compare.table(rows, summary)
+
+
+def test_grpo_signal_counts_steps_with_no_advantage_and_the_findings_say_so():
+    import compare  # bench/compare.py
+
+    metrics = [{"step": 1, "reward": 0.0, "reward_std": 0.0, "ran_rate": 0.0, "pass_rate": 0.0},
+               {"step": 2, "reward": 0.1, "reward_std": 0.2, "ran_rate": 0.25, "pass_rate": 0.0},
+               {"step": 2, "train_runtime": 9.0}]
+    g = compare.grpo_signal(metrics)
+    assert (g["steps"], g["flat_steps"]) == (2, 1) and g["ran_rate"] == 0.125 and g["reward"] == pytest.approx(0.05)
+    nothing = {"mean_score": 0.0, "pass_rate": 0.0, "outcomes": {"failed": 4}}
+    rows = [{"seed": 1, "method": "grpo", "base": nothing, "tuned": nothing, "grpo": g}]
+    said = compare.findings(rows)
+    assert said[0].startswith("No held-out answer") and "in 1 of its 2 steps" in said[1]
+    rows[0]["tuned"] = {"mean_score": 0.2, "pass_rate": 0.25, "outcomes": {"freed": 1}}
+    assert not compare.findings(rows)[0].startswith("No held-out answer")

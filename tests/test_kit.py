@@ -476,3 +476,17 @@ def test_no_archive_ends_in_a_traceback(flat, extra, damage, where):
             assert e.path == archive and e.line is None and str(e).startswith(f"{archive}:")
         assert [p for p in snapshot(tmp) if not p[0].startswith("x")] == before
         assert not (tmp / "escape").exists() and not (tmp / "abs-escape").exists()
+
+
+def test_a_finished_run_is_found_again_from_the_same_data_at_another_path_but_not_from_other_data(tmp_path, capsys):
+    done = tmp_path / "art" / "r"
+    done.mkdir(parents=True)
+    (done / "config.json").write_text(json.dumps({"data": "/old/clone/data/runs.jsonl", "beta": 0.1}))
+    (done / "data.json").write_text(json.dumps({"sha256": "aa"}))
+    run = runs.Run(tmp_path / "art", "r")
+    assert run.prepare({"data": "/new/clone/data/runs.jsonl", "beta": 0.1}, "aa") is None
+    assert run.state == "succeeded" and "already complete" in capsys.readouterr().out
+    with pytest.raises(UserError, match=r"different data, data \(sha256\)"):
+        run.prepare({"data": "/new/clone/data/runs.jsonl", "beta": 0.1}, "bb")
+    with pytest.raises(UserError, match="different beta; choose another"):
+        run.prepare({"data": "/new/clone/data/runs.jsonl", "beta": 0.5}, "aa")
