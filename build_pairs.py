@@ -272,25 +272,34 @@ def parse_run(obj, path, line: int, score_key: str = "space_freed", surrogates: 
 # The rules.
 # ---------------------------------------------------------------------------------------------
 
-def host_of_run(messages: list) -> str:
-    """The host line of a run's prompt (the message tagged get_basic_env_plist, else every message)."""
-    tagged = [m for m in messages if m.get("tag") == "get_basic_env_plist"]
-    return (tagged[0] if tagged else {"content": " ".join(str(m.get("content")) for m in messages)})["content"]
+def host_of_run(run: Run) -> str:
+    """The host line of a run's prompt (its message tagged get_basic_env_plist, else every message's text)."""
+    for message, tag in zip(run.messages, run.tags or ()):
+        if tag == "get_basic_env_plist":
+            return message["content"]
+    return " ".join(m["content"] for m in run.messages if isinstance(m.get("content"), str))
 
 
-def prompts_from_logs(logs: str) -> list[dict]:
+def read_runs(path: str, score_key: str = PairsConfig.score_key, skip_invalid: bool = False):
+    """Each run of a run-log file, checked as the pairs are (FILE:LINE errors; with skip_invalid, a bad line is
+    passed over as build_pairs passes it over)."""
+    for line_no, raw in enumerate(io.BytesIO(Path(path).read_bytes()), start=1):
+        try:
+            run = _parse_line(raw, path, line_no, score_key)
+        except UserError:
+            if skip_invalid:
+                continue
+            raise
+        if run is not None:
+            yield run
+
+
+def prompts_from_logs(logs: str, score_key: str = PairsConfig.score_key, skip_invalid: bool = False) -> list[dict]:
     """Each run's code-asking turn as the agent saw it (its strategy, asking for the code: build_pairs' rule 2
     prompt) with the host its prompt describes and its run id (train_dpo.py keeps the held-out runs' ones)."""
     out, seen = [], set()
-    for line_no, raw in enumerate(Path(logs).read_bytes().splitlines(), 1):
-        if not raw.strip():
-            continue
-        try:
-            obj = json.loads(raw)
-        except ValueError as e:
-            raise UserError(f"malformed JSON: {e}", logs, line_no) from None
-        run = parse_run(obj, logs, line_no)
-        host = host_of_run([m if isinstance(m, dict) else m[0] for m in obj["prompt"]])
+    for run in read_runs(logs, score_key, skip_invalid):
+        host = host_of_run(run)
         if (run.strategy, host) not in seen:
             seen.add((run.strategy, host))
             out.append({"prompt": [{"role": "user", "content": run.strategy}], "host": host, "run_id": run.run_id})
@@ -934,7 +943,7 @@ def main(argv: list[str] | None = None) -> int:
         if written:
             writer.commit()
     if cfg.prompts and written:
-        rows = prompts_from_logs(cfg.runs)
+        rows = prompts_from_logs(cfg.runs, cfg.score_key, cfg.skip_invalid)
         kit.atomic_write_text(Path(cfg.prompts), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
         summary["prompts_written"] = {"path": cfg.prompts, "prompts": len(rows)}
     print_summary(summary)

@@ -302,14 +302,13 @@ def load_prompts(path: str) -> list[dict]:
 
     rows = []
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read it: {e}", path) from None
-    for line_no, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise UserError(f"cannot read it: {e.strerror}", path) from None
+    for line_no, row in formats.jsonl_rows(raw):
         try:
-            row = json.loads(line)
+            if isinstance(row, formats.BadRow):
+                raise ValueError(str(row))
             if not isinstance(row, dict):
                 raise ValueError("expected an object {\"prompt\", \"host\"}")
             prompt = row.get("prompt")
@@ -333,13 +332,11 @@ def agreement(logs: str, limits=None) -> dict:
     it succeeded (ran and freed space: build_pairs' rule)."""
     import build_pairs
 
+    import sandbox
+
     rows, ran_same, ok_same, n = [], 0, 0, 0
-    for line_no, raw in enumerate(Path(logs).read_bytes().splitlines(), 1):
-        if not raw.strip():
-            continue
-        obj = json.loads(raw)
-        run = build_pairs.parse_run(obj, logs, line_no)
-        host = build_pairs.host_of_run([m if isinstance(m, dict) else m[0] for m in obj["prompt"]])
+    for run in build_pairs.read_runs(logs):
+        host = build_pairs.host_of_run(run)
         for attempt in run.attempts:
             result = check(attempt.code, host, limits)
             ran, succeeded = result.outcome in ("no_effect", "freed"), result.outcome == "freed"
@@ -348,7 +345,7 @@ def agreement(logs: str, limits=None) -> dict:
             ok_same += succeeded == attempt.succeeded
             rows.append({"run_id": run.run_id, "logged": {"ran": attempt.ran, "succeeded": attempt.succeeded},
                          "checker": {"outcome": result.outcome, "score": result.score, "reason": result.reason}})
-    return {"attempts": n, "ran_agree": ran_same, "succeeded_agree": ok_same, "isolation": result.isolation,
+    return {"attempts": n, "ran_agree": ran_same, "succeeded_agree": ok_same, "isolation": sandbox.isolation(),
             "rows": rows}
 
 

@@ -65,18 +65,16 @@ def input_kind(path: str | os.PathLike) -> str:
 def rft_rows(path: str) -> tuple[list[dict], list[int]]:
     """OpenAI's reinforcement rows ({"messages": [...], ...fields}) or the kit's prompts ({"prompt", "host"}) as
     the kit's prompt rows, the other fields as the item a grader reads; and each row's line in the file."""
+    import formats
+
     rows, lines = [], []
-    for line_no, raw in enumerate(Path(path).read_bytes().splitlines(), 1):
-        if not raw.strip():
-            continue
-        try:
-            row = json.loads(raw)
-        except ValueError as e:
-            raise UserError(f"malformed JSON: {e}", path, line_no) from None
+    for line_no, row in formats.jsonl_rows(Path(path).read_bytes()):
+        if isinstance(row, formats.BadRow):
+            raise UserError(str(row), path, line_no)
         if not isinstance(row, dict) or not ("messages" in row or "prompt" in row):
             raise UserError("a reinforcement row needs messages (the prompt) and the fields its grader reads",
                             path, line_no)
-        prompt = row.pop("messages", None) or row.pop("prompt")
+        prompt = row.pop("messages") if "messages" in row else row.pop("prompt")  # an empty one: refused with its line later
         host = row.pop("host", "") if isinstance(row.get("host", ""), str) else ""
         rows.append({"prompt": prompt, "host": host, "item": row.pop("item", row)})
         lines.append(line_no)

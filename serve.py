@@ -93,46 +93,39 @@ class ServeConfig:
         return p
 
 
-def train_args_problem(train_args: str) -> str | None:
-    """Why train_dpo.py would refuse these flags (unknown flag, bad value), or None."""
+def flags_problem(cfg_cls, flags: str, given: tuple = ()) -> str | None:
+    """Why a script would refuse these flags (an unknown flag, a bad value, its config's problems()), or None.
+    given: flags the script always gets besides (train_dpo.py's --data)."""
     import io
     import shlex
 
-    import train_dpo
-
     try:
-        argv = shlex.split(train_args)
+        argv = shlex.split(flags)
     except ValueError as e:
         return str(e)
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            kit.parse_config(train_dpo.TrainConfig, ["--data", "x.jsonl", *argv], "")
+            kit.parse_config(cfg_cls, [*given, *argv], "")
     except SystemExit:
         return err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else "not accepted"
     except UserError as e:
-        return str(e)
+        return str(e).replace("bad options:\n  - ", "").replace("\n  - ", "; ")
     return None
+
+
+def train_args_problem(train_args: str) -> str | None:
+    """Why train_dpo.py would refuse these flags, or None."""
+    import train_dpo
+
+    return flags_problem(train_dpo.TrainConfig, train_args, ("--data", "x.jsonl"))
 
 
 def slurm_args_problem(slurm_args: str) -> str | None:
     """Why slurm.py would refuse these options, or None."""
-    import io
-    import shlex
-
     import slurm
 
-    err = io.StringIO()
-    try:
-        argv = kit.normalise_argv(slurm.SlurmConfig, shlex.split(slurm_args))
-        with contextlib.redirect_stderr(err):
-            values = vars(kit.build_parser(slurm.SlurmConfig, "").parse_args(argv))
-    except ValueError as e:
-        return str(e)
-    except SystemExit:
-        return err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else "not accepted"
-    values.pop("config", None)
-    return "; ".join(slurm.SlurmConfig(**values).problems()) or None
+    return flags_problem(slurm.SlurmConfig, slurm_args)
 
 
 def create_app(cfg):

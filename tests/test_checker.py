@@ -113,3 +113,32 @@ def test_cli_prints_the_outcome_and_refuses_a_missing_file(tmp_path):
     missing = subprocess.run([sys.executable, "checker.py", "--logs", str(tmp_path / "nope.jsonl")], cwd=ROOT,
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and missing.stderr.strip() == f"{tmp_path / 'nope.jsonl'}: no such file"
+
+
+def test_prompts_from_logs_read_the_host_from_tagged_pairs_and_skip_bad_lines_as_build_pairs_does(tmp_path):
+    import build_pairs
+
+    host = "Host db-7, Ubuntu 22.04, Python 3.10, user app (no sudo)."
+    run = {"run_id": "r1", "strategy": "Clear pip's cache", "attempts": [{"code": "print(1)", "ran": True}],
+           "prompt": [[{"role": "system", "content": "You free disk space."}, "get_system_plist"],
+                      [{"role": "user", "content": host}, "get_basic_env_plist"]]}  # the agent's [message, tag] form
+    logs = tmp_path / "runs.jsonl"
+    logs.write_text(json.dumps(run) + "\n" + "[" * 100000 + "\n")  # the second line nests too deep for json
+    with pytest.raises(checker.UserError, match="malformed JSON") as e:
+        build_pairs.prompts_from_logs(str(logs))
+    assert e.value.line == 2
+    rows = build_pairs.prompts_from_logs(str(logs), skip_invalid=True)
+    assert rows == [{"prompt": [{"role": "user", "content": "Clear pip's cache"}], "host": host, "run_id": "r1"}]
+    assert checker.parse_host(rows[0]["host"]).privileged is False
+
+
+def test_a_prompts_file_that_is_not_utf8_or_nests_too_deep_is_a_file_line_error(tmp_path):
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_bytes(b'{"prompt": "a", "host": "h"}\n' + b"[" * 100000 + b"\n")
+    with pytest.raises(checker.UserError, match="malformed JSON") as e:
+        checker.load_prompts(str(bad))
+    assert e.value.line == 2
+    bad.write_bytes(b'{"prompt": "caf\xe9", "host": "h"}\n')
+    with pytest.raises(checker.UserError, match="not UTF-8") as e:
+        checker.load_prompts(str(bad))
+    assert e.value.line == 1

@@ -183,3 +183,18 @@ def test_grpo_in_4bit_stops_on_sigterm_resumes_and_hands_off_a_tarball_that_veri
     assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
     assert kit.sha256_file(run_dir / "adapter_model.safetensors") == kit.sha256_file(
         tmp_path / "art" / "whole" / "adapter_model.safetensors")
+
+
+def test_reinforcement_rows_become_prompt_rows_with_their_item_and_a_bad_line_is_a_file_line_error(tmp_path):
+    import jobs
+
+    rft = tmp_path / "rft.jsonl"
+    rft.write_text('{"messages": [{"role": "user", "content": "2+2?"}], "answer": "4"}\n\n'
+                   '{"prompt": "Clear pip", "host": "Host h"}\n')
+    rows, lines = jobs.rft_rows(str(rft))
+    assert rows == [{"prompt": [{"role": "user", "content": "2+2?"}], "host": "", "item": {"answer": "4"}},
+                    {"prompt": "Clear pip", "host": "Host h", "item": {}}] and lines == [1, 3]
+    rft.write_bytes(b'{"messages": [], "a": 1}\n' + b"{" * 100000 + b"\n")
+    with pytest.raises(UserError, match="malformed JSON") as e:
+        jobs.rft_rows(str(rft))
+    assert (e.value.path, e.value.line) == (str(rft), 2)
