@@ -20,7 +20,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 import kit
-from jobs import TERMINAL, new_id
+from jobs import TERMINAL, new_id, public_status
 from service import ApiError
 
 VLLM_STATUSES = ("online", "not_started", "crashed", "not_accepting_connections", "timeout", "server_error",
@@ -103,7 +103,7 @@ def job_suffix(name: str | None) -> str | None:
 def nip_status(job: dict) -> str:
     """nip's TrainingJobStatus for a job record: pending before its process starts, starting until its first
     logged step, then running; failed is crashed; paused is interrupted."""
-    status = job["status"]
+    status = public_status(job)
     if status in ("validating_files", "queued"):
         return "pending"
     if status == "running":

@@ -14,7 +14,7 @@ from fastapi import UploadFile  # at module level: the upload route's annotation
 from pydantic import BaseModel, ConfigDict, Field
 
 import runs
-from jobs import new_id, now
+from jobs import new_id, now, public_status
 from service import SUFFIX, ApiError, page
 
 
@@ -204,7 +204,7 @@ def file_view(f: dict) -> dict:
 def job_view(job: dict) -> dict:
     t = job["method"]["type"]
     return {"object": "fine_tuning.job", "id": job["id"], "created_at": job["created_at"], "model": job["model"],
-            "status": job["status"], "error": job["error"],
+            "status": public_status(job), "error": job["error"],
             "fine_tuned_model": job["fine_tuned_model"] if job["status"] == "succeeded" else None,
             "finished_at": job["finished_at"], "trained_tokens": job["trained_tokens"],
             "training_file": job["training_file"], "validation_file": job["validation_file"],

@@ -29,6 +29,17 @@ from kit import UserError
 
 ROOT = Path(__file__).resolve().parent
 TERMINAL = ("succeeded", "failed", "cancelled")
+# SLURM states (squeue %T) of a submitted job that waits for its nodes: nothing of it trains yet
+SLURM_WAITING = ("PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD")
+
+
+def public_status(job: dict) -> str:
+    """The status the APIs show: the store's, except that a job handed to SLURM is queued while SLURM holds it
+    waiting for nodes (the store keeps it running: it is with a runner, and not the service's queue's)."""
+    if job["status"] == "running" and job.get("slurm_state") in SLURM_WAITING:
+        return "queued"
+    return job["status"]
+
 
 def new_id(prefix: str) -> str:
     """A random id (96 bits): nothing about one id tells another."""
@@ -131,13 +142,14 @@ CREATE TABLE IF NOT EXISTS jobs (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT 
     method TEXT, hyperparameters TEXT, flags TEXT, suffix TEXT, seed INTEGER, metadata TEXT, nip_config TEXT,
     fine_tuned_model TEXT, finished_at INTEGER, trained_tokens INTEGER, error TEXT, result_files TEXT,
     data TEXT, pid INTEGER, stop_request TEXT, metrics_step INTEGER DEFAULT 0, waiting_on INTEGER,
-    slurm_job_id TEXT, submitted_at INTEGER);
+    slurm_job_id TEXT, submitted_at INTEGER, slurm_state TEXT, resubmits INTEGER DEFAULT 0, resubmit_step INTEGER);
 CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, job_id TEXT,
     created_at INTEGER, level TEXT, message TEXT, type TEXT, data TEXT);
 CREATE INDEX IF NOT EXISTS events_job ON events (job_id, seq);
 """
 # Columns added since the first serve.db: added to an older database when the service opens it.
-ADDED_COLUMNS = {"jobs": {"slurm_job_id": "TEXT", "submitted_at": "INTEGER"}}
+ADDED_COLUMNS = {"jobs": {"slurm_job_id": "TEXT", "submitted_at": "INTEGER", "slurm_state": "TEXT",
+                          "resubmits": "INTEGER DEFAULT 0", "resubmit_step": "INTEGER"}}
 JSON_COLUMNS = ("method", "hyperparameters", "flags", "metadata", "nip_config", "error", "result_files")
 
 

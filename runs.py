@@ -111,10 +111,10 @@ class RunLock:
                 if e.errno not in (errno.EAGAIN, errno.EACCES):
                     os.close(fd)
                     raise
-                pid, _, host = os.pread(fd, 300, 0).decode(errors="replace").strip().partition(" ")
+                holder = holder_words(os.pread(fd, 300, 0).decode(errors="replace"))
                 os.close(fd)
-                raise UserError(f"run {self.name} is in use by pid {pid or '?'}{f' on {host}' if host else ''}; "
-                                "wait for it, or choose another --run_name (RUN=)") from None
+                raise UserError(f"run {self.name} is in use by {holder}; wait for it, or choose another "
+                                "--run_name (RUN=)") from None
             try:  # the holder before us may have removed the file after we opened it: lock the file that is there
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:
@@ -133,9 +133,15 @@ class RunLock:
         self.fd = None
 
 
-def lock_holder(output_dir: str | os.PathLike, name: str) -> int | None:
-    """The pid of the process that holds <run>'s RunLock (-1 when it has not written its pid yet), or None when
-    no process does. Looks without keeping the lock (serve.py asks before it starts a training)."""
+def holder_words(text: str) -> str:
+    """A lock file's "<pid> <host>" as the messages say it: pid 12 on node3 (pid ? before the holder wrote it)."""
+    pid, _, host = text.strip().partition(" ")
+    return f"pid {pid or '?'}{f' on {host}' if host else ''}"
+
+
+def lock_text(output_dir: str | os.PathLike, name: str) -> str | None:
+    """What <run>'s lock file says while a process holds its RunLock ("<pid> <host>", "" before the holder has
+    written it), or None when no process does. Looks without keeping the lock."""
     try:
         fd = os.open(Path(output_dir) / f".{name}.lock", os.O_RDONLY)
     except FileNotFoundError:
@@ -143,12 +149,22 @@ def lock_holder(output_dir: str | os.PathLike, name: str) -> int | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError:
-        text = os.pread(fd, 300, 0).decode(errors="replace").split()
+        text = os.pread(fd, 300, 0).decode(errors="replace")
         os.close(fd)
-        return int(text[0]) if text and text[0].isdigit() else -1
+        return text
     fcntl.flock(fd, fcntl.LOCK_UN)
     os.close(fd)
     return None
+
+
+def lock_holder(output_dir: str | os.PathLike, name: str) -> int | None:
+    """The pid of the process that holds <run>'s RunLock (-1 when it has not written its pid yet), or None when
+    no process does (serve.py asks before it starts a training)."""
+    text = lock_text(output_dir, name)
+    if text is None:
+        return None
+    words = text.split()
+    return int(words[0]) if words and words[0].isdigit() else -1
 
 
 class Run:

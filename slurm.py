@@ -18,7 +18,8 @@ filesystem every node mounts. SLURM's output file is the run's log. Where files 
 A SLURM job's end, as the kit reads it (`outcome`): the run complete -> succeeded; a cancel -> `scancel` (SIGTERM to
 every process, then the cluster's KillWait to save a checkpoint): cancelled; a pause -> `scancel --signal=TERM`
 (the training saves a checkpoint and stops): paused, and resume submits again from the checkpoint; PREEMPTED or
-NODE_FAIL without SLURM's own requeue: submitted again, resuming the same run; a time limit: paused at its checkpoint.
+NODE_FAIL without SLURM's own requeue: submitted again, resuming the same run (after --max_resubmits losses in a row
+with no step trained between them: paused); a time limit: paused at its checkpoint.
 With `--requeue` (the default) SLURM requeues a preempted job itself under the same id, and its script resumes the run.
 Everything above the "Edges" line is pure: tested without SLURM.
 """
@@ -65,6 +66,9 @@ class SlurmConfig:
                            "or an image reference (pyxis/enroot); the kit's image has the kit at /opt/kit")
     container_runtime: str = field("apptainer", "how the cluster runs containers", choices=("apptainer", "pyxis"))
     requeue: bool = field(True, "#SBATCH --requeue: a preempted or failed node's job is requeued by SLURM under its id")
+    max_resubmits: int = field(3, "the service: a job that lost its node (PREEMPTED, NODE_FAIL, BOOT_FAIL, not "
+                               "requeued by SLURM) is submitted again, up to this many times in a row without a "
+                               "step trained in between; then it is paused at its checkpoint, for resume")
     sbatch_args: str = field("", "more sbatch options, each written into the script as an #SBATCH line "
                              "(--sbatch_args='--qos=high --constraint=a100')")
     python: str = field("", "the kit's Python on the nodes ('' = this one, the .venv's); ignored with --container")
@@ -90,8 +94,9 @@ class SlurmConfig:
             p.append(f"--sbatch_args: {e}")
         if any(not a.startswith("-") or "\n" in a for a in extra):
             p.append("--sbatch_args: each option as one word with its value after = (--qos=high), no newlines")
-        if self.poll_seconds <= 0 or self.stop_seconds < 0 or self.cpus_per_task < 0:
-            p.append("--poll_seconds must be positive, --stop_seconds and --cpus_per_task not negative")
+        if self.poll_seconds <= 0 or min(self.stop_seconds, self.cpus_per_task, self.max_resubmits) < 0:
+            p.append("--poll_seconds must be positive, --stop_seconds, --cpus_per_task and --max_resubmits not "
+                     "negative")
         return p
 
 
@@ -213,6 +218,14 @@ def outcome(state: str | None, complete: bool, run_state: str | None, stop: str 
     if state in ("TIMEOUT", "DEADLINE") or run_state == "cancelled":
         return "paused"  # a signal stopped the training at a checkpoint (the time limit, scancel --signal)
     return "reap"
+
+
+def losses_in_a_row(count: int, last_step: int | None, step: int | None) -> int:
+    """Node losses in a row, this one counted: count (those before it) goes on unless the run trained a step
+    since the last loss (step, the run's step now, past last_step, its step then), when the count starts again.
+    A preemptible partition's job that trains between preemptions is submitted again for ever; one whose node
+    dies before it trains a step stops after --max_resubmits."""
+    return 1 if step is not None and (last_step is None or step > last_step) else count + 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,7 +351,8 @@ def follow(job_id: str, log: Path, offset: int, poll_seconds: float) -> str | No
 
 class SlurmScheduler(jobs.Scheduler):
     """A job is submitted once: it is marked running with its submission time, sbatch'd, and its SLURM job id
-    stored before anything follows it. squeue says when it has left the queue; sacct how it ended (`outcome`).
+    stored before anything follows it (the APIs say queued while SLURM holds it waiting: jobs.public_status).
+    squeue says when it has left the queue; sacct how it ended (`outcome`).
     The service stopping (SIGTERM, kill -9) leaves SLURM's jobs alone; started again, it follows each by its
     stored id (or, when the service died between sbatch and storing the id, finds it by its name), and jobs
     that ended meanwhile are reaped on the first poll."""
@@ -384,10 +398,10 @@ class SlurmScheduler(jobs.Scheduler):
                 self.fail(job, "slurm_refused", str(e))
                 return True
             slurm_id = found[-1]
-        self.store.update_job(job["id"], slurm_job_id=slurm_id)
+        self.store.update_job(job["id"], slurm_job_id=slurm_id, slurm_state="PENDING")  # queued until it runs
         self.slurm_jobs[job["id"]] = slurm_id
-        self.store.event(job["id"], (f"Resuming from {last.name}" if last else "Fine-tuning job started")
-                         + f": SLURM job {slurm_id} ({script})", data={"slurm_job_id": slurm_id})
+        self.store.event(job["id"], (f"Resuming from {last.name}: s" if last else "S")
+                         + f"ubmitted as SLURM job {slurm_id} ({script})", data={"slurm_job_id": slurm_id})
         return True
 
     def follow_running(self) -> None:
@@ -409,6 +423,7 @@ class SlurmScheduler(jobs.Scheduler):
                 self.ended(self.store.job(job_id), slurm_id)
             elif state != self.states.get(job_id):
                 self.states[job_id] = state
+                self.store.update_job(job_id, slurm_state=state)
                 self.store.event(job_id, f"SLURM job {slurm_id}: {state}",
                                  data={"slurm_job_id": slurm_id, "slurm_state": state})
 
@@ -424,9 +439,18 @@ class SlurmScheduler(jobs.Scheduler):
         what = outcome(state, run.final.exists(), status.get("state"), job["stop_request"])
         said = f"SLURM job {slurm_id} ended {state or '(no record: sacct and scontrol do not know it)'}"
         step = status.get("step")
+        self.store.update_job(job["id"], slurm_state=None)
         if what == "resubmit":
-            self.store.update_job(job["id"], status="queued", stop_request=None)
-            self.store.event(job["id"], f"{said}: submitted again, it resumes from its checkpoint")
+            n, most = losses_in_a_row(job["resubmits"] or 0, job["resubmit_step"], step), self.slurm.max_resubmits
+            if n > most:
+                self.store.update_job(job["id"], status="paused", resubmits=0, resubmit_step=None)
+                self.store.event(job["id"], f"{said}, {n} times in a row with no step trained in between: not "
+                                 f"submitted again (--max_resubmits {most}); paused at its checkpoint (step {step}), "
+                                 "resume submits it again", level="warn")
+            else:
+                self.store.update_job(job["id"], status="queued", stop_request=None, resubmits=n, resubmit_step=step)
+                self.store.event(job["id"], f"{said}: submitted again ({n} of at most {most} in a row without a "
+                                 "step trained), it resumes from its checkpoint")
         elif what == "paused" and not job["stop_request"]:
             self.store.update_job(job["id"], status="paused")
             self.store.event(job["id"], f"{said}: the training stopped with a checkpoint (step {step}); resume "
@@ -466,9 +490,10 @@ def main(argv=None) -> int:
         job_id = running[-1]
         print(f"[slurm] run {run.name} is already SLURM job {job_id}: following it (log {log})", flush=True)
     else:
-        holder = runs.lock_holder(train_cfg.output_dir, run.name)
+        holder = runs.lock_text(train_cfg.output_dir, run.name)
         if holder is not None:
-            raise UserError(f"run {run.name} is in use by pid {holder}; wait for it, or choose another RUN=")
+            raise UserError(f"run {run.name} is in use by {runs.holder_words(holder)}; wait for it, or choose "
+                            "another RUN=")
         job_id = submit(script)
         print(f"[slurm] submitted {script} as job {job_id}; log {log}", flush=True)
     state = follow(job_id, log, offset, cfg.poll_seconds)

@@ -535,8 +535,9 @@ def test_the_service_stopped_mid_job_by_sigterm_and_kill_9_resumes_it_to_succeed
         assert client.fine_tuning.jobs.retrieve(queued_behind.id).status == "queued"  # first come, first trained
         job = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in jobs.TERMINAL)
         assert job.status == "succeeded", (job.error, job_log(out, job.id)[-3000:])
-    finally:
-        if queued_behind is not None:
+    finally:  # a 400 here (the job already ended) would hide what failed above
+        if queued_behind is not None and svc.proc.poll() is None and \
+                client.fine_tuning.jobs.retrieve(queued_behind.id).status not in jobs.TERMINAL:
             client.fine_tuning.jobs.cancel(queued_behind.id)
         svc.stop()
     log = job_log(out, job.id)

@@ -10,6 +10,7 @@ stopped and killed -9 mid-job), and make train RUNNER=slurm against the same tra
 import os
 import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -112,6 +113,41 @@ def test_what_the_end_of_a_slurm_job_means_for_the_service(state, complete, run_
     assert slurm.outcome(state, complete, run_state, stop) == expected
 
 
+@pytest.mark.parametrize("count, last_step, step, expected", [
+    (0, None, None, 1),  # the first loss, before a step
+    (0, None, 7, 1),
+    (1, 7, 7, 2),  # lost again with no step trained in between
+    (2, 7, 7, 3),
+    (3, 7, 9, 1),  # it trained since the last loss: a preemptible partition's job goes on
+    (2, None, None, 3),
+])
+def test_node_losses_in_a_row_count_only_those_with_no_step_trained_in_between(count, last_step, step, expected):
+    assert slurm.losses_in_a_row(count, last_step, step) == expected
+
+
+@pytest.mark.parametrize("status, slurm_state, shown", [
+    ("running", "PENDING", "queued"),  # with SLURM, waiting for its nodes
+    ("running", "REQUEUED", "queued"),
+    ("running", "RUNNING", "running"),
+    ("running", "SUSPENDED", "running"),
+    ("running", None, "running"),  # a local child process
+    ("queued", None, "queued"),
+    ("paused", "PENDING", "paused"),
+    ("succeeded", None, "succeeded"),
+])
+def test_the_apis_say_queued_while_slurm_holds_a_job_waiting_for_nodes(status, slurm_state, shown):
+    assert jobs.public_status({"status": status, "slurm_state": slurm_state}) == shown
+
+
+def test_a_held_run_lock_names_its_holders_pid_and_host(tmp_path):
+    assert runs.lock_text(tmp_path, "r") is None
+    with runs.RunLock(tmp_path, "r"):
+        words = runs.holder_words(runs.lock_text(tmp_path, "r"))
+        assert words == f"pid {os.getpid()} on {socket.gethostname()}"
+        assert runs.lock_holder(tmp_path, "r") == os.getpid()
+    assert runs.lock_text(tmp_path, "r") is None and runs.holder_words("") == "pid ?"
+
+
 def test_an_older_serve_db_gains_the_slurm_columns_and_keeps_its_jobs(tmp_path):
     db = sqlite3.connect(tmp_path / "serve.db")
     db.execute("CREATE TABLE jobs (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, status TEXT)")
@@ -120,7 +156,8 @@ def test_an_older_serve_db_gains_the_slurm_columns_and_keeps_its_jobs(tmp_path):
     db.close()
     store = jobs.Store(tmp_path)
     assert store.job("ftjob-old") == {"seq": 1, "id": "ftjob-old", "status": "queued", "slurm_job_id": None,
-                                      "submitted_at": None}
+                                      "submitted_at": None, "slurm_state": None, "resubmits": 0,
+                                      "resubmit_step": None}
     store.update_job("ftjob-old", slurm_job_id="12")
     assert jobs.Store(tmp_path).job("ftjob-old")["slurm_job_id"] == "12"  # opened again: nothing added twice
 
@@ -191,7 +228,7 @@ def test_service_on_slurm_a_job_succeeds_as_one_slurm_job_and_another_pauses_res
         assert f"#SBATCH --output={out / 'serve' / 'jobs' / job.id / 'train.log'}" in script.read_text()
         assert f"[slurm] job {slurm_id} " in job_log(out, job.id)  # SLURM's output file is the job's log
         messages = [e.message for e in client.fine_tuning.jobs.list_events(job.id, limit=100)]
-        assert f"Fine-tuning job started: SLURM job {slurm_id} ({script})" in messages
+        assert f"Submitted as SLURM job {slurm_id} ({script})" in messages
 
         f = client.files.create(file=open(longer, "rb"), purpose="fine-tune")
         job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f.id, method={
@@ -316,6 +353,7 @@ def test_a_job_slurm_holds_pending_pauses_and_cancels_without_a_training(cluster
         job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f)
         events = lambda: [e.message for e in client.fine_tuning.jobs.list_events(job.id, limit=100)]  # noqa: E731
         wait_for(events, lambda m: any(x.endswith(": PENDING") for x in m), what="SLURM to hold the job")
+        assert client.fine_tuning.jobs.retrieve(job.id).status == "queued"  # with SLURM, not yet training
         assert "#SBATCH --begin=now+1hour" in (out / "serve" / "jobs" / job.id / "train.sbatch").read_text()
         client.fine_tuning.jobs.pause(job.id)  # a signal cannot reach a pending job: it is cancelled in SLURM
         wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id).status, lambda s: s == "paused", what="the pause")
@@ -328,6 +366,38 @@ def test_a_job_slurm_holds_pending_pauses_and_cancels_without_a_training(cluster
     assert job.status == "cancelled"
     assert [s for _, s in sacct(f"dpo-kit-{job.id}")] == ["CANCELLED", "CANCELLED"]
     assert not (out / f"{job.id}.partial").exists()  # nothing ever trained
+
+
+@needs_model
+@pytest.mark.slurm
+def test_a_job_whose_node_is_lost_is_queued_again_until_the_node_returns_and_resumes_to_succeeded(cluster, tmp_path):
+    out = tmp_path / "art"
+    node = subprocess.run(["sinfo", "-h", "-o", "%N"], capture_output=True, text=True, check=True).stdout.strip()
+    svc, client = slurm_service(out, "--no_requeue")  # not SLURM's own requeue: the service submits again
+    scontrol = lambda *a: subprocess.run(["scontrol", "update", f"NodeName={node}", *a],  # noqa: E731
+                                         capture_output=True, text=True, check=True)
+    try:
+        f = upload_pairs(client, tmp_path / "pairs.jsonl", 6)
+        job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f,
+                                             method={"type": "dpo", "dpo": {"hyperparameters": {"batch_size": 1}}})
+        wait_for(lambda: metrics_steps(client, job.id), lambda s: len(s) >= 1, what="a first step")
+        try:
+            scontrol("State=DOWN", "Reason=dpo-kit-test")  # the job's node lost: NODE_FAIL
+            scontrol("State=DRAIN", "Reason=dpo-kit-test")  # and kept from new jobs when its slurmd registers again
+            wait_for(lambda: [s for _, s in sacct(f"dpo-kit-{job.id}")], lambda s: s[:1] == ["NODE_FAIL"]
+                     and len(s) == 2, what="the lost job and its resubmission")
+            wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id).status, lambda s: s == "queued",
+                     what="the resubmitted job, pending on the down node, to show queued")
+        finally:
+            scontrol("State=RESUME")
+        job = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in jobs.TERMINAL)
+        messages = [e.message for e in client.fine_tuning.jobs.list_events(job.id, limit=100)]
+    finally:
+        svc.stop()
+    assert job.status == "succeeded", (job.error, job_log(out, job.id)[-3000:])
+    assert [s for _, s in sacct(f"dpo-kit-{job.id}")] == ["NODE_FAIL", "COMPLETED"]
+    assert any("ended NODE_FAIL: submitted again (1 of at most 3 in a row" in m for m in messages), messages
+    assert job_log(out, job.id).count("[run] resuming") == 1
 
 
 @needs_model
