@@ -46,8 +46,7 @@ NAME_PREFIX = "dpo-kit-"  # a SLURM job's name is this + the run name: how a los
 TIME_LIMIT = re.compile(r"^(\d+|\d+:\d{2}|\d+:\d{2}:\d{2}|\d+-\d+|\d+-\d+:\d{2}|\d+-\d+:\d{2}:\d{2}|UNLIMITED)$")
 WORD = re.compile(r"^[A-Za-z0-9_.,:@+-]+$")  # a partition, account or image reference: nothing a script would expand
 # SLURM's states (squeue %T, sacct State), by what they mean for the run
-LIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
-        "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD")
+LIVE = jobs.SLURM_WAITING + ("RUNNING", "COMPLETING", "SUSPENDED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED")
 LOST_NODE = ("PREEMPTED", "NODE_FAIL", "BOOT_FAIL")  # not the run's fault: submitted again, it resumes
 
 
@@ -444,9 +443,9 @@ class SlurmScheduler(jobs.Scheduler):
             n, most = losses_in_a_row(job["resubmits"] or 0, job["resubmit_step"], step), self.slurm.max_resubmits
             if n > most:
                 self.store.update_job(job["id"], status="paused", resubmits=0, resubmit_step=None)
-                self.store.event(job["id"], f"{said}, {n} times in a row with no step trained in between: not "
-                                 f"submitted again (--max_resubmits {most}); paused at its checkpoint (step {step}), "
-                                 "resume submits it again", level="warn")
+                self.store.event(job["id"], f"{said}, its node lost {n} time{'s' * (n > 1)} in a row with no step "
+                                 f"trained in between: not submitted again (--max_resubmits {most}); paused at its "
+                                 f"checkpoint (step {step}), resume submits it again", level="warn")
             else:
                 self.store.update_job(job["id"], status="queued", stop_request=None, resubmits=n, resubmit_step=step)
                 self.store.event(job["id"], f"{said}: submitted again ({n} of at most {most} in a row without a "

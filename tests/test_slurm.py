@@ -370,10 +370,13 @@ def test_a_job_slurm_holds_pending_pauses_and_cancels_without_a_training(cluster
 
 @needs_model
 @pytest.mark.slurm
-def test_a_job_whose_node_is_lost_is_queued_again_until_the_node_returns_and_resumes_to_succeeded(cluster, tmp_path):
+@pytest.mark.parametrize("max_resubmits", [1, 0])
+def test_a_job_whose_node_is_lost_is_queued_again_or_past_its_cap_paused_and_resumes_to_succeeded(cluster, tmp_path,
+                                                                                                 max_resubmits):
     out = tmp_path / "art"
     node = subprocess.run(["sinfo", "-h", "-o", "%N"], capture_output=True, text=True, check=True).stdout.strip()
-    svc, client = slurm_service(out, "--no_requeue")  # not SLURM's own requeue: the service submits again
+    # --no_requeue: not SLURM's own requeue; the service submits again, up to --max_resubmits times
+    svc, client = slurm_service(out, f"--no_requeue --max_resubmits {max_resubmits}")
     scontrol = lambda *a: subprocess.run(["scontrol", "update", f"NodeName={node}", *a],  # noqa: E731
                                          capture_output=True, text=True, check=True)
     try:
@@ -384,19 +387,24 @@ def test_a_job_whose_node_is_lost_is_queued_again_until_the_node_returns_and_res
         try:
             scontrol("State=DOWN", "Reason=dpo-kit-test")  # the job's node lost: NODE_FAIL
             scontrol("State=DRAIN", "Reason=dpo-kit-test")  # and kept from new jobs when its slurmd registers again
-            wait_for(lambda: [s for _, s in sacct(f"dpo-kit-{job.id}")], lambda s: s[:1] == ["NODE_FAIL"]
-                     and len(s) == 2, what="the lost job and its resubmission")
-            wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id).status, lambda s: s == "queued",
-                     what="the resubmitted job, pending on the down node, to show queued")
+            wait_for(lambda: sacct(f"dpo-kit-{job.id}"), lambda j: j[:1] and j[0][1] == "NODE_FAIL",
+                     what="the lost job")
+            shown = "queued" if max_resubmits else "paused"  # pending on the drained node, or not submitted again
+            wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id).status, lambda s: s == shown, what=shown)
         finally:
             scontrol("State=RESUME")
+        if not max_resubmits:
+            assert len(sacct(f"dpo-kit-{job.id}")) == 1
+            client.fine_tuning.jobs.resume(job.id)
         job = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in jobs.TERMINAL)
         messages = [e.message for e in client.fine_tuning.jobs.list_events(job.id, limit=100)]
     finally:
         svc.stop()
     assert job.status == "succeeded", (job.error, job_log(out, job.id)[-3000:])
     assert [s for _, s in sacct(f"dpo-kit-{job.id}")] == ["NODE_FAIL", "COMPLETED"]
-    assert any("ended NODE_FAIL: submitted again (1 of at most 3 in a row" in m for m in messages), messages
+    said = ("ended NODE_FAIL: submitted again (1 of at most 1 in a row" if max_resubmits else
+            "ended NODE_FAIL, its node lost 1 time in a row with no step trained in between: not submitted again")
+    assert any(said in m for m in messages), messages
     assert job_log(out, job.id).count("[run] resuming") == 1
 
 
