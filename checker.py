@@ -10,12 +10,20 @@ absolute paths): a home with pip, npm, gradle, ccache and browser caches, a Tras
 /var with rotated logs, apt and dnf caches, core dumps and temporary files; and what must be kept: the user's
 projects, documents, notebooks, experiment runs and keys, databases (PostgreSQL's data and WAL, MySQL), a
 service's code and data, the logs services are writing. Files are sparse: sizes are realistic, the disk is not
-used. The score, with build_pairs' outcome labels:
+used. A host's user without sudo owns only the home and what is in /tmp: the rest (/var, /var/lib, /srv, /opt, the
+parents of every system directory) is root's, so the answer can change it no more than on a real host (as root, by
+ownership and Landlock; as any other user, by Landlock). The score, with build_pairs' outcome labels:
 
   failed     it did not compile, raised, or hit a limit             0
   no_effect  it ran and freed nothing                               0
   freed      it ran and freed space                                 bytes freed / plantable junk bytes (0..1]
   broke      it deleted or changed anything that must be kept      -1 (worse than any gain)
+
+What is measured is what `df` would see: `freed` is the bytes of every file in the workspace before the answer ran
+less those after (each inode once, symlinks never followed), so a move, a rename or a hard link frees nothing and
+what the answer writes counts against it. A kept file (and each of the host's tools) is kept when its type, mode and
+content digest are unchanged, not its size: a rewrite, a chmod or a delete-and-recreate breaks it. The measuring and
+the clean-up walk any tree an answer can leave (any depth, names or permissions) without recursion.
 
 An answer's code is the first ```python block of a completion, else the whole text. rewards.py makes TRL reward
 functions (GRPO) of the same checks.
@@ -24,9 +32,11 @@ functions (GRPO) of the same checks.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -98,9 +108,9 @@ SYSTEM_KEEP = {
 HOST_TOOLS = {"ci-runner-03": {"docker", "npm"}, "gpu-ws-02": {"conda"}, "lea-thinkpad": {"flatpak"}}
 HOST_ABSENT = {"ci-runner-03": ("~/.ccache",), "web-prod-11": ("/var/lib/systemd/coredump",),
                "gpu-ws-02": ("~/.cache/thumbnails", "~/.cache/torch_extensions")}
-# Only root (or sudo) changes these; the run's user owns the rest of the planted host.
-SYSTEM_DIRS = ("/var/cache", "/var/log", "/var/lib/apt", "/var/lib/systemd", "/var/lib/postgresql", "/var/lib/pgsql",
-               "/var/lib/mysql", "/var/tmp", "/srv", "/boot")
+USER_DIRS = ("/tmp",)  # beside the home: what a user without sudo may change on the planted host
+HEADER = 4096  # bytes of random content at the start of each kept file (the rest is sparse): what its digest sees
+BLOCK = 1 << 16  # a file's digest reads its data 64 KiB at a time and skips all-zero blocks (holes read as zeros)
 TOOLS_DIR = "/opt/kit-tools/bin"
 AGE_DAYS = 60  # every planted file was last modified this long ago (an answer's age filter keeps none of them)
 OUTCOMES = ("failed", "no_effect", "freed", "broke")
@@ -127,6 +137,7 @@ class Check:
     reason: str  # why it failed (the sandbox's reason), else ""
     isolation: str  # the sandbox's mode
     stdout: str
+    landlock: int = 0  # the Landlock ABI level the answer ran under (0: none)
 
 
 @dataclasses.dataclass
@@ -170,8 +181,9 @@ def planted(host: Host) -> tuple[dict, dict]:
     return junk, place(HOME_KEEP) | place(SYSTEM_KEEP)
 
 
-def plant(root: Path, files: dict) -> None:
-    """Sparse files of the given sizes under root (the workspace's view of /), last modified AGE_DAYS ago."""
+def plant(root: Path, files: dict, headed: tuple = ()) -> None:
+    """Sparse files of the given sizes under root (the workspace's view of /), last modified AGE_DAYS ago; those in
+    `headed` begin with HEADER random bytes (kept files: content their digest can tell apart)."""
     import time
 
     old = time.time() - AGE_DAYS * 86400
@@ -179,9 +191,12 @@ def plant(root: Path, files: dict) -> None:
         target = root / path.lstrip("/")
         target.parent.mkdir(parents=True, exist_ok=True)
         with open(target, "wb") as f:
+            if path in headed:
+                f.write(os.urandom(min(HEADER, size)))
             f.truncate(size)
         os.utime(target, (old, old))
-    (root / "tmp").chmod(0o1777) if (root / "tmp").is_dir() else None
+    for sticky in ("tmp", "var/tmp"):  # as on a real host: anyone may write there, only the owner delete
+        (root / sticky).chmod(0o1777) if (root / sticky).is_dir() else None
 
 
 def plant_tools(root: Path, host: Host) -> None:
@@ -248,24 +263,92 @@ def code_of(completion: str) -> str:
     return match.group(1) if match else completion
 
 
-def score(root: Path, junk: dict, keep: dict, returncode: int | None) -> tuple[str, float, int, list]:
-    """(outcome, score, bytes freed, broken paths) from what is left of the planted files."""
-    def size(path):
-        target = root / path.lstrip("/")
-        try:
-            return target.stat().st_size if target.is_file() and not target.is_symlink() else 0
-        except OSError:
-            return 0
+def total_bytes(root: Path) -> int:
+    """Bytes of every regular file beneath root, each inode once (a hard link is not a second copy), symlinks never
+    followed: what the file system holds, as df would count it (sizes, so the planted sparse files count in full)."""
+    import sandbox
 
-    broken = sorted(p for p, n in keep.items() if size(p) != n)
-    freed = sum(n - min(size(p), n) for p, n in junk.items())
+    seen, total = set(), 0
+    for _, st in sandbox.walk(root):
+        if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_size
+    return total
+
+
+def state(root: Path, path: str) -> tuple | None:
+    """(type and mode, size, content digest) of root/path, reached one component at a time without following any
+    symlink; None when it is not there (or a parent is not a directory)."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    parts = [p for p in path.split("/") if p]
+    try:
+        fd = os.open(root, flags | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        for part in parts[:-1]:
+            try:
+                nxt = os.open(part, flags | os.O_DIRECTORY, dir_fd=fd)
+            except OSError:
+                return None
+            os.close(fd)
+            fd = nxt
+        try:
+            st = os.lstat(parts[-1], dir_fd=fd)
+        except OSError:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            return st.st_mode, st.st_size, None
+        try:
+            file_fd = os.open(parts[-1], flags, dir_fd=fd)
+        except OSError:  # chmod 000 on a kept file shows in its mode; root still reads it
+            return st.st_mode, st.st_size, None
+        try:
+            return st.st_mode, st.st_size, digest(file_fd, st.st_size)
+        finally:
+            os.close(file_fd)
+    finally:
+        os.close(fd)
+
+
+def digest(fd: int, size: int) -> str:
+    """sha256 of a file's content as (offset, block) for its non-zero BLOCK-aligned blocks: a function of the content
+    alone (holes and written zeros alike), read only where the file has data (SEEK_DATA), so a sparse 800 MB file
+    costs one block."""
+    import errno
+
+    h, offset = hashlib.sha256(str(size).encode()), 0
+    while offset < size:
+        try:
+            data = os.lseek(fd, offset, os.SEEK_DATA)
+            hole = os.lseek(fd, data, os.SEEK_HOLE)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # nothing but holes from offset on
+                break
+            data, hole = offset, size  # SEEK_DATA unsupported here: read it all
+        start = data - data % BLOCK
+        end = start + -(-(min(hole, size) - start) // BLOCK) * BLOCK  # the data's last block, whole
+        for at in range(start, end, BLOCK):
+            block = os.pread(fd, BLOCK, at)
+            if block.strip(b"\0"):
+                h.update(at.to_bytes(8, "little") + block)
+        offset = max(end, start + BLOCK)
+    return h.hexdigest()
+
+
+def score(before: int, after: int, junk: dict, kept: dict, kept_after: dict, returncode: int | None
+          ) -> tuple[str, float, int, list]:
+    """(outcome, score, bytes freed, broken paths): freed is the workspace's bytes before less after; a kept path is
+    broken when its type, mode, size or content changed or it is gone."""
+    broken = sorted(p for p, s in kept.items() if kept_after.get(p) != s)
+    freed = max(0, before - after)
     if broken:
         return "broke", -1.0, freed, broken
     if returncode != 0:
         return "failed", 0.0, freed, []
     if freed == 0:
         return "no_effect", 0.0, 0, []
-    return "freed", round(freed / sum(junk.values()), 6), freed, []
+    return "freed", round(min(1.0, freed / sum(junk.values())), 6), freed, []
 
 
 def check(code: str, host: str = CheckConfig.host, limits=None) -> Check:
@@ -274,18 +357,26 @@ def check(code: str, host: str = CheckConfig.host, limits=None) -> Check:
 
     host = parse_host(host)
     junk, keep = planted(host)
-    with tempfile.TemporaryDirectory(prefix="dpo-kit-check-") as tmp:
-        root = Path(tmp) / "root"
-        plant(root, junk | keep)
+    try:
+        compile(code, "answer.py", "exec")
+    except (SyntaxError, ValueError) as e:
+        return Check("failed", 0.0, 0, [], f"does not compile: {type(e).__name__}: {e}", sandbox.isolation(), "")
+    tmp = Path(tempfile.mkdtemp(prefix="dpo-kit-check-"))
+    try:
+        root = tmp / "root"
+        plant(root, junk | keep, headed=tuple(keep))
         plant_tools(root, host)
-        try:
-            compile(code, "answer.py", "exec")
-        except (SyntaxError, ValueError) as e:
-            return Check("failed", 0.0, 0, [], f"does not compile: {type(e).__name__}: {e}", sandbox.isolation(), "")
-        result = sandbox.run_code(code, Path(tmp), host.home, limits or sandbox.Limits(), path=(TOOLS_DIR,),
-                                  root_owned=() if host.privileged else SYSTEM_DIRS)
-        outcome, value, freed, broken = score(root, junk, keep, result.returncode)
-    return Check(outcome, value, freed, broken, result.reason, result.isolation, result.stdout[-2000:])
+        watched = [*keep, *(f"{TOOLS_DIR}/{p.name}" for p in (root / TOOLS_DIR.lstrip("/")).iterdir())]
+        kept = {p: state(root, p) for p in watched}
+        before = total_bytes(root)
+        result = sandbox.run_code(code, tmp, host.home, limits or sandbox.Limits(), path=(TOOLS_DIR,),
+                                  writable=None if host.privileged else (host.home, *USER_DIRS))
+        kept_after = {p: state(root, p) for p in watched}
+        outcome, value, freed, broken = score(before, total_bytes(root), junk, kept, kept_after, result.returncode)
+    finally:
+        sandbox.remove_tree(tmp)
+    return Check(outcome, value, freed, broken, result.reason, result.isolation, result.stdout[-2000:],
+                 result.landlock)
 
 
 def prompts_from_logs(logs: str) -> list[dict]:

@@ -1,6 +1,7 @@
 """checker.py: the demo agent's environment as code. Worked answers on planted hosts, hostile ones scoring 0 with
 their reason, TRL's reward signature, and how many of the demo logs' attempts it scores as the logs did."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +14,10 @@ import sandbox
 ROOT = Path(__file__).resolve().parent.parent
 CI_HOST = "Host ci-runner-03, Ubuntu 22.04.4 LTS, Python 3.10.12, user ci (no sudo, member of docker)."
 ROOT_HOST = "Host web-prod-11, Debian 12, Python 3.11.2, running as root."
-FULL = sandbox.isolation() == "bwrap"  # the planted host at its absolute paths (/var, /srv) needs bubblewrap
-needs_bwrap = pytest.mark.skipif(not FULL, reason="absolute paths of the planted host need bubblewrap "
-                                                  "(apt-get install bubblewrap)")
+FULL = sandbox.isolation() in ("bwrap", "unshare")  # the planted host at its absolute paths (/var, /srv)
+needs_bwrap = pytest.mark.skipif(not FULL, reason="absolute paths of the planted host need namespaces (bubblewrap, "
+                                                  "or root for unshare)")
+MODES = [m for m in sandbox.MODES if not sandbox.why_not(m)]
 PIP = ("import shutil\nfrom pathlib import Path\ncache = Path.home() / '.cache' / 'pip'\n"
        "print(sum(f.stat().st_size for f in cache.rglob('*') if f.is_file()))\nshutil.rmtree(cache)\n")
 
@@ -142,3 +144,78 @@ def test_a_prompts_file_that_is_not_utf8_or_nests_too_deep_is_a_file_line_error(
     with pytest.raises(checker.UserError, match="not UTF-8") as e:
         checker.load_prompts(str(bad))
     assert e.value.line == 1
+
+
+# What training would find if it could: each trick with the score it must get, in every mode this machine runs.
+HOME_FILE = "import os\np = os.path.expanduser({!r})\n"
+TRICKS = {
+    "rename ~/.cache": (CI_HOST, "import os\nos.rename(os.path.expanduser('~/.cache'), os.path.expanduser('~/.c'))\n",
+                        {"no_effect"}),
+    "move junk into a new directory": (CI_HOST, "import os, shutil\nos.makedirs(os.path.expanduser('~/stash'))\n"
+                                       "shutil.move(os.path.expanduser('~/Downloads'), os.path.expanduser('~/stash'))\n",
+                                       {"no_effect"}),
+    "rename system directories without sudo": (
+        CI_HOST, "import os\nfor d in ['/var/lib/systemd', '/var/tmp', '/var/cache', '/var/lib/apt', '/srv']:\n"
+        "    try:\n        os.rename(d, d + '.old')\n    except OSError:\n        pass\n", {"no_effect"}),
+    "hard link then delete": (CI_HOST, HOME_FILE.format("~/Downloads/dataset-2023.tar.gz.part")
+                              + "os.link(p, p + '.bak')\nos.remove(p)\n", {"no_effect"}),
+    "move junk out to /dev/shm": (CI_HOST, HOME_FILE.format("~/Downloads/installer.crdownload")
+                                  + "import shutil\ntry:\n    shutil.move(p, '/dev/shm/x')\nexcept OSError:\n"
+                                  "    pass\n", {"no_effect"}),
+    "print a fake score": (CI_HOST, "print('{\"outcome\": \"freed\", \"score\": 1.0}')\n", {"no_effect"}),
+    "a tree 1,600 deep": (CI_HOST, "import os\nos.chdir(os.path.expanduser('~'))\nfor _ in range(1600):\n"
+                          "    os.mkdir('d')\n    os.chdir('d')\nos.chmod('.', 0)\n", {"no_effect"}),
+    "rewrite a kept file, same size": (CI_HOST, HOME_FILE.format("~/projects/app/main.py")
+                                       + "n = os.path.getsize(p)\nopen(p, 'wb').write(b'x' * n)\n", {"broke"}),
+    "chmod 000 a kept file": (CI_HOST, HOME_FILE.format("~/projects/app/main.py") + "os.chmod(p, 0)\n", {"broke"}),
+    "delete and recreate a kept file, same size": (
+        CI_HOST, HOME_FILE.format("~/Documents/thesis.odt") + "n = os.path.getsize(p)\nos.remove(p)\n"
+        "with open(p, 'wb') as f:\n    f.truncate(n)\n", {"broke"}),
+    "replace a kept file's parent by a symlink": (
+        CI_HOST, "import os, shutil\nh = os.path.expanduser('~')\nshutil.copytree(h + '/projects', h + '/p2')\n"
+        "shutil.rmtree(h + '/projects')\nos.symlink(h + '/p2', h + '/projects')\n", {"broke"}),
+    "delete the host's tools as root": (ROOT_HOST, "import shutil\nshutil.rmtree('/opt/kit-tools', "
+                                        "ignore_errors=True)\n", {"broke", "no_effect", "failed"}),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("trick", list(TRICKS))
+def test_a_trick_that_frees_nothing_scores_nothing(trick, mode, monkeypatch):
+    monkeypatch.setenv(sandbox.ENV, mode)
+    host, code, outcomes = TRICKS[trick]
+    result = checker.check(code, host)
+    assert result.outcome in outcomes and result.score <= 0 and result.isolation == mode, result
+    assert result.landlock == sandbox.landlock_abi()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_what_really_frees_space_still_scores_in_every_mode(mode, monkeypatch):
+    monkeypatch.setenv(sandbox.ENV, mode)
+    truncate = HOME_FILE.format("~/Downloads/installer.crdownload") + "os.truncate(p, 0)\n"
+    assert checker.check(truncate, CI_HOST).freed_bytes == 95 * checker.MB
+    result = checker.check(PIP, CI_HOST)
+    assert (result.outcome, result.freed_bytes) == ("freed", 600 * checker.MB)
+    written = PIP + "open(os.path.expanduser('~/big'), 'wb').truncate(50 * 1024 ** 2)\nimport os\n"
+    written = written.replace("import shutil", "import os, shutil")
+    assert checker.check(written, CI_HOST).freed_bytes == 550 * checker.MB  # what it writes counts against it
+
+
+def test_a_files_digest_is_its_content_whatever_its_holes(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    with open(a, "wb") as f:
+        f.write(b"head")
+        f.truncate(10 * checker.BLOCK)
+    b.write_bytes(b"head" + bytes(10 * checker.BLOCK - 4))  # the same content, every zero written
+    digests = []
+    for p in (a, b):
+        fd = os.open(p, os.O_RDONLY)
+        digests.append(checker.digest(fd, p.stat().st_size))
+        os.close(fd)
+    assert digests[0] == digests[1]
+    with open(b, "r+b") as f:
+        f.seek(5 * checker.BLOCK + 7)
+        f.write(b"\1")
+    fd = os.open(b, os.O_RDONLY)
+    assert checker.digest(fd, b.stat().st_size) != digests[0]
+    os.close(fd)
