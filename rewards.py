@@ -174,6 +174,9 @@ def _prompt_text(prompt) -> str:
     return prompt if isinstance(prompt, str) else " ".join(m.get("content") or "" for m in prompt)
 
 
+CACHE_SIZE = 4096  # (code, host) results kept across steps: a step's own are always all there
+
+
 class Checked:
     """Each (code, host) run once by the checker, shared by the checker and ran rewards of one batch; answers run
     a few at a time (each is a sandboxed process, mostly waiting on the file system)."""
@@ -189,14 +192,15 @@ class Checked:
 
         keys = [(checker.code_of(_text(c)), h or _prompt_text(p) or checker.CheckConfig.host)
                 for p, c, h in zip(prompts, completions, hosts)]
-        todo = [k for k in dict.fromkeys(keys) if k not in self.cache]
+        found = {k: self.cache[k] for k in dict.fromkeys(keys) if k in self.cache}
+        todo = [k for k in dict.fromkeys(keys) if k not in found]
         limits = sandbox.Limits(wall_seconds=self.wall_seconds)
-        if len(self.cache) > 4096:  # one batch's worth is what is shared; keep the cache small
-            self.cache.clear()
         with ThreadPoolExecutor(self.workers) as pool:
-            for key, result in zip(todo, pool.map(lambda k: checker.check(k[0], k[1], limits), todo)):
-                self.cache[key] = result
-        return [self.cache[k] for k in keys]
+            found |= dict(zip(todo, pool.map(lambda k: checker.check(k[0], k[1], limits), todo)))
+        if len(self.cache) + len(todo) > CACHE_SIZE:  # the checker and ran rewards of a step share it: keep it small
+            self.cache.clear()
+        self.cache.update((k, found[k]) for k in todo)
+        return [found[k] for k in keys]
 
 
 def checker_rewards(checked: Checked):
@@ -268,28 +272,37 @@ def sample_of(completion) -> dict:
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]}
 
 
+# The score goes to a file of the sandbox's workspace, not stdout: a grader may print more than the result keeps.
 GRADE_HARNESS = """
 
-import json as _kit_json
+import json as _kit_json, os as _kit_os
 _kit_sample = _kit_json.loads({sample!r})
 _kit_item = _kit_json.loads({item!r})
-print("KIT_GRADE", float(grade(_kit_sample, _kit_item)))
+_kit_score = repr(float(grade(_kit_sample, _kit_item)))
+with open(_kit_os.path.join(_kit_os.environ["TMPDIR"], {name!r}), "w") as _kit_f:
+    _kit_f.write(_kit_score)
 """
+GRADE_FILE = ".kit_grade"
 
 
 def python_grade(source: str, sample: dict, item: dict, wall_seconds: float = 20.0) -> float | None:
-    """The grader's grade(sample, item), run in the sandbox; None when it fails (TRL leaves the answer unscored)."""
+    """The grader's grade(sample, item), run in the sandbox; None when it fails or is not a finite number (TRL
+    leaves the answer unscored, and the step's log counts it)."""
+    import math
+
     import sandbox
 
-    code = source + GRADE_HARNESS.format(sample=json.dumps(sample), item=json.dumps(item))
-    result = sandbox.run_code(code, limits=sandbox.Limits(wall_seconds=wall_seconds))
-    lines = [x for x in result.stdout.splitlines() if x.startswith("KIT_GRADE ")]
-    if result.returncode != 0 or not lines:
-        return None
+    code = source + GRADE_HARNESS.format(sample=json.dumps(sample), item=json.dumps(item), name=GRADE_FILE)
+    workspace = Path(tempfile.mkdtemp(prefix="dpo-kit-grade-"))
     try:
-        return float(lines[-1].split()[1])
-    except ValueError:
-        return None
+        result = sandbox.run_code(code, workspace, limits=sandbox.Limits(wall_seconds=wall_seconds))
+        try:
+            value = float((workspace / "root" / "tmp" / GRADE_FILE).read_text()[:64])
+        except (OSError, ValueError):
+            return None
+    finally:
+        sandbox.remove_tree(workspace)
+    return value if result.returncode == 0 and math.isfinite(value) else None
 
 
 def grader_reward(spec: str, checked: "Checked"):

@@ -40,6 +40,31 @@ def test_checker_and_ran_rewards_score_real_code_run_once_per_answer():
     assert len(checked.cache) == 4  # ran reused the checker's runs: each answer ran once
 
 
+def test_the_reward_cache_never_loses_a_steps_results_past_its_size(monkeypatch):
+    """64 answers a step, each new: past CACHE_SIZE distinct answers the cache is emptied, and the step that crosses
+    it still gets all 64 of its own results (it once raised KeyError there). The checker is stubbed: what is tested
+    is the bookkeeping, at the scale of thousands of answers."""
+    import checker
+
+    monkeypatch.setattr(checker, "check", lambda code, host, limits=None: checker.Check(
+        "freed", len(code) / 1000, 1, [], "", "stub", ""))
+    checked = rewards.Checked(workers=2)
+    score, _ = rewards.checker_rewards(checked)
+    for step in range(rewards.CACHE_SIZE // 64 + 3):
+        completions = [f"```python\nprint({step * 64 + i})\n```" for i in range(64)]
+        got = score([[{"role": "user", "content": "x"}]] * 64, completions, host=[HOST] * 64)
+        assert got == [len(checker.code_of(c)) / 1000 for c in completions]
+        assert len(checked.cache) <= rewards.CACHE_SIZE
+
+
+def test_a_python_grader_that_prints_a_lot_keeps_its_score_and_a_nan_is_no_score():
+    chatty = "def grade(sample, item):\n    print('x' * (1 << 20))\n    return 0.75\n"
+    assert rewards.python_grade(chatty, rewards.sample_of("hi"), {}) == 0.75
+    assert rewards.python_grade("def grade(sample, item):\n    return float('nan')\n", rewards.sample_of("hi"), {}) \
+        is None
+    assert rewards.python_grade("def grade(sample, item):\n    raise ValueError\n", rewards.sample_of("hi"), {}) is None
+
+
 def test_reward_specs_are_checked_before_anything_loads(tmp_path):
     assert rewards.problems("checker,ran", "", "") == []
     assert rewards.default_weights("checker,ran") == [1.0, rewards.RAN_WEIGHT]
