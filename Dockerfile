@@ -38,9 +38,10 @@ ENV DEBIAN_FRONTEND=noninteractive \
     HF_HUB_DISABLE_TELEMETRY=1
 
 # Python and pip from the distribution (3.10 on Ubuntu 22.04, 3.11 on Debian 12); a venv keeps pip off the
-# system Python (PEP 668 on Debian 12).
+# system Python (PEP 668 on Debian 12). bubblewrap: the sandbox's strongest mode for model-written code and users'
+# graders, where the runtime allows user namespaces (sandbox.py falls back to Landlock and limits where it does not).
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv python3-pip ca-certificates \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-pip ca-certificates bubblewrap \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/venv
 

@@ -138,6 +138,20 @@ def grader_flags(grader: dict) -> list[str]:
     return ["--method", "grpo", "--reward", "", "--reward_grader", json.dumps(grader, ensure_ascii=False)]
 
 
+def sandbox_problem(grader: dict, cfg) -> None:
+    """A user's python grader runs only where the sandbox has namespaces (bwrap or unshare), unless the operator
+    allowed the `limits` mode (serve.py --limits_graders): there the grader's code runs as the service's user, kept in
+    by Landlock and limits alone. Checked on this machine, where a local job trains."""
+    import sandbox
+
+    if grader["type"] != "python" or not str(grader.get("source", "")).strip() or cfg.limits_graders:
+        return
+    if getattr(cfg, "runner", "local") == "local" and sandbox.isolation() == "limits":
+        raise ApiError(400, "this service's sandbox has only its `limits` mode (no bubblewrap, no namespaces), and a "
+                       "python grader's code would run as the service's user: its operator can install bubblewrap, "
+                       "or allow it with serve.py --limits_graders", "method.reinforcement.grader", "sandbox_too_weak")
+
+
 def hyperparameter_flags(method_type: str, hyper: dict) -> list[str]:
     """OpenAI's method hyperparameters as train_dpo.py flags; "auto" and missing ones add no flag (the kit's
     default, or the service's --train_args, applies). learning_rate_multiplier scales the kit's learning rate;
@@ -284,6 +298,7 @@ def router(svc, limit_bytes: int):
         if t == "reinforcement":
             grader = body.method.reinforcement.grader.model_dump(exclude_none=True)
             flags = grader_flags(grader) + flags
+            sandbox_problem(grader, svc.cfg)
             method["grader"] = grader
         seed = body.seed if body.seed is not None else 42
         return job_view(svc.new_job("openai", body.model, body.training_file, body.validation_file, method,

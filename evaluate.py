@@ -87,7 +87,9 @@ def report_markdown(title: str, evaluation: dict, plots: list[str], metrics: lis
         lines += ["## Answers run by the checker", "",
                   f"{execution['samples']} sampled answers (seeded) to each of {execution['prompts']} held-out prompts, "
                   "their code run on the prompt's host by checker.py (sandbox: "
-                  f"{execution['base']['isolation']}). Pass: it ran and freed space; score: bytes freed over the "
+                  f"{execution['base']['isolation']}, " + (f"Landlock ABI {execution['base']['landlock']}"
+                                                            if execution['base'].get('landlock') else "no Landlock")
+                  + "). Pass: it ran and freed space; score: bytes freed over the "
                   "plantable junk, -1 for deleting what must be kept.", "",
                   "| model | pass rate | mean score | outcomes |", "| --- | --- | --- | --- |"]
         lines += [f"| {name} | {execution[name]['pass_rate']:.3f} | {execution[name]['mean_score']:+.4f} | "
@@ -408,7 +410,8 @@ def execution_scores(model, tokenizer, prompts: list[dict], samples: int, seed: 
         scores = [c.score for c in checks]
         result[name] = {"pass_rate": sum(c.outcome == "freed" for c in checks) / max(len(checks), 1),
                         "mean_score": sum(scores) / max(len(scores), 1),
-                        "outcomes": dict(Counter(c.outcome for c in checks)), "isolation": checks[0].isolation}
+                        "outcomes": dict(Counter(c.outcome for c in checks)), "isolation": checks[0].isolation,
+                        "landlock": checks[0].landlock}
         for i, c in enumerate(checks[:samples * 3]):
             result["rows"].append({"model": name, "prompt": prompts[i // samples]["prompt"][-1]["content"],
                                    "outcome": c.outcome, "score": c.score, "reason": c.reason})

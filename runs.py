@@ -545,7 +545,9 @@ def describe_run(manifest: dict) -> str:
         e = manifest["execution"]
         lines.append(f"checker:        held-out answers' pass rate {e['base']['pass_rate']:.3f} (base) -> "
                      f"{e['tuned']['pass_rate']:.3f} (tuned), mean score {e['base']['mean_score']:+.4f} -> "
-                     f"{e['tuned']['mean_score']:+.4f}")
+                     f"{e['tuned']['mean_score']:+.4f}" + (f" (sandbox: {e['base']['isolation']}, Landlock "
+                                                           f"{e['base'].get('landlock') or 'off'})"
+                                                           if e['base'].get('isolation') else ""))
     versions = ", ".join(f"{k} {v}" for k, v in manifest.get("versions", {}).items() if v)
     lines.append(f"versions:       python {manifest.get('python')}, {versions}")
     lines.append(f"files:          {len(manifest.get('files', {}))} checked against manifest.json")

@@ -8,7 +8,8 @@ how it was kept in.
 The code gets a fresh temporary workspace (removed afterwards, whatever tree the code left in it) whose `root/`
 holds what it may see (checker.py plants a host there: root/home/<user>, root/var, root/tmp, ...), a cleared
 environment from the first process on (HOME and TMPDIR inside the workspace), limits on CPU time, file size and open
-files, a memory bound on the whole answer, a process bound that counts only the answer's own processes, a wall-clock
+files, a bound on what it writes in all (the workspace's file system may lose at most disk_mb while it runs), a
+memory bound on the whole answer, a process bound that counts only the answer's own processes, a wall-clock
 timeout after which every process it started is killed (the first process is a child subreaper: a process that left
 the session still ends with it), output kept to a few KB, and an `oom_score_adj` of 1000 so that under memory
 pressure the kernel's OOM killer takes the answer, never the trainer. The strongest mode this machine allows is
@@ -173,6 +174,8 @@ class Limits:
     open_files: int = field(64, "open files per process (RLIMIT_NOFILE)")
     processes: int = field(32, "processes (and threads) of the answer at once, not counting the kit's own")
     output_kb: int = field(16, "how much of its stdout and stderr the result keeps, in KB each")
+    disk_mb: int = field(1024, "how much the workspace's file system may fill while it runs, in MB, every file "
+                               "together (RLIMIT_FSIZE bounds one file; this bounds a thousand of them)")
 
 
 @dataclasses.dataclass
@@ -570,7 +573,7 @@ def _run(code: str, mode: str, workspace: Path | None, home: str, limits: Limits
             spec |= {"argv": inner, "cwd": str(root / home.lstrip("/")),
                      "env": {"HOME": str(root / home.lstrip("/")), "TMPDIR": str(root / "tmp"), "LANG": "C.UTF-8",
                              "PATH": ":".join(x for x in (outside, SYSTEM_PATH) if x)}}
-        result = _launch(spec, prefix, limits, uid)
+        result = _launch(spec, prefix, limits, uid, workspace)
         if cgroup and result.returncode not in (0, None) and cgroup.oom_killed():
             result.reason = f"memory limit ({limits.memory_mb} MB for the whole answer)"
         result.isolation, result.landlock = mode, landlock_abi()
@@ -583,7 +586,7 @@ def _run(code: str, mode: str, workspace: Path | None, home: str, limits: Limits
             remove_tree(workspace)
 
 
-def _launch(spec: dict, prefix: tuple, limits: Limits, uid: int | None) -> Result:
+def _launch(spec: dict, prefix: tuple, limits: Limits, uid: int | None, workspace: Path) -> Result:
     """The spec through LAUNCH, stdout and stderr to capped files; afterwards every process of the run's user (and
     of its cgroup) is gone."""
     out_dir = Path(tempfile.mkdtemp(prefix="dpo-kit-sandbox-out-"))
@@ -593,11 +596,12 @@ def _launch(spec: dict, prefix: tuple, limits: Limits, uid: int | None) -> Resul
             proc = subprocess.Popen([*prefix, python_binary(), "-I", "-c", LAUNCH, json.dumps(spec)],
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
                                     cwd="/", env={"PATH": SYSTEM_PATH, "LANG": "C.UTF-8"})
-            timed_out = False
+            timed_out, disk_full = False, False
             try:
-                proc.wait(timeout=limits.wall_seconds)
+                disk_full = _wait_watching_disk(proc, workspace, limits)
             except subprocess.TimeoutExpired:
                 timed_out = True
+            if timed_out or disk_full:
                 _signal(proc.pid, signal.SIGTERM)  # LAUNCH kills every descendant, then exits
                 try:
                     proc.wait(timeout=3)
@@ -613,8 +617,29 @@ def _launch(spec: dict, prefix: tuple, limits: Limits, uid: int | None) -> Resul
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
     rc = proc.returncode
-    return Result(None if timed_out else rc, stdout, stderr, _reason(rc, timed_out, stderr, limits), "",
+    reason = f"disk limit ({limits.disk_mb} MB written in all)" if disk_full else _reason(rc, timed_out, stderr, limits)
+    return Result(None if timed_out else rc if not disk_full else 124, stdout, stderr, reason, "",
                   round(time.monotonic() - started, 3))
+
+
+def _free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _wait_watching_disk(proc, workspace: Path, limits: Limits) -> bool:
+    """Wait for proc up to the wall clock (TimeoutExpired past it), looking at the workspace's file system every
+    0.2 s: True as soon as it has lost more than disk_mb since the start (the code is filling the disk)."""
+    deadline, start = time.monotonic() + limits.wall_seconds, _free_bytes(workspace)
+    while True:
+        try:
+            proc.wait(timeout=max(0.0, min(0.2, deadline - time.monotonic())))
+            return False
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= deadline:
+                raise
+        if start - _free_bytes(workspace) > limits.disk_mb << 20:
+            return True
 
 
 def _signal(pid: int, sig: int) -> None:

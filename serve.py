@@ -65,6 +65,8 @@ class ServeConfig:
     warm_models: int = field(2, "models kept loaded for chat completions (least recently used goes first)")
     nip_version: str = field("1", "the version /version reports to nip's client, which refuses a server whose "
                              "major version differs from its own: '1' matches any nip 1.x.y (nip is 1.0.0 on)")
+    limits_graders: bool = field(False, "run users' python graders where the sandbox has only its `limits` mode (no "
+                                 "bubblewrap, no namespaces: Landlock and limits alone); off, such a job is refused")
     vllm_port: int = field(8001, "where /vllm/start runs `vllm serve` when vLLM and a GPU are here (0: never; "
                            "the service's own chat completions serve the model instead)")
 

@@ -140,6 +140,27 @@ fi
 grep -q "Read-only file system" <<<"$out" || fail "unexpected error writing to /data: $out"
 echo "ok: $(grep "Read-only" <<<"$out" | tail -1)"
 
+step "hostile answers in the image's sandbox, as the caller and as the image's own non-root user"
+# What a GPU user's `docker run` gives the kit: the runtime's default seccomp and capabilities. sandbox.py --modes
+# records which isolation runs there; then one answer writes outside its workspace and one deletes /artifacts.
+sentinel=artifacts/.sandbox-smoke-$$
+echo keep > "$sentinel"
+for user in "$(id -u):$(id -g)" 1000:1000; do
+  out=$(docker run --rm --user "$user" -v "$PWD/artifacts:/artifacts" --entrypoint bash "$image" -c '
+    cd /opt/kit && python sandbox.py --modes | tr -d "\n"; echo
+    printf "%s\n" "import os" "for t in [\"/tmp/escape\", \"/artifacts/escape\", \"/home/kit/escape\", \"/dev/shm/escape\"]:" \
+      "    try:" "        open(t, \"w\").write(\"x\")" "    except OSError as e:" "        print(type(e).__name__)" > /tmp/write.py
+    printf "%s\n" "import shutil" "shutil.rmtree(\"/artifacts\", ignore_errors=True)" "print(\"tried\")" > /tmp/rm.py
+    for a in /tmp/write.py /tmp/rm.py; do python sandbox.py $a | python -c "import json,sys; r=json.load(sys.stdin); print(r[\"isolation\"], \"landlock\", r[\"landlock\"], r[\"bounds\"], repr(r[\"stdout\"][:80]))"; done
+    ls /tmp/escape /home/kit/escape /dev/shm/escape 2>/dev/null && echo ESCAPED || true' 2>&1) || fail "the sandbox did not run in the image as $user: $out"
+  echo "as $user: $out"
+  grep -q ESCAPED <<<"$out" && fail "an answer wrote outside its workspace in the image (as $user)"
+  [[ -e artifacts/escape ]] && fail "an answer wrote into /artifacts (as $user)"
+  [[ $(cat "$sentinel" 2>/dev/null) == keep ]] || fail "an answer deleted /artifacts (as $user)"
+done
+rm -f "$sentinel"
+echo "ok: nothing written outside, /artifacts intact"
+
 step "entrypoint.py check --require_gpu fails without a GPU"
 if "${L[@]}" check -- --require_gpu; then fail "check --require_gpu passed on a machine without a GPU"; fi
 

@@ -296,3 +296,10 @@ def test_the_socket_filter_is_a_small_fixed_program():
     assert all(0 <= i + 1 + jt < len(rows) and 0 <= i + 1 + jf < len(rows)
                for i, (code, jt, jf, _) in enumerate(rows) if code != confine.RET_K)
     assert confine.handled(3) == ((1 << 15) - 1, 0, 0) and confine.handled(6)[1:] == (3, 3)
+
+
+def test_a_thousand_files_stop_at_the_disk_limit(variant, tmp_path):
+    result = run(variant, "import os\nfor i in range(10000):\n    with open(os.path.join(os.environ['TMPDIR'], "
+                 "f'f{i}'), 'wb') as f:\n        f.write(os.urandom(1 << 20))\n", tmp_path, disk_mb=64,
+                 wall_seconds=30)
+    assert result["returncode"] != 0 and "disk limit (64 MB" in result["reason"], result["reason"]

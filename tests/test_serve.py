@@ -580,3 +580,17 @@ def test_raw_run_logs_become_pairs_by_the_rules_and_sft_files_become_a_supervise
     sft_events = [e.message for e in client.fine_tuning.jobs.list_events(done["sft.jsonl"].id, limit=100)]
     assert any(m.startswith("6 SFT examples read from sft.jsonl") for m in sft_events)
     assert done["sft.jsonl"].method.type == "supervised"
+
+
+def test_a_users_python_grader_is_refused_where_the_sandbox_has_only_limits_unless_the_operator_allows_it(monkeypatch):
+    import api_openai
+    import serve
+    import service as service_module
+
+    grader = {"type": "python", "name": "mine", "source": "def grade(sample, item):\n    return 1.0\n"}
+    monkeypatch.setenv("DPO_KIT_SANDBOX", "limits")
+    with pytest.raises(service_module.ApiError) as refused:
+        api_openai.sandbox_problem(grader, serve.ServeConfig())
+    assert refused.value.status == 400 and "--limits_graders" in str(refused.value)
+    assert api_openai.sandbox_problem(grader, serve.ServeConfig(limits_graders=True)) is None
+    assert api_openai.sandbox_problem({"type": "python", "name": "checker", "source": ""}, serve.ServeConfig()) is None
