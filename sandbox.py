@@ -18,7 +18,8 @@ used (DPO_KIT_SANDBOX=bwrap|unshare|limits forces one), and each result records 
   bwrap    bubblewrap (Debian's `bubblewrap`, in the kit's image): new user, PID, network, IPC, UTS and mount
            namespaces; the workspace's root/ directories bound at their absolute paths (/home/ci, /var, /tmp), the
            system's /usr, /bin, /lib and /etc read-only, a private /dev (and /dev/shm), nothing else of the machine
-           visible; no network at all; every process dies with it
+           visible; no network at all; every process dies with it. In a container that masks parts of /proc
+           (podman's defaults) a new /proc cannot be mounted: the code then gets none
   unshare  (root, no bubblewrap) util-linux unshare: new PID, network, IPC, UTS and mount namespaces; inside them the
            first process binds the system directories read-only into the workspace, a private /dev, /dev/shm and
            /proc, and chroots there: the code sees the same paths as under bwrap and none of the machine's own /tmp,
@@ -228,6 +229,16 @@ def why_not(mode: str) -> str:
 def _probe(mode: str) -> str:
     if mode == "bwrap" and not shutil.which("bwrap"):
         return "bubblewrap is not installed (apt-get install bubblewrap)"
+    if mode == "bwrap":  # in a container that masks parts of /proc (podman's defaults), a new /proc cannot be mounted
+        reason = _probe_once(mode)
+        if "mount proc" in reason:
+            _PROBED["bwrap_no_proc"] = True
+            return _probe_once(mode)
+        return reason
+    return _probe_once(mode)
+
+
+def _probe_once(mode: str) -> str:
     if mode == "unshare":
         if os.getuid() != 0:
             return "it needs root (the kit runs as uid %d)" % os.getuid()
@@ -266,9 +277,10 @@ def _warn_once() -> None:
               file=sys.stderr, flush=True)
     if mode == "limits" and "limits" not in _WARNED:
         _WARNED.add("limits")
-        print("[sandbox] WARNING: neither bubblewrap nor namespaces work here: model-written code runs without "
-              "namespaces (Landlock %s, limits, a cleared environment; install bubblewrap: apt-get install "
-              "bubblewrap)" % (f"ABI {level}" if level else "absent"), file=sys.stderr, flush=True)
+        print("[sandbox] WARNING: neither bubblewrap nor namespaces work here (bwrap: %s): model-written code runs "
+              "without namespaces (Landlock %s, limits, a cleared environment)"
+              % (why_not("bwrap") or "not tried: forced", f"ABI {level}" if level else "absent"),
+              file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -493,7 +505,8 @@ def bounds(limits: Limits, uid: int, cgroup: bool) -> tuple[dict, str]:
 # ---------------------------------------------------------------------------------------------
 
 def _bwrap_argv(root: Path, kit_dir: Path, home: str, path: str, inner: list[str]) -> list[str]:
-    argv = [shutil.which("bwrap"), "--unshare-all", "--die-with-parent", "--new-session", "--proc", "/proc",
+    proc = [] if _PROBED.get("bwrap_no_proc") else ["--proc", "/proc"]  # without it the code has no /proc at all
+    argv = [shutil.which("bwrap"), "--unshare-all", "--die-with-parent", "--new-session", *proc,
             "--dev", "/dev", "--clearenv", "--setenv", "HOME", home, "--setenv", "TMPDIR", "/tmp",
             "--setenv", "PATH", path, "--setenv", "LANG", "C.UTF-8"]
     for system in SYSTEM_DIRS:
