@@ -217,12 +217,16 @@ class Store:
         values = {k: json.dumps(v) if k in JSON_COLUMNS and v is not None else v for k, v in values.items()}
         self.execute(f"UPDATE jobs SET {', '.join(f'{k} = ?' for k in values)} WHERE id = ?", *values.values(), job_id)
 
-    def move(self, job_id: str, from_statuses: tuple, **values) -> bool:
-        """update_job only while the job is still in one of from_statuses (a cancel that came in between wins)."""
+    def move(self, job_id: str, from_statuses: tuple, unstopped: bool = False, **values) -> bool:
+        """update_job only while the job is still in one of from_statuses (a cancel that came in between wins),
+        and with unstopped, while no stop (cancel, pause) has been asked for either: one asked for since the job
+        was read then decides, not the writer's older view."""
         values = {k: json.dumps(v) if k in JSON_COLUMNS and v is not None else v for k, v in values.items()}
+        unstopped_sql = " AND stop_request IS NULL" if unstopped else ""
         with self.connect() as db:
             cursor = db.execute(f"UPDATE jobs SET {', '.join(f'{k} = ?' for k in values)} WHERE id = ? AND status IN "
-                                f"({', '.join('?' * len(from_statuses))})", (*values.values(), job_id, *from_statuses))
+                                f"({', '.join('?' * len(from_statuses))}){unstopped_sql}",
+                                (*values.values(), job_id, *from_statuses))
             return cursor.rowcount == 1
 
     def job(self, job_id: str) -> dict | None:
