@@ -55,7 +55,7 @@ from pathlib import Path
 import formats
 import kit
 from kit import UserError
-from formats import ROLES, Example, Pair, PairWriter, decode_json, digest_and_line, short
+from formats import ROLES, Example, Pair, PairWriter, decode_json, digest_and_line, json_error, short
 
 RULES = ("mixed", "first_try_strategy", "first_try_code", "cross_run")
 KTO_RULES = ("kto_strategy", "kto_code")  # --emit kto
@@ -825,7 +825,7 @@ def _parse_line(raw: bytes, name: str, line_no: int, score_key: str) -> Run | No
     try:
         obj = decode_json(text)
     except json.JSONDecodeError as e:
-        raise kit.UserError(f"malformed JSON: {e.msg} at column {e.colno}", name, line_no) from None
+        raise kit.UserError(json_error(e), name, line_no) from None
     # The bytes are valid UTF-8, so an unpaired surrogate can only come from a \uDxxx escape: without one in
     # the line, parse_run need not encode every string to look for it (~1.5 KB a run, 7 calls: ~2 us).
     return parse_run(obj, name, line_no, score_key, surrogates=b"\\ud" in raw or b"\\uD" in raw)

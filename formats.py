@@ -133,6 +133,12 @@ def decode_json(text: str):
         raise json.JSONDecodeError("nested too deep", text, 0) from None
 
 
+def json_error(e: json.JSONDecodeError) -> str:
+    """A line's JSON error as the kit says it: json's own words (its "Invalid control character at", for a raw NUL
+    or tab inside a string, already ends in "at") and the column."""
+    return f"malformed JSON: {e.msg.removesuffix(' at')} at column {e.colno}"
+
+
 def _text(content, what: str) -> str:
     """Message content as text: a string, or OpenAI's list of {"type": "text", "text": ...} parts."""
     if isinstance(content, str):
@@ -436,7 +442,7 @@ def jsonl_rows(raw: bytes):
         try:
             yield line_no, decode_json(text)
         except json.JSONDecodeError as e:
-            yield line_no, BadRow(f"malformed JSON: {e.msg} at column {e.colno}", "malformed_json")
+            yield line_no, BadRow(json_error(e), "malformed_json")
 
 
 _WS = re.compile(r"[ \t\n\r]*")

@@ -55,6 +55,15 @@ def user_error_message(e: UserError, filename: str) -> str:
     return f"{filename}:{e.line}: {e.message}" if e.line else f"{filename}: {e.message}"
 
 
+def surprise_message(e: Exception, doing: str) -> str:
+    """A job's reason when the service failed on it unexpectedly: what it was doing, the exception's type and
+    words on one line (an OSError's words without its filename: the service's paths are not the client's)."""
+    words = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    words = " ".join(words.split())
+    words = words if len(words) <= 300 else words[:297] + "..."
+    return f"the service failed while {doing}: {type(e).__name__}" + (f": {words}" if words else "")
+
+
 def input_kind(path: str | os.PathLike) -> str:
     """What a training file holds, by its first record: 'run_log' (build_pairs.py's input: a strategy and its
     attempts), 'sft' (messages ending with the assistant's answer) or 'pairs' (any pair format)."""
@@ -63,7 +72,7 @@ def input_kind(path: str | os.PathLike) -> str:
             if raw.strip():
                 try:
                     first = json.loads(raw)
-                except ValueError:
+                except (ValueError, RecursionError):  # not UTF-8, not JSON, or nested past the parser's depth
                     return "pairs"  # formats.load_pairs reports the line
                 if isinstance(first, dict) and "attempts" in first and "strategy" in first:
                     return "run_log"
@@ -208,12 +217,16 @@ class Store:
         values = {k: json.dumps(v) if k in JSON_COLUMNS and v is not None else v for k, v in values.items()}
         self.execute(f"UPDATE jobs SET {', '.join(f'{k} = ?' for k in values)} WHERE id = ?", *values.values(), job_id)
 
-    def move(self, job_id: str, from_statuses: tuple, **values) -> bool:
-        """update_job only while the job is still in one of from_statuses (a cancel that came in between wins)."""
+    def move(self, job_id: str, from_statuses: tuple, unstopped: bool = False, **values) -> bool:
+        """update_job only while the job is still in one of from_statuses (a cancel that came in between wins),
+        and with unstopped, while no stop (cancel, pause) has been asked for either: one asked for since the job
+        was read then decides, not the writer's older view."""
         values = {k: json.dumps(v) if k in JSON_COLUMNS and v is not None else v for k, v in values.items()}
+        unstopped_sql = " AND stop_request IS NULL" if unstopped else ""
         with self.connect() as db:
             cursor = db.execute(f"UPDATE jobs SET {', '.join(f'{k} = ?' for k in values)} WHERE id = ? AND status IN "
-                                f"({', '.join('?' * len(from_statuses))})", (*values.values(), job_id, *from_statuses))
+                                f"({', '.join('?' * len(from_statuses))}){unstopped_sql}",
+                                (*values.values(), job_id, *from_statuses))
             return cursor.rowcount == 1
 
     def job(self, job_id: str) -> dict | None:
@@ -287,18 +300,43 @@ class Scheduler(threading.Thread):
         while not self.stopping.wait(self.cfg.poll_seconds):
             try:
                 self.tick()
-            except Exception:  # noqa: BLE001 - the scheduler must outlive any one job's surprise
+            except Exception:  # noqa: BLE001 - the store's own trouble (a job's is its own: one_job); next poll
                 traceback.print_exc()
         self.stop_all()
         self.stopped.set()
 
     def tick(self) -> None:
+        """One poll: new jobs validated, trainings followed, queued jobs started; each job's part on its own
+        (`one_job`), so one job's surprise fails that job and the others go on."""
         for job in self.store.query("SELECT * FROM jobs WHERE status = 'validating_files' ORDER BY seq"):
-            self.validate(job)
+            with self.one_job(job["id"], "validating its files"):
+                self.validate(job)
         self.follow_running()
         for job in self.store.query("SELECT * FROM jobs WHERE status = 'queued' ORDER BY seq"):
-            if self.active() >= self.cfg.max_jobs or not self.launch(job):
-                break  # first come, first trained: a job waiting on its lock keeps its place
+            if self.active() >= self.cfg.max_jobs:
+                break
+            with self.one_job(job["id"], "starting its training"):
+                if not self.launch(job):
+                    break  # first come, first trained: a job waiting on its lock keeps its place
+
+    @contextlib.contextmanager
+    def one_job(self, job_id: str, doing: str):
+        """One job's part of a tick. Any exception in it (a file no check foresaw, a runner's odd answer, a bug)
+        fails that job with the reason, its training stopped, and the tick goes on with the other jobs; the
+        traceback goes to the service's log. The store failing is the service's trouble, not the job's: it ends
+        the tick, and the next poll tries again."""
+        try:
+            yield
+        except sqlite3.Error:
+            raise
+        except Exception as e:  # noqa: BLE001 - one job must not stop the service
+            traceback.print_exc()
+            self.abandon(job_id)
+            reason = surprise_message(e, doing)
+            if self.store.move(job_id, ("validating_files", "queued", "running", "paused"), status="failed",
+                               finished_at=now(), pid=None, error={"code": "service_error", "message": reason,
+                                                                   "param": None}):
+                self.store.event(job_id, f"Job failed: {reason}", level="error")
 
     # The runner seam: how a training starts, is followed, stopped and found again. Here each is a child process
     # (train_dpo.py, scaleout.py or launcher.py); slurm.SlurmScheduler overrides these for SLURM jobs.
@@ -308,13 +346,22 @@ class Scheduler(threading.Thread):
 
     def follow_running(self) -> None:
         for job_id, proc in list(self.procs.items()):
-            job = self.store.job(job_id)
-            self.follow_metrics(job)
-            if proc.poll() is not None:
-                self.reap(job, proc.returncode)
-            elif job["stop_request"] and not getattr(proc, "signalled", False):
-                proc.send_signal(signal.SIGTERM)  # train_dpo.py saves a checkpoint at the end of the step
-                proc.signalled = True
+            with self.one_job(job_id, "following its training"):
+                job = self.store.job(job_id)
+                self.follow_metrics(job)
+                if proc.poll() is not None:
+                    self.reap(job, proc.returncode)
+                elif job["stop_request"] and not getattr(proc, "signalled", False):
+                    proc.send_signal(signal.SIGTERM)  # train_dpo.py saves a checkpoint at the end of the step
+                    proc.signalled = True
+
+    def abandon(self, job_id: str) -> None:
+        """A job the service gives up on (`one_job`): its training, if one started, is stopped (SIGTERM: it saves
+        a checkpoint) and no longer followed."""
+        proc = self.procs.pop(job_id, None)
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
 
     # -- validation: the whole file checked before the job is queued ------------------------------------
     def validate(self, job: dict) -> None:

@@ -77,9 +77,10 @@ def read_json(path: Path) -> dict:
 
 
 def read_metrics(directory: Path) -> list[dict]:
-    """A run's metrics.jsonl rows (none when it has not logged yet)."""
+    """A run's metrics.jsonl rows (none when it has not logged yet); complete lines only: the service reads the
+    file while the training appends to it, and a row is whole once its newline is written."""
     path = Path(directory) / "metrics.jsonl"
-    return [json.loads(r) for r in path.read_text().splitlines() if r.strip()] if path.exists() else []
+    return [json.loads(r) for r in path.read_text().split("\n")[:-1] if r.strip()] if path.exists() else []
 
 
 def write_status(directory: Path, run_name: str, state: str, **fields) -> None:

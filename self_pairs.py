@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import kit
-from formats import ROLES, Pair, PairWriter
+from formats import ROLES, Pair, PairWriter, decode_json, json_error
 
 DEFAULT_TEMPLATE = "data/judge_template.txt"
 REWARD = "{reward}"
@@ -254,14 +254,14 @@ def read_examples(path: str, need_answer: bool, limit: int = 0) -> list[tuple[in
             return kit.UserError(message, path, n)
         try:
             text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise bad("not UTF-8") from None
+        except UnicodeDecodeError as e:
+            raise bad(f"not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
         if not text.strip():
             continue
         try:
-            obj = json.loads(text)
+            obj = decode_json(text)  # nesting past the parser's depth is malformed JSON too
         except json.JSONDecodeError as e:
-            raise bad(f"malformed JSON: {e.msg} at column {e.colno}") from None
+            raise bad(json_error(e)) from None
         out.append((n, *parse_example(obj, bad, need_answer)))
         if limit and len(out) == limit:
             break

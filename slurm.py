@@ -293,15 +293,23 @@ def find_jobs(run_name: str, since: int | None = None) -> list[str]:
     return sorted(found, key=int)
 
 
-def stop(job_id: str, kind: str) -> None:
+def stop(job_id: str, kind: str) -> bool:
     """cancel: scancel (SLURM sends SIGTERM, then SIGKILL after the cluster's KillWait; the job is CANCELLED);
     pause: scancel --signal=TERM to a running job (the training saves a checkpoint and stops; the job ends with
-    its status), and a job still pending, which has nothing to save, is cancelled (a signal would not reach it)."""
-    if kind == "cancel":
-        _run(["scancel", job_id])
-    else:
-        _run(["scancel", "--state=RUNNING", "--signal=TERM", job_id])
-        _run(["scancel", "--state=PENDING", job_id])
+    its status), and a job still pending, which has nothing to save, is cancelled (a signal would not reach it).
+    True once SLURM confirmed it (or the job has already ended); False when scancel failed or timed out (the
+    controller busy or down): the caller asks again. A pause cancels a pending job first, so one that starts in
+    between still gets the signal, and the SIGTERM comes last: a retry never repeats one SLURM took (a second
+    could cut the training's checkpoint short)."""
+    commands = [["scancel", job_id]] if kind == "cancel" else [
+        ["scancel", "--state=PENDING", job_id], ["scancel", "--state=RUNNING", "--signal=TERM", job_id]]
+    return all(scancel_confirmed(_run(command)) for command in commands)
+
+
+def scancel_confirmed(done: subprocess.CompletedProcess) -> bool:
+    """scancel did what it was asked, or there is nothing left to ask: the job has already ended, or SLURM no
+    longer knows it."""
+    return done.returncode == 0 or any(s in done.stderr for s in ("Invalid job id", "already completing or completed"))
 
 
 def write_script(cfg: SlurmConfig, workdir: Path, run_name: str, train_args: list[str]) -> Path:
@@ -391,10 +399,13 @@ class SlurmScheduler(jobs.Scheduler):
         script = write_script(self.slurm, self.store.jobs_dir / job["id"], job["id"], jobs.job_flags(self.cfg, job))
         try:
             slurm_id = submit(script)
-        except UserError as e:  # refused; or sbatch timed out, and the controller may have taken it all the same
+        except Exception as e:  # noqa: BLE001 - refused (UserError); or sbatch timed out or answered without an
+            # id, and the controller may have taken the job all the same: it is looked for by name before it fails
             found = find_jobs(job["id"], since=submitted)
             if not found:
-                self.fail(job, "slurm_refused", str(e))
+                refused = isinstance(e, UserError)
+                self.fail(job, "slurm_refused" if refused else "slurm_submit_failed",
+                          str(e) if refused else jobs.surprise_message(e, "submitting it to SLURM"))
                 return True
             slurm_id = found[-1]
         self.store.update_job(job["id"], slurm_job_id=slurm_id, slurm_state="PENDING")  # queued until it runs
@@ -405,11 +416,11 @@ class SlurmScheduler(jobs.Scheduler):
 
     def follow_running(self) -> None:
         for job_id, slurm_id in list(self.slurm_jobs.items()):
-            job = self.store.job(job_id)
-            self.follow_metrics(job)
-            if job["stop_request"] and job_id not in self.signalled:
-                stop(slurm_id, job["stop_request"])
-                self.signalled.add(job_id)
+            with self.one_job(job_id, "following its SLURM job"):
+                job = self.store.job(job_id)
+                self.follow_metrics(job)
+                if job["stop_request"] and job_id not in self.signalled and stop(slurm_id, job["stop_request"]):
+                    self.signalled.add(job_id)  # once SLURM confirmed: a scancel that failed is sent again
         if time.monotonic() < self.next_poll or not self.slurm_jobs:
             return
         self.next_poll = time.monotonic() + self.slurm.poll_seconds
@@ -417,14 +428,24 @@ class SlurmScheduler(jobs.Scheduler):
         if live is None:  # squeue did not answer: nothing is concluded from silence
             return
         for job_id, slurm_id in list(self.slurm_jobs.items()):
-            state = live.get(slurm_id)
-            if state is None:
-                self.ended(self.store.job(job_id), slurm_id)
-            elif state != self.states.get(job_id):
-                self.states[job_id] = state
-                self.store.update_job(job_id, slurm_state=state)
-                self.store.event(job_id, f"SLURM job {slurm_id}: {state}",
-                                 data={"slurm_job_id": slurm_id, "slurm_state": state})
+            with self.one_job(job_id, "following its SLURM job"):
+                state = live.get(slurm_id)
+                if state is None:
+                    self.ended(self.store.job(job_id), slurm_id)
+                elif state != self.states.get(job_id):
+                    self.states[job_id] = state
+                    self.store.update_job(job_id, slurm_state=state)
+                    self.store.event(job_id, f"SLURM job {slurm_id}: {state}",
+                                     data={"slurm_job_id": slurm_id, "slurm_state": state})
+
+    def abandon(self, job_id: str) -> None:
+        """A job the service gives up on (`one_job`): its SLURM job, if it has one, is cancelled and no longer
+        followed."""
+        slurm_id = self.slurm_jobs.pop(job_id, None)
+        self.states.pop(job_id, None)
+        self.signalled.discard(job_id)
+        if slurm_id is not None:
+            stop(slurm_id, "cancel")
 
     def ended(self, job: dict, slurm_id: str) -> None:
         """The SLURM job has left the queue: what its end means for the service's job (`outcome`)."""
@@ -439,27 +460,30 @@ class SlurmScheduler(jobs.Scheduler):
         said = f"SLURM job {slurm_id} ended {state or '(no record: sacct and scontrol do not know it)'}"
         step = status.get("step")
         self.store.update_job(job["id"], slurm_state=None)
+        values, level = None, "info"  # an end of SLURM's own, no stop asked: what the job becomes, and its event
         if what == "resubmit":
             n, most = losses_in_a_row(job["resubmits"] or 0, job["resubmit_step"], step), self.slurm.max_resubmits
             if n > most:
-                self.store.update_job(job["id"], status="paused", resubmits=0, resubmit_step=None)
-                self.store.event(job["id"], f"{said}, its node lost {n} time{'s' * (n > 1)} in a row with no step "
-                                 f"trained in between: not submitted again (--max_resubmits {most}); paused at its "
-                                 f"checkpoint (step {step}), resume submits it again", level="warn")
+                values, level = {"status": "paused", "resubmits": 0, "resubmit_step": None}, "warn"
+                message = (f"{said}, its node lost {n} time{'s' * (n > 1)} in a row with no step trained in between: "
+                           f"not submitted again (--max_resubmits {most}); paused at its checkpoint (step {step}), "
+                           "resume submits it again")
             else:
-                self.store.update_job(job["id"], status="queued", stop_request=None, resubmits=n, resubmit_step=step)
-                self.store.event(job["id"], f"{said}: submitted again ({n} of at most {most} in a row without a "
-                                 "step trained), it resumes from its checkpoint")
+                values = {"status": "queued", "resubmits": n, "resubmit_step": step}
+                message = (f"{said}: submitted again ({n} of at most {most} in a row without a step trained), it "
+                           "resumes from its checkpoint")
         elif what == "paused" and not job["stop_request"]:
-            self.store.update_job(job["id"], status="paused")
-            self.store.event(job["id"], f"{said}: the training stopped with a checkpoint (step {step}); resume "
-                             "continues it")
+            values = {"status": "paused"}
+            message = f"{said}: the training stopped with a checkpoint (step {step}); resume continues it"
         elif what == "cancelled" and not job["stop_request"]:
-            self.store.update_job(job["id"], status="cancelled", finished_at=now())
-            self.store.event(job["id"], f"{said} (scancel outside the service); its checkpoint (step {step}) is kept")
-        else:
-            self.store.event(job["id"], said, data={"slurm_job_id": slurm_id, "slurm_state": state})
-            self.reap(job, rc if rc is not None else 0 if state == "COMPLETED" else 1)
+            values = {"status": "cancelled", "finished_at": now()}
+            message = f"{said} (scancel outside the service); its checkpoint (step {step}) is kept"
+        if values is not None:
+            if self.store.move(job["id"], ("running",), unstopped=True, **values):
+                return self.store.event(job["id"], message, level=level)
+            job = self.store.job(job["id"])  # a cancel or pause came in since the job was read: it decides
+        self.store.event(job["id"], said, data={"slurm_job_id": slurm_id, "slurm_state": state})
+        self.reap(job, rc if rc is not None else 0 if state == "COMPLETED" else 1)
 
     def stop_all(self) -> None:
         """The service is stopping: SLURM's jobs run on, and the service follows them again when it starts."""

@@ -94,6 +94,60 @@ def test_input_kind_tells_run_logs_sft_and_pairs_apart(tmp_path):
         assert jobs.input_kind(path) == kind
 
 
+# What a hostile upload holds (the training file's first line, or its second after a good row), and the one
+# sentence its job fails with, after FILE:LINE. Each fits the test service's --max_file_mb 0.1 (100,000 bytes).
+HOSTILE = {
+    "deep.jsonl": (b"[" * 100_000, "malformed JSON: nested too deep at column 1"),  # RecursionError in json's parser
+    "huge_line.jsonl": (b'{"input": "' + b"x" * 99_000 + b"\n", "malformed JSON: Unterminated string starting at "
+                        "column 11"),
+    "not_utf8.jsonl": ('{"input": "café"}\n'.encode("latin-1"), "not UTF-8 (byte 0xe9 at column 15)"),
+    "nul.jsonl": (b'{"input": "a\x00b"}\n', "malformed JSON: Invalid control character at column 13"),
+}
+GOOD_ROW = {"dpo": None, "supervised": {"messages": [{"role": "user", "content": "Hi"},
+                                                     {"role": "assistant", "content": "Hello."}]},
+            "reinforcement": {"messages": [{"role": "user", "content": "What is 1 + 1?"}], "answer": "2"}}
+METHODS = {"dpo": {"type": "dpo"}, "supervised": {"type": "supervised"}, "reinforcement": {
+    "type": "reinforcement", "grader": {"type": "string_check", "name": "same", "input": "{{sample.output_text}}",
+                                        "operation": "eq", "reference": "{{item.answer}}"}}}
+
+
+def add_job(store: jobs.Store, path: Path, method: dict, name: str | None = None) -> str:
+    """A job as the APIs create it (validating its training file), on an upload stored at path."""
+    f = store.add_file(name or path.name, "fine-tune", path, path.stat().st_size)
+    job_id = jobs.new_id("ftjob")
+    store.insert("jobs", {"id": job_id, "created_at": jobs.now(), "api": "openai", "status": "validating_files",
+                          "model": "m", "base": "m", "training_file": f["id"], "method": method, "flags": [],
+                          "result_files": [], "fine_tuned_model": f"ft:m:x:{job_id}"})
+    return job_id
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_hostile_uploads_fail_their_own_jobs_naming_the_line_and_the_next_job_is_validated(tmp_path, method):
+    store = jobs.Store(tmp_path / "serve")
+    scheduler = jobs.Scheduler(serve.ServeConfig(output_dir=str(tmp_path)), store)  # not started: ticked here
+    good = json.dumps(GOOD_ROW[method]) + "\n" if GOOD_ROW[method] else openai_pairs(1)
+    expected = {}
+    for name, (line, said) in HOSTILE.items():
+        for n, first in ((1, ""), (2, good)):
+            path = tmp_path / f"{n}-{name}"
+            path.write_bytes(first.encode() + line)
+            expected[add_job(store, path, METHODS[method], name)] = f"{name}:{n}: {said}"
+    vanished = tmp_path / "vanished.jsonl"  # what no check foresees: the stored upload gone from the disk
+    vanished.write_text(good)
+    expected[add_job(store, vanished, METHODS[method])] = ("the service failed while validating its files: "
+                                                          "FileNotFoundError: No such file or directory")
+    vanished.unlink()
+    valid = tmp_path / "valid.jsonl"
+    valid.write_text(openai_pairs(4) if method == "dpo" else good * 4)
+    valid_job = add_job(store, valid, METHODS[method])
+    with runs.RunLock(tmp_path, valid_job):  # held here, so the valid job waits in the queue instead of training
+        scheduler.tick()
+    for job_id, message in expected.items():
+        job = store.job(job_id)
+        assert (job["status"], job["error"]["message"]) == ("failed", message), job["error"]
+    assert store.job(valid_job)["status"] == "queued"  # validated in the same poll, after all of them
+
+
 def test_service_refuses_bad_options_and_an_open_host_without_a_key(monkeypatch):
     monkeypatch.delenv("DPO_KIT_API_KEY", raising=False)
     problems = serve.ServeConfig(host="0.0.0.0", train_args="--no_such_flag 1").problems()
@@ -280,6 +334,27 @@ def test_a_bad_line_fails_the_job_naming_the_line_and_http_errors_are_openai_sha
                        headers={"content-type": "application/json"})
         assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
         assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+@needs_model
+@pytest.mark.integration
+def test_hostile_uploads_fail_their_own_jobs_and_a_valid_job_after_them_succeeds(service, client, tmp_path):
+    failed = {}
+    for name, (line, said) in HOSTILE.items():
+        path = tmp_path / name
+        path.write_bytes(line)
+        f = client.files.create(file=open(path, "rb"), purpose="fine-tune")
+        failed[client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f.id).id] = f"{name}:1: {said}"
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(openai_pairs(4))
+    f = client.files.create(file=open(path, "rb"), purpose="fine-tune")
+    valid = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f.id, method={
+        "type": "dpo", "dpo": {"hyperparameters": {"batch_size": 2}}})
+    for job_id, message in failed.items():  # before the fix, the deep one stopped every poll: none of them ended
+        job = wait_for(lambda: client.fine_tuning.jobs.retrieve(job_id), lambda j: j.status in jobs.TERMINAL, 60)
+        assert (job.status, job.error.param, job.error.message) == ("failed", "training_file", message)
+    valid = wait_for(lambda: client.fine_tuning.jobs.retrieve(valid.id), lambda j: j.status in jobs.TERMINAL)
+    assert valid.status == "succeeded", (valid.error, job_log(service.out, valid.id)[-2000:])
 
 
 def kto_examples(n: int) -> str:

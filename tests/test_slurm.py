@@ -21,6 +21,7 @@ import pytest
 import jobs
 import runs
 import serve
+import service as service_app
 import slurm
 from slurm import SlurmConfig
 from test_serve import TRAIN_ARGS, Service, job_log, needs_model, openai_pairs, wait_for
@@ -95,6 +96,17 @@ def test_slurms_answers_parsed():
     assert [slurm.exit_status(x) for x in ("0:0", "143:0", "0:9", "2:0", "")] == [0, 143, 137, 2, None]
 
 
+@pytest.mark.parametrize("rc, stderr, confirmed", [
+    (0, "", True),
+    (1, "scancel: error: Kill job error on job id 77: Invalid job id specified", True),  # gone: nothing left to stop
+    (1, "scancel: error: Kill job error on job id 77: Job/step already completing or completed", True),
+    (1, "scancel: error: Kill job error on job id 77: Socket timed out on send/recv operation", False),
+    (124, "scancel did not answer in 60s", False),  # _run's timeout
+])
+def test_a_stop_counts_as_sent_only_once_slurm_confirmed_it(rc, stderr, confirmed):
+    assert slurm.scancel_confirmed(subprocess.CompletedProcess(["scancel", "77"], rc, "", stderr)) is confirmed
+
+
 @pytest.mark.parametrize("state, complete, run_state, stop, expected", [
     ("COMPLETED", True, "succeeded", None, "succeeded"),
     ("CANCELLED", True, "succeeded", "cancel", "succeeded"),  # it finished before the cancel reached it
@@ -160,6 +172,100 @@ def test_an_older_serve_db_gains_the_slurm_columns_and_keeps_its_jobs(tmp_path):
                                       "resubmit_step": None}
     store.update_job("ftjob-old", slurm_job_id="12")
     assert jobs.Store(tmp_path).job("ftjob-old")["slurm_job_id"] == "12"  # opened again: nothing added twice
+
+
+# ------------------------------------------------------------------ the service's side of SLURM's answers, no SLURM
+
+def fake_slurm(tmp_path: Path, monkeypatch, **bodies: str) -> Path:
+    """SLURM's commands as bash scripts first on the PATH, each with its body (one not given prints nothing and
+    exits 0: no job known); every call is appended to the returned calls.log. For answers a real cluster gives only
+    now and then (a timeout, an odd reply, a race), on the real scheduler and store."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    for name in ("sbatch", "squeue", "sacct", "scontrol", "scancel"):
+        (bin_dir / name).write_text(f'#!/bin/bash\necho "{name} $*" >> {calls}\n{bodies.get(name, "")}\n')
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    calls.touch()
+    return calls
+
+
+def slurm_scheduler(out: Path) -> tuple[slurm.SlurmScheduler, jobs.Store]:
+    """The service's SLURM scheduler on out (not started: the test ticks it), and its store."""
+    cfg = serve.ServeConfig(runner="slurm", output_dir=str(out), train_args=TRAIN_ARGS,
+                            slurm_args="--poll_seconds 0.01")
+    return slurm.SlurmScheduler(cfg, jobs.Store(out / "serve")), jobs.Store(out / "serve")
+
+
+def add_job(store: jobs.Store, status: str, **values) -> str:
+    job_id = jobs.new_id("ftjob")
+    store.insert("jobs", {"id": job_id, "created_at": jobs.now(), "api": "openai", "status": status, "model": "m",
+                          "base": "m", "method": {"type": "dpo"}, "flags": [], "result_files": [], **values})
+    return job_id
+
+
+def test_a_job_whose_sbatch_answers_without_an_id_fails_saying_so_and_the_next_job_is_submitted(tmp_path,
+                                                                                                monkeypatch):
+    calls = fake_slurm(tmp_path, monkeypatch, sbatch=f'if [ -e {tmp_path}/answered ]; then echo 4242; else touch '
+                       f'{tmp_path}/answered; echo "sbatch: the queue is busy, your job will be submitted"; fi')
+    out, data = tmp_path / "art", tmp_path / "pairs.jsonl"
+    data.write_text(openai_pairs(2))
+    (out / "serve").mkdir(parents=True)
+    store = jobs.Store(out / "serve")
+    first, second = (add_job(store, "queued", data=str(data)) for _ in range(2))
+    scheduler, _ = slurm_scheduler(out)
+    scheduler.tick()  # before: ValueError out of every tick, the first job running with no SLURM id for ever
+    job = store.job(first)
+    assert (job["status"], job["slurm_job_id"], job["error"]["code"]) == ("failed", None, "slurm_submit_failed")
+    assert job["error"]["message"] == ("the service failed while submitting it to SLURM: ValueError: sbatch printed "
+                                       "no job id: 'sbatch: the queue is busy, your job will be submitted'")
+    assert f"squeue -h --name dpo-kit-{first} -o %i|%T" in calls.read_text()  # looked for by name before it failed
+    assert (store.job(second)["status"], store.job(second)["slurm_job_id"]) == ("running", "4242")
+
+
+@pytest.mark.parametrize("kind, asked", [
+    ("cancel", ["scancel 77", "scancel 77"]),
+    # a pending job is cancelled first; the SIGTERM, once SLURM took it, is never sent twice
+    ("pause", ["scancel --state=PENDING 77", "scancel --state=PENDING 77", "scancel --state=RUNNING --signal=TERM 77"]),
+])
+def test_a_stop_scancel_failed_on_is_asked_again_until_slurm_confirms_it(tmp_path, monkeypatch, kind, asked):
+    calls = fake_slurm(tmp_path, monkeypatch, squeue='echo "77|RUNNING"', scancel=(
+        f'if [ ! -e {tmp_path}/refused ]; then touch {tmp_path}/refused; echo "scancel: error: Kill job error on job '
+        'id 77: Socket timed out on send/recv operation" >&2; exit 1; fi'))
+    out = tmp_path / "art"
+    (out / "serve").mkdir(parents=True)
+    job_id = add_job(jobs.Store(out / "serve"), "running", slurm_job_id="77")
+    scheduler, store = slurm_scheduler(out)  # follows SLURM job 77 again
+    service_app.Service(scheduler.cfg).request_stop(store.job(job_id), kind)
+    for _ in range(3):
+        scheduler.tick()
+    assert [c for c in calls.read_text().splitlines() if c.startswith("scancel")] == asked
+
+
+@pytest.mark.parametrize("stop, status", [(None, "running"), ("cancel", "cancelled"), ("pause", "paused")])
+def test_a_stop_asked_while_a_lost_nodes_job_is_looked_up_is_kept_not_erased_by_its_resubmission(
+        tmp_path, monkeypatch, stop, status):
+    calls = fake_slurm(tmp_path, monkeypatch, sbatch="echo 78", scontrol='echo "JobId=77 JobState=NODE_FAIL '
+                       'Reason=NodeFail ExitCode=0:0"')  # squeue says nothing: job 77 has left the queue
+    out, data = tmp_path / "art", tmp_path / "pairs.jsonl"
+    data.write_text(openai_pairs(2))
+    (out / "serve").mkdir(parents=True)
+    job_id = add_job(jobs.Store(out / "serve"), "running", slurm_job_id="77", data=str(data))
+    scheduler, store = slurm_scheduler(out)
+    svc, final_state = service_app.Service(scheduler.cfg), slurm.final_state
+
+    def asked_meanwhile(slurm_id):  # the user's stop comes in while the scheduler asks SLURM how job 77 ended
+        if stop:
+            svc.request_stop(store.job(job_id), stop)
+        return final_state(slurm_id)
+
+    monkeypatch.setattr(slurm, "final_state", asked_meanwhile)
+    scheduler.tick()  # job 77 ended NODE_FAIL: queued again and, in the same poll, submitted again, unless stopped
+    job = store.job(job_id)
+    assert (job["status"], job["stop_request"]) == (status, None)
+    assert ("sbatch" in calls.read_text()) == (stop is None)
+    messages = [r["message"] for r in store.query("SELECT message FROM events WHERE job_id = ?", job_id)]
+    assert any("ended NODE_FAIL: submitted again" in m for m in messages) == (stop is None), messages
 
 
 # ------------------------------------------------------------------ a real one-node cluster
