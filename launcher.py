@@ -23,6 +23,8 @@ With several processes (--gpus N, --nproc, --nnodes, --dist) the container runs 
 network (`--network host`: the rendezvous port and NCCL need the machines' own addresses).
 Before `docker run` with a local engine, the host's driver is read (nvidia-smi) against the image's CUDA (the
 lock's), and a GPU host without --gpus is refused unless the job has --allow_cpu: one sentence each, exit 1.
+Builds pass SOURCE_DATE_EPOCH (the commit time of the lock), so a rebuild from the same lock gives the same
+layers where the builder honours it.
 Exit status: the job's own (0, 1 failed, 2 bad input, 143 cancelled), 1 when the host cannot run it, or 2 when
 no engine answers.
 """
@@ -109,8 +111,9 @@ def compute_tag(files: dict[str, bytes], build_args: dict[str, str]) -> str:
     return h.hexdigest()[:12]
 
 
-def build_args(cfg: LaunchConfig) -> dict[str, str]:
-    args = {"TORCH_VARIANT": cfg.torch_variant}
+def build_args(cfg: LaunchConfig, epoch: str | None = None) -> dict[str, str]:
+    """The build's --build-arg values. epoch: SOURCE_DATE_EPOCH, left out of the tag (the lock it follows is in it)."""
+    args = {"TORCH_VARIANT": cfg.torch_variant, **({"SOURCE_DATE_EPOCH": epoch} if epoch else {})}
     if cfg.base_image:
         args["BASE_IMAGE"] = cfg.base_image
     if cfg.extras:
@@ -318,6 +321,19 @@ def image_cuda(cfg: LaunchConfig) -> str | None:
     return preflight.lock_cuda((ROOT / "requirements.txt").read_text()) if cfg.torch_variant == "cuda" else None
 
 
+def lock_epoch() -> str | None:
+    """SOURCE_DATE_EPOCH for a build: the commit time of the lock's last change (the same lock, the same time, so
+    the same layers where the builder honours it; a code-only commit does not move it). None outside git."""
+    import subprocess
+
+    try:
+        done = subprocess.run(["git", "log", "-1", "--format=%ct", "--", "requirements.txt"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip().isdigit() else None
+
+
 def host_ready(cfg: LaunchConfig, extra: list[str]) -> bool:
     """The host's side of the pre-flight (nvidia-smi here against the image's CUDA), before anything is built or
     run; prints one sentence per problem. The container's own pre-flight checks the rest."""
@@ -349,7 +365,7 @@ def engine():
 
 def build(client, cfg: LaunchConfig, ref: str) -> None:
     """Build IMAGE:TAG from this directory, streaming the build log."""
-    args, labels = build_args(cfg), image_labels(kit.git_commit(ROOT), ref.rsplit(":", 1)[1])
+    args, labels = build_args(cfg, lock_epoch()), image_labels(kit.git_commit(ROOT), ref.rsplit(":", 1)[1])
     print(f"[launcher] building {ref} ({', '.join(f'{k}={v}' for k, v in args.items())})", flush=True)
     for chunk in client.api.build(path=str(ROOT), tag=ref, buildargs=args, labels=labels, rm=True,
                                   forcerm=True, decode=True):
@@ -426,7 +442,7 @@ def main(argv=None) -> int:
     ref = f"{cfg.image}:{tag}"
     if cfg.action in ("build", "prune"):
         if cfg.dry_run:
-            print(docker_build_cli(ref, build_args(cfg), image_labels(None, tag)) if cfg.action == "build"
+            print(docker_build_cli(ref, build_args(cfg, lock_epoch()), image_labels(None, tag)) if cfg.action == "build"
                   else f"docker container prune -f --filter label={KIT_LABEL}=1\n"
                        f"docker image prune -f --filter label={KIT_LABEL}=1\n"
                        f"# and docker rmi of every other {cfg.image}:* image with the label {KIT_LABEL}=1 (kept: {ref})")

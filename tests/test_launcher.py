@@ -149,6 +149,17 @@ def test_docker_run_cli_names_every_flag_and_never_prints_a_secret():
     assert shlex.split(ids)[3:5] == ["--gpus", '"device=0,1"']
 
 
+def test_build_args_carry_source_date_epoch_outside_the_tag():
+    cfg = LaunchConfig()
+    assert launcher.build_args(cfg, "1767225600") == {"TORCH_VARIANT": "cuda", "SOURCE_DATE_EPOCH": "1767225600"}
+    assert launcher.build_args(cfg) == {"TORCH_VARIANT": "cuda"}  # what the tag hashes: the lock it follows is in it
+    epoch = launcher.lock_epoch()
+    assert epoch is None or epoch.isdigit()  # the commit time of requirements.txt's last change
+    out = run_launcher("build", "--tag", "t", "--dry_run")
+    assert out.returncode == 0 and out.stdout.startswith("docker build -t dpo-kit:t --build-arg TORCH_VARIANT=cuda")
+    assert (f"--build-arg SOURCE_DATE_EPOCH={epoch} " in out.stdout) == bool(epoch)
+
+
 def test_engine_errors_about_gpus_are_one_sentence():
     assert launcher.engine_is_local("") and launcher.engine_is_local("unix:///run/podman/podman.sock")
     assert not launcher.engine_is_local("ssh://me@gpu-vm") and not launcher.engine_is_local("tcp://10.0.0.2:2376")
