@@ -8,6 +8,9 @@
 # TORCH_VARIANT=cpu with the CPU torch wheel placed in wheels/ (see .ci/container-smoke.sh).
 # The base only has to provide the NVIDIA driver-compat layer and env: torch's pip wheels (nvidia-*) carry
 # cuBLAS/cuDNN/NCCL. Ubuntu 22.04's python3 is 3.10, the Python requirements.txt is locked for.
+# Pinned by digest (name:tag@sha256:...; the tag for readers, the digest decides what is pulled) once `make
+# base-digest` has run where a registry answers: it rewrites this line and says what changed. A re-pushed tag
+# (NVIDIA has raised driver floors that way) then changes nothing until the next `make base-digest`.
 ARG BASE_IMAGE=nvidia/cuda:13.0.1-runtime-ubuntu22.04
 FROM ${BASE_IMAGE}
 
@@ -48,6 +51,11 @@ RUN apt-get update \
 # Extra CA certificates (*.crt) for an intercepting HTTPS proxy; certs/ holds only a README by default.
 COPY certs/ /usr/local/share/ca-certificates/extra/
 RUN update-ca-certificates
+
+# The lock's commit time (launcher.py passes it; unset with a plain `docker build`): BuildKit (>= 0.11) stamps the
+# image's created times with it, and pip writes hash-based .pyc files, the same bytes in any builder. Declared
+# here, so only the layers from the lock on depend on it.
+ARG SOURCE_DATE_EPOCH
 
 # The pinned lock before the code (this layer is rebuilt only when requirements.txt changes). --no-deps: the
 # lock is complete, and the cpu variant must not let torch ask for the CUDA wheels again. cpu: torch's CPU build

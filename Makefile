@@ -197,6 +197,12 @@ $(LAUNCHER_STAMP): requirements.txt
 build: $(LAUNCHER_STAMP) ## build the image IMAGE:TAG (BASE_IMAGE=, TORCH_VARIANT=cpu|cuda, EXTRAS=deepspeed) with the Docker SDK
 	$(LVENV)/bin/python launcher.py build $(LAUNCH_IMAGE) $(if $(DRY_RUN),--dry_run)
 
+# The base by digest: a re-pushed tag changes nothing until this runs again (needs docker buildx, skopeo or crane
+# and the registry; rewrites the Dockerfile's ARG BASE_IMAGE line, which changes the image's tag on the next build).
+.PHONY: base-digest
+base-digest: ## pin the Dockerfile's BASE_IMAGE to its tag's current digest and say what changed (driver floor, date)
+	$(PYTHON) .ci/base-digest.py Dockerfile
+
 .PHONY: shell
 shell: $(LAUNCHER_STAMP) ## a bash shell in the image, with the same mounts as train
 	$(LVENV)/bin/python launcher.py shell $(LAUNCH_RUN) $(if $(DATA),--data $(DATA))

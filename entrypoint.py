@@ -4,7 +4,7 @@
     python entrypoint.py pairs RUNS.jsonl -o pairs.jsonl [build_pairs options]
     python entrypoint.py train --data pairs.jsonl [train_dpo options]
     python entrypoint.py launch --nproc 4 [--nnodes 2 --node_rank 1 --master_addr IP] [--dist zero2] -- --data pairs.jsonl ...
-    python entrypoint.py check [--require_gpu]  # torch / CUDA / bitsandbytes status
+    python entrypoint.py check [--require_gpu] [--allow_cpu] [--nproc N] [--output_dir DIR]  # the pre-flight
     python entrypoint.py verify RUN.tar.gz      # checksums, safe paths, serving rules; what the adapter is
     python entrypoint.py chat RUN_DIR|RUN.tar.gz [--compare] [PROMPT ...]   # no PROMPT: read the terminal
     python entrypoint.py merge RUN_DIR|RUN.tar.gz [OUT_DIR]                  # standalone 16-bit model
@@ -26,24 +26,11 @@ USAGE = __doc__.split("\n\n")[1]
 
 
 def check(argv) -> int:
-    """Print what the runtime can do; exit 1 when a GPU is required and missing."""
-    import torch
+    """The pre-flight (preflight.py): GPU, driver, compute capability, MIG, /dev/shm, writable caches, Triton;
+    exit 1 with one sentence per problem. `train` runs the same checks first."""
+    import preflight
 
-    require_gpu = "--require_gpu" in argv
-    print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
-    for i in range(torch.cuda.device_count()):
-        print(f"  cuda:{i} {torch.cuda.get_device_name(i)}")
-    try:
-        import bitsandbytes as bnb
-
-        print(f"bitsandbytes {bnb.__version__}")
-    except Exception as e:  # noqa: BLE001 - report whatever stops it importing
-        print(f"bitsandbytes unavailable: {e}")
-        return 1
-    if require_gpu and not torch.cuda.is_available():
-        print("a GPU was required (--require_gpu) but CUDA sees none", file=sys.stderr)
-        return 1
-    return 0
+    return preflight.main(argv)
 
 
 def model(argv) -> int:

@@ -4,7 +4,7 @@
     python launcher.py train --data pairs.jsonl [--gpus all] [--model DIR|HUB_ID] [--run_name R] [-- train_dpo flags]
     python launcher.py train --logs runs.jsonl ...   # builds the pairs in a container first, then trains on them
     python launcher.py pairs --logs runs.jsonl       # only the pairs -> artifacts/pairs/<name>.pairs.jsonl
-    python launcher.py check [--gpus all]            # torch / CUDA / bitsandbytes in the image (non-zero: no GPU)
+    python launcher.py check [--gpus all]            # the pre-flight in the image (preflight.py): GPU, driver, shm, ...
     python launcher.py shell [-- -c 'command']       # bash in the image, with the same mounts
     python launcher.py prune                         # stopped kit containers, dangling/superseded kit images
     python launcher.py train ... --dry_run           # print the equivalent docker commands, run nothing
@@ -21,7 +21,12 @@ only when set, and the container is removed when it ends. Ctrl-C or SIGTERM stop
 With several processes (--gpus N, --nproc, --nnodes, --dist) the container runs `entrypoint.py launch`
 (scaleout.py: accelerate launch over N processes, one per GPU); with several machines it uses the host's
 network (`--network host`: the rendezvous port and NCCL need the machines' own addresses).
-Exit status: the job's own (0, 1 failed, 2 bad input, 143 cancelled), or 2 when no engine answers.
+Before `docker run` with a local engine, the host's driver is read (nvidia-smi) against the image's CUDA (the
+lock's), and a GPU host without --gpus is refused unless the job has --allow_cpu: one sentence each, exit 1.
+Builds pass SOURCE_DATE_EPOCH (the commit time of the lock), so a rebuild from the same lock gives the same
+layers where the builder honours it.
+Exit status: the job's own (0, 1 failed, 2 bad input, 143 cancelled), 1 when the host cannot run it, or 2 when
+no engine answers.
 """
 
 from __future__ import annotations
@@ -29,13 +34,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import re
 import shlex
 import signal
 import sys
 from pathlib import Path
 
-import scaleout
 import kit
+import preflight
+import scaleout
 from kit import UserError, field
 
 KIT_LABEL = "dpo-kit"  # every image and container the kit makes carries `dpo-kit=1`; prune filters on it
@@ -104,8 +111,9 @@ def compute_tag(files: dict[str, bytes], build_args: dict[str, str]) -> str:
     return h.hexdigest()[:12]
 
 
-def build_args(cfg: LaunchConfig) -> dict[str, str]:
-    args = {"TORCH_VARIANT": cfg.torch_variant}
+def build_args(cfg: LaunchConfig, epoch: str | None = None) -> dict[str, str]:
+    """The build's --build-arg values. epoch: SOURCE_DATE_EPOCH, left out of the tag (the lock it follows is in it)."""
+    args = {"TORCH_VARIANT": cfg.torch_variant, **({"SOURCE_DATE_EPOCH": epoch} if epoch else {})}
     if cfg.base_image:
         args["BASE_IMAGE"] = cfg.base_image
     if cfg.extras:
@@ -188,8 +196,10 @@ def job_command(cfg: LaunchConfig, data_in: str, extra: list[str], model_in: str
         out = pairs_output(data_in, cfg.method)
         return ["pairs", data_in, "-o", out, "--report", out[:-len(".jsonl")] + ".report.json",
                 "--prompts", prompts_output(data_in), *(["--emit", "kto"] if cfg.method == "kto" else []), *extra]
-    if cfg.action == "check":
-        return ["check", *(["--require_gpu"] if cfg.gpus else []), *extra]
+    if cfg.action == "check":  # the pre-flight for what train would run: its GPUs, processes and output mount
+        nproc = dist_config(cfg).nproc
+        return ["check", *(["--require_gpu"] if cfg.gpus else []), *(["--nproc", str(nproc)] if nproc > 1 else []),
+                "--output_dir", IN_ARTIFACTS, *extra]
     if cfg.action == "shell":
         return extra
     cmd = ["--data", data_in, "--output_dir", IN_ARTIFACTS]
@@ -262,6 +272,25 @@ def docker_build_cli(ref: str, args: dict[str, str], labels: dict[str, str]) -> 
     return shlex.join([*out, str(ROOT)])
 
 
+def engine_is_local(docker_host: str) -> bool:
+    """Does DOCKER_HOST name an engine on this machine (whose GPUs nvidia-smi here describes)?"""
+    return not docker_host or docker_host.startswith(("unix://", "npipe://"))
+
+
+def engine_error(message: str, image_cuda: str | None) -> str | None:
+    """One sentence for what the engine says when it cannot give the container a GPU; None for anything else."""
+    if "could not select device driver" in message:
+        return ("the engine cannot give the container a GPU (could not select device driver \"nvidia\"): install "
+                "the NVIDIA Container Toolkit and restart the engine (sudo nvidia-ctk runtime configure "
+                "--runtime=docker && sudo systemctl restart docker)")
+    m = re.search(r"unsatisfied condition: (cuda\s*>=\s*[\d.]+)", message)
+    if m:
+        floor = preflight.driver_floor(image_cuda)[0] if image_cuda else None
+        return (f"the host's NVIDIA driver is older than the image's CUDA needs (nvidia-container-cli: unsatisfied "
+                f"condition: {m[1]}): upgrade the driver" + (f" to {floor.split('.')[0]} or newer" if floor else ""))
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # Edges: files on the host, and the engine.
 # ---------------------------------------------------------------------------------------------
@@ -287,6 +316,36 @@ def host_paths(cfg: LaunchConfig, env: dict[str, str]) -> dict[str, str]:
     return paths
 
 
+def image_cuda(cfg: LaunchConfig) -> str | None:
+    """The CUDA the image's torch is built for (the lock's CUDA runtime wheel); None for the cpu variant."""
+    return preflight.lock_cuda((ROOT / "requirements.txt").read_text()) if cfg.torch_variant == "cuda" else None
+
+
+def lock_epoch() -> str | None:
+    """SOURCE_DATE_EPOCH for a build: the commit time of the lock's last change (the same lock, the same time, so
+    the same layers where the builder honours it; a code-only commit does not move it). None outside git."""
+    import subprocess
+
+    try:
+        done = subprocess.run(["git", "log", "-1", "--format=%ct", "--", "requirements.txt"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip().isdigit() else None
+
+
+def host_ready(cfg: LaunchConfig, extra: list[str]) -> bool:
+    """The host's side of the pre-flight (nvidia-smi here against the image's CUDA), before anything is built or
+    run; prints one sentence per problem. The container's own pre-flight checks the rest."""
+    smi, failed, _ = preflight.read_nvidia_smi()
+    found = preflight.host_findings(bool(cfg.gpus), cfg.action != "train" or "--allow_cpu" in extra, smi, failed,
+                                    image_cuda(cfg))
+    for x in found:
+        print(f"error: {x.text}." if x.level == "fail" else f"[launcher] warning: {x.text}",
+              file=sys.stderr if x.level == "fail" else sys.stdout)
+    return not any(x.level == "fail" for x in found)
+
+
 def engine():
     """A client for DOCKER_HOST's engine, or one clear sentence and exit 2."""
     try:
@@ -306,7 +365,7 @@ def engine():
 
 def build(client, cfg: LaunchConfig, ref: str) -> None:
     """Build IMAGE:TAG from this directory, streaming the build log."""
-    args, labels = build_args(cfg), image_labels(kit.git_commit(ROOT), ref.rsplit(":", 1)[1])
+    args, labels = build_args(cfg, lock_epoch()), image_labels(kit.git_commit(ROOT), ref.rsplit(":", 1)[1])
     print(f"[launcher] building {ref} ({', '.join(f'{k}={v}' for k, v in args.items())})", flush=True)
     for chunk in client.api.build(path=str(ROOT), tag=ref, buildargs=args, labels=labels, rm=True,
                                   forcerm=True, decode=True):
@@ -318,16 +377,24 @@ def build(client, cfg: LaunchConfig, ref: str) -> None:
     print(f"[launcher] built {ref}", flush=True)
 
 
-def run(client, spec: dict) -> int:
-    """Run the job, stream its output, wait, remove the container; Ctrl-C/SIGTERM -> `docker stop`."""
+def run(client, spec: dict, cuda: str | None = None) -> int:
+    """Run the job, stream its output, wait, remove the container; Ctrl-C/SIGTERM -> `docker stop`. cuda: the
+    image's, named when the engine refuses the host's driver."""
+    from docker.errors import APIError
     from docker.types import DeviceRequest, Mount
 
     gpus = spec["gpus"]
-    container = client.containers.run(
-        spec["image"], spec["command"], entrypoint=spec["entrypoint"], detach=True, user=spec["user"],
-        mounts=[Mount(m["target"], m["source"], type="bind", read_only=m["read_only"]) for m in spec["mounts"]],
-        environment=spec["environment"], shm_size=spec["shm_size"], labels=spec["labels"], network_mode=spec["network"],
-        device_requests=[DeviceRequest(**gpus)] if gpus else None)
+    try:
+        container = client.containers.run(
+            spec["image"], spec["command"], entrypoint=spec["entrypoint"], detach=True, user=spec["user"],
+            mounts=[Mount(m["target"], m["source"], type="bind", read_only=m["read_only"]) for m in spec["mounts"]],
+            environment=spec["environment"], shm_size=spec["shm_size"], labels=spec["labels"],
+            network_mode=spec["network"], device_requests=[DeviceRequest(**gpus)] if gpus else None)
+    except APIError as e:  # the GPU refused at start: one sentence (the created container goes with `prune`)
+        sentence = engine_error(str(e.explanation or e), cuda)
+        if sentence is None:
+            raise
+        raise UserError(sentence) from None
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM -> KeyboardInterrupt
     try:
         try:
@@ -375,7 +442,7 @@ def main(argv=None) -> int:
     ref = f"{cfg.image}:{tag}"
     if cfg.action in ("build", "prune"):
         if cfg.dry_run:
-            print(docker_build_cli(ref, build_args(cfg), image_labels(None, tag)) if cfg.action == "build"
+            print(docker_build_cli(ref, build_args(cfg, lock_epoch()), image_labels(None, tag)) if cfg.action == "build"
                   else f"docker container prune -f --filter label={KIT_LABEL}=1\n"
                        f"docker image prune -f --filter label={KIT_LABEL}=1\n"
                        f"# and docker rmi of every other {cfg.image}:* image with the label {KIT_LABEL}=1 (kept: {ref})")
@@ -394,7 +461,9 @@ def main(argv=None) -> int:
         built = Path(pairs_output(paths["data"], cfg.method)).relative_to(IN_ARTIFACTS)
         paths = {**paths, "data": str(Path(paths["output"]) / built), "eval_prompts": prompts_output(paths["data"])}
     if cfg.action == "train" and cfg.gpus:
-        jobs.append(("gpu check", run_spec(dataclasses.replace(cfg, action="check"), ref, paths, [], user, env)))
+        # the GPU side of the pre-flight, in one process before N train; Triton's test is train's (it knows the flags)
+        jobs.append(("gpu check", run_spec(dataclasses.replace(cfg, action="check"), ref, paths, ["--no_triton"], user,
+                                           env)))
     jobs.append((cfg.action, run_spec(cfg, ref, paths, extra, user, env)))
 
     if cfg.dry_run:
@@ -406,6 +475,8 @@ def main(argv=None) -> int:
                                                     configs_dir=f"{IN_KIT}/configs")
             print(f"# in the container, `launch` runs (adding --run_name when none is given):\n# {shlex.join(inside)}")
         return 0
+    if cfg.action in ("train", "check") and engine_is_local(env.get("DOCKER_HOST", "")) and not host_ready(cfg, extra):
+        return preflight.EXIT_FAILED
     client = engine()
     if cfg.rebuild or not client.images.list(name=ref):
         build(client, cfg, ref)
@@ -414,9 +485,9 @@ def main(argv=None) -> int:
     status = 0
     for what, spec in jobs:
         print(f"[launcher] {what}: {docker_run_cli(spec, cfg.gpus)}", flush=True)
-        status = run(client, spec)
+        status = run(client, spec, image_cuda(cfg))
         if status != 0:
-            hint = " (the container sees no GPU: is the NVIDIA Container Toolkit installed?)" if what == "gpu check" else ""
+            hint = " (the pre-flight above says what to do)" if what == "gpu check" else ""
             print(f"[launcher] {what} exited with status {status}{hint}", file=sys.stderr)
             break
     if cfg.action == "train" and cfg.prune:

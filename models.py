@@ -166,10 +166,6 @@ def cuda_allocator_defaults() -> str | None:
     return os.environ["PYTORCH_ALLOC_CONF"]
 
 
-# The oldest Linux driver each CUDA major version runs on (NVIDIA's CUDA toolkit release notes, table 3).
-CUDA_MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
-
-
 def nvidia_driver(path: str = "/proc/driver/nvidia/version") -> str | None:
     """The NVIDIA kernel driver's version where one is loaded on this machine (or passed into this container),
     else None: read from /proc/driver/nvidia/version, which needs no CUDA library."""
@@ -191,8 +187,9 @@ def gpu_unused_reason(driver: str | None, torch_cuda: str | None) -> str | None:
     if torch_cuda is None:
         return (f"an NVIDIA GPU is here (driver {driver}) but this PyTorch is its CPU build: training runs on the "
                 "CPU. Install the CUDA build (`make distclean venv` on this machine, or the image: RUNNER=docker)")
-    major = int(torch_cuda.split(".")[0])
-    need = CUDA_MIN_DRIVER.get(major)
+    from preflight import CUDA_MIN_DRIVER  # the driver floors live with the pre-flight's other checks
+
+    need = CUDA_MIN_DRIVER.get(int(torch_cuda.split(".")[0]))
     have = tuple(int(x) for x in driver.split(".") if x.isdigit()) if driver != "unknown" else ()
     if need and have and have < tuple(int(x) for x in need.split(".")):
         return (f"the NVIDIA driver {driver} is too old for this PyTorch's CUDA {torch_cuda} (it needs "

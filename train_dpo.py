@@ -10,13 +10,16 @@ sampled answers scored by running them): 4-bit NF4 base, LoRA adapter, frozen re
 Writes artifacts/<run_name>/ (adapter, tokenizer, model card, config, metrics, report, status, manifest) by
 way of artifacts/<run_name>.partial/, then artifacts/<run_name>.tar.gz for handoff. Running again with the
 same --run_name resumes from the last checkpoint; one process at a time trains a run. `--help` lists every
-option. In-process callers (iterate.py, scaleout.py, bench) call `run(TrainConfig(...))`.
+option. In-process callers (iterate.py, scaleout.py, bench) call `run(TrainConfig(...))`. From the command line,
+preflight.py checks the machine first: on a machine with an NVIDIA GPU that PyTorch cannot use (CPU build, old
+driver, container without --gpus), the run stops with one sentence saying what to do, unless --allow_cpu.
 
 This file is the recipe: the options, then `run` in named steps. The parts live beside it: methods.py (what
 differs between DPO, KTO and GRPO: their checks, data, TRL config and trainer), rewards.py (GRPO's reward
 functions), models.py (loading, LoRA targets, generation), fastpath.py (kernels, TRL internals), tokenization.py
 (pairs to tokens), token_cache.py (tokenised pairs kept between runs), evaluate.py (report, model card), runs.py
-(run directory, status, lock, tarball), formats.py (pair files, held-out split, mixing), ranks.py.
+(run directory, status, lock, tarball), formats.py (pair files, held-out split, mixing), ranks.py, preflight.py
+(the machine's checks before a run).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import formats
 import kit
 import methods
 import models
+import preflight
 import ranks
 import rewards
 import runs
@@ -89,6 +93,8 @@ class TrainConfig:
                                "GPUs), float32 on a CPU; bfloat16 on a CPU is autocast (faster with AMX, and it "
                                "learns measurably differently: bench/README.md); LoRA weights and optimizer state stay float32",
                                choices=("auto", "float32", "bfloat16", "float16"))
+    allow_cpu: bool = field(False, "train on the CPU although an NVIDIA GPU is here that PyTorch cannot use "
+                            "(without it the pre-flight stops such a run: preflight.py)")
     cpu_matmul_precision: str = field("float32", "CPU float32 matmuls: float32 = exact; bf16 = oneDNN rounds their "
                                       "inputs to bfloat16 and accumulates in float32, everything else stays "
                                       "float32 (AMX CPUs: ~1.4x faster steps; a CPU's TF32)", choices=("float32", "bf16"))
@@ -809,8 +815,22 @@ def exit_code(done: runs.Run) -> int:
     return 0
 
 
+def preflight_config(cfg: TrainConfig) -> preflight.PreflightConfig:
+    """What this run needs from the machine: its output directory, its model's downloads, Triton where the fused
+    kernels run, /dev/shm and whole GPUs for several processes on this machine."""
+    local = ranks.world()
+    return preflight.PreflightConfig(allow_cpu=cfg.allow_cpu, nproc=max(local["world_size"] // local["nodes"], 1),
+                                     output_dir=cfg.output_dir, model=cfg.model_name_or_path,
+                                     triton=cfg.fused_ops or cfg.use_liger_kernel, bitsandbytes=False)
+
+
 def main(argv=None) -> int:
-    return exit_code(run(kit.parse_config(TrainConfig, argv, __doc__)))
+    cfg = kit.parse_config(TrainConfig, argv, __doc__)
+    # The machine first (one process per machine checks it): a GPU PyTorch cannot use, an old driver, a missing
+    # compiler stop here, one sentence each, rather than deep inside a library after the model has loaded.
+    if ranks.world()["local_rank"] == 0 and not preflight.passes(preflight_config(cfg)):
+        return preflight.EXIT_FAILED
+    return exit_code(run(cfg))
 
 
 if __name__ == "__main__":

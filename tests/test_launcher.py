@@ -127,8 +127,11 @@ def test_grpo_in_the_container_trains_on_the_logs_themselves(tmp_path, capsys):
     assert launcher.main(["train", "--dry_run", "--tag", "t", "--logs", str(logs), "--output_dir", str(tmp_path / "o")]) == 0
     out = capsys.readouterr().out
     assert "# pairs" in out and "--eval_prompts /artifacts/pairs/runs.prompts.jsonl" in out
-    assert launcher.job_command(LaunchConfig(action="check", gpus="all"), "", [], "") == ["check", "--require_gpu"]
-    assert launcher.job_command(LaunchConfig(action="check"), "", [], "") == ["check"]
+    assert launcher.job_command(LaunchConfig(action="check", gpus="all"), "", [], "") == [
+        "check", "--require_gpu", "--output_dir", "/artifacts"]
+    assert launcher.job_command(LaunchConfig(action="check", gpus="4"), "", [], "") == [
+        "check", "--require_gpu", "--nproc", "4", "--output_dir", "/artifacts"]  # /dev/shm and MIG depend on it
+    assert launcher.job_command(LaunchConfig(action="check"), "", [], "") == ["check", "--output_dir", "/artifacts"]
     assert launcher.job_command(LaunchConfig(action="shell"), "", ["-c", "id"], "") == ["-c", "id"]
 
 
@@ -146,6 +149,33 @@ def test_docker_run_cli_names_every_flag_and_never_prints_a_secret():
     assert shlex.split(ids)[3:5] == ["--gpus", '"device=0,1"']
 
 
+def test_build_args_carry_source_date_epoch_outside_the_tag():
+    cfg = LaunchConfig()
+    assert launcher.build_args(cfg, "1767225600") == {"TORCH_VARIANT": "cuda", "SOURCE_DATE_EPOCH": "1767225600"}
+    assert launcher.build_args(cfg) == {"TORCH_VARIANT": "cuda"}  # what the tag hashes: the lock it follows is in it
+    epoch = launcher.lock_epoch()
+    assert epoch is None or epoch.isdigit()  # the commit time of requirements.txt's last change
+    out = run_launcher("build", "--tag", "t", "--dry_run")
+    assert out.returncode == 0 and out.stdout.startswith("docker build -t dpo-kit:t --build-arg TORCH_VARIANT=cuda")
+    assert (f"--build-arg SOURCE_DATE_EPOCH={epoch} " in out.stdout) == bool(epoch)
+
+
+def test_engine_errors_about_gpus_are_one_sentence():
+    assert launcher.engine_is_local("") and launcher.engine_is_local("unix:///run/podman/podman.sock")
+    assert not launcher.engine_is_local("ssh://me@gpu-vm") and not launcher.engine_is_local("tcp://10.0.0.2:2376")
+    toolkit = launcher.engine_error('could not select device driver "nvidia" with capabilities: [[gpu]]', "13.0")
+    assert toolkit.startswith("the engine cannot give the container a GPU") and "nvidia-ctk runtime configure" in toolkit
+    driver = launcher.engine_error(
+        "failed to create task for container: failed to create shim task: OCI runtime create failed: runc create "
+        "failed: unable to start container process: error during container init: error running hook #0: error "
+        "running hook: exit status 1, stdout: , stderr: Auto-detected mode as 'legacy'\nnvidia-container-cli: "
+        "requirement error: unsatisfied condition: cuda>=13.0, please update your driver to a newer version, or "
+        "use an earlier cuda container: unknown", "13.0")
+    assert driver == ("the host's NVIDIA driver is older than the image's CUDA needs (nvidia-container-cli: "
+                      "unsatisfied condition: cuda>=13.0): upgrade the driver to 580 or newer")
+    assert launcher.engine_error("No such image: dpo-kit:x", "13.0") is None
+
+
 def run_launcher(*args, env=None):
     return subprocess.run([sys.executable, str(ROOT / "launcher.py"), *args], capture_output=True, text=True,
                           cwd=ROOT, env={**os.environ, **(env or {})}, timeout=120)
@@ -158,6 +188,7 @@ def test_dry_run_prints_pairs_then_train_without_any_engine(tmp_path):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert [line for line in lines if line.startswith("#")] == ["# pairs", "# gpu check", "# train"]
+    assert lines[3].endswith("check --require_gpu --output_dir /artifacts --no_triton")  # Triton: train's own pre-flight
     assert f"{ROOT}/data/runs.jsonl:/data/runs.jsonl:ro" in lines[1]
     assert lines[-1].endswith(f"-v {tmp_path}/a/pairs/runs.pairs.jsonl:/data/runs.pairs.jsonl:ro --label dpo-kit=1 "
                               "--label dpo-kit.action=train dpo-kit:t1 train --data /data/runs.pairs.jsonl "
