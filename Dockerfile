@@ -43,8 +43,11 @@ ENV DEBIAN_FRONTEND=noninteractive \
 # Python and pip from the distribution (3.10 on Ubuntu 22.04, 3.11 on Debian 12); a venv keeps pip off the
 # system Python (PEP 668 on Debian 12). bubblewrap: the sandbox's strongest mode for model-written code and users'
 # graders, where the runtime allows user namespaces (sandbox.py falls back to Landlock and limits where it does not).
+# gcc, libc6-dev and python3-dev: Triton (Liger's kernels, torch.compile) builds a small C launcher at first use with
+# the system compiler and Python.h; without them the first fused kernel fails (preflight.py checks it).
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv python3-pip ca-certificates bubblewrap \
+      gcc libc6-dev python3-dev \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/venv
 

@@ -140,6 +140,10 @@ fi
 grep -q "Read-only file system" <<<"$out" || fail "unexpected error writing to /data: $out"
 echo "ok: $(grep "Read-only" <<<"$out" | tail -1)"
 
+step "Triton's build needs in the image: a C compiler and Python.h"
+docker run --rm --entrypoint bash "$image" -c 'gcc --version | head -1 && python -c "import os, sysconfig; h = os.path.join(sysconfig.get_paths()[\"include\"], \"Python.h\"); assert os.path.exists(h), h; print(h)"' \
+  || fail "the image lacks a C compiler or Python.h (Triton cannot build its launcher)"
+
 step "hostile answers in the image's sandbox, as the caller and as the image's own non-root user"
 # What a GPU user's `docker run` gives the kit: the runtime's default seccomp and capabilities. sandbox.py --modes
 # records which isolation runs there; then one answer writes outside its workspace and one deletes /artifacts.
