@@ -1118,7 +1118,9 @@ def test_the_report_shows_base_and_tuned_checker_scores():
                  "tuned": {"pass_rate": 0.5, "mean_score": 0.0312, "outcomes": {"failed": 3, "freed": 3},
                            "isolation": "bwrap"}}
     text = evaluate.report_markdown("r", {"execution": execution}, [])
-    assert "## Answers run by the checker" in text and "(sandbox: bwrap)" in text
+    assert "## Answers run by the checker" in text and "(sandbox: bwrap, no Landlock)" in text
+    execution["base"]["landlock"] = 7
+    assert "(sandbox: bwrap, Landlock ABI 7)" in evaluate.report_markdown("r", {"execution": execution}, [])
     assert "| base | 0.000 | +0.0000 | failed 6 |" in text and "| tuned | 0.500 | +0.0312 | failed 3, freed 3 |" in text
 
 
