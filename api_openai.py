@@ -146,7 +146,7 @@ def sandbox_problem(grader: dict, cfg) -> None:
 
     if grader["type"] != "python" or not str(grader.get("source", "")).strip() or cfg.limits_graders:
         return
-    if getattr(cfg, "runner", "local") == "local" and sandbox.isolation() == "limits":
+    if cfg.runner == "local" and sandbox.isolation() == "limits":
         raise ApiError(400, "this service's sandbox has only its `limits` mode (no bubblewrap, no namespaces), and a "
                        "python grader's code would run as the service's user: its operator can install bubblewrap, "
                        "or allow it with serve.py --limits_graders", "method.reinforcement.grader", "sandbox_too_weak")

@@ -55,13 +55,21 @@ def _base_type(tp):
     return args[0] if args else tp
 
 
+def fields(cfg_cls) -> list:
+    """The config's fields, its own first and then those it inherits (train_dpo.TrainConfig's method options live
+    in methods.py), each in the order written: the order of --help and of a run's printed config."""
+    own = cfg_cls.__dict__.get("__annotations__", {})
+    every = dataclasses.fields(cfg_cls)
+    return [f for f in every if f.name in own] + [f for f in every if f.name not in own]
+
+
 def build_parser(cfg_cls, description: str, positional: str | None = None) -> argparse.ArgumentParser:
     """An argparse parser with one `--name` flag per dataclass field, named exactly as the field."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      argument_default=argparse.SUPPRESS, allow_abbrev=False)
     parser.add_argument("--config", metavar="FILE.yaml", help="read options from a YAML (or JSON) file; flags override it")
     hints = typing.get_type_hints(cfg_cls)
-    for f in dataclasses.fields(cfg_cls):
+    for f in fields(cfg_cls):
         tp = _base_type(hints[f.name])
         helptext = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
         default = f.default if f.default is not dataclasses.MISSING else None

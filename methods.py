@@ -12,16 +12,54 @@ Every method trains a LoRA adapter on the (4-bit) base; the reference is the bas
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
 
 import formats
 import models
-from kit import UserError
+import rewards
+from kit import UserError, field
 
 METHODS = ("dpo", "kto", "grpo")
 KTO_BALANCE = 1.15  # desirable x weight / (undesirable x weight): inside the KTO paper's [1, 4/3], off its edges
+
+
+# The options that belong to one method. train_dpo.TrainConfig inherits them (one flat set of flags, with TRL's
+# names), so a new method adds its options here, not to the recipe.
+@dataclasses.dataclass
+class KTOOptions:
+    """--method kto: the two weights of TRL's KTOConfig."""
+    desirable_weight: float = field(0.0, "KTO: weight of the desirable examples' loss; 0 = from the class balance "
+                                    f"(the paper's rule: desirable x weight / (undesirable x weight) = {KTO_BALANCE}, "
+                                    "inside its [1, 4/3])")
+    undesirable_weight: float = field(0.0, "KTO: weight of the undesirable examples' loss; 0 = from the class balance")
+
+
+@dataclasses.dataclass
+class GRPOOptions:
+    """--method grpo: TRL's GRPOConfig names."""
+    num_generations: int = field(4, "GRPO: answers sampled per prompt, each scored against its group's mean")
+    max_completion_length: int = field(160, "GRPO: longest sampled answer, in tokens (the demo's working code is "
+                                       "50-150)")
+    temperature: float = field(0.8, "GRPO: sampling temperature (a 135M model's answers at 1.0 are seldom code)")
+    top_p: float = field(0.95, "GRPO: nucleus sampling's probability mass")
+    reward: str = field("checker,ran", "GRPO's reward functions, comma-separated (rewards.py): checker = checker.py's "
+                        "score of the answer's code run on the prompt's host; ran = 1 when that code ran without "
+                        "an error; MODULE:FUNCTION = your own, TRL's reward signature")
+    reward_cmd: str = field("", "GRPO: a program that reads a completion on stdin and prints its reward "
+                            "($KIT_PROMPT, $KIT_HOST: the prompt and host), added to --reward")
+    reward_grader: str = field("", "GRPO: one of OpenAI's reinforcement graders (JSON or a .json file): python "
+                               "(grade(sample, item), run in the sandbox), string_check, or a kit reward by name "
+                               "(a python grader named checker, empty source), added to --reward")
+    reward_weights: str = field("", "GRPO: one weight per reward function (--reward, --reward_cmd, --reward_grader), "
+                                f"comma-separated; '' = 1 each, but ran {rewards.RAN_WEIGHT} (a nudge towards "
+                                "running code, below what freeing space scores)")
+    use_vllm: bool = field(False, "GRPO: generate with vLLM in the training process (TRL's colocate mode; needs "
+                           "vllm and a GPU); false = transformers' generate")
+
+
 TRAINERS = {"dpo": "DPOTrainer", "kto": "KTOTrainer", "grpo": "GRPOTrainer"}
 UNITS = {"dpo": "pairs", "kto": "examples", "grpo": "prompts"}
 
@@ -53,8 +91,6 @@ def kto_problems(cfg) -> list[str]:
 
 def grpo_problems(cfg) -> list[str]:
     """What does not go with GRPO, and GRPO's own options."""
-    import rewards
-
     p = dpo_only_problems(cfg, "grpo")
     for name in ("init_adapter", "ref_model_name_or_path", "precompute_ref_log_probs", "use_liger_kernel",
                  "early_stopping_patience"):
@@ -74,7 +110,9 @@ def grpo_problems(cfg) -> list[str]:
 
 
 def method_problems(cfg, method: str) -> list[str]:
-    return kto_problems(cfg) if method == "kto" else grpo_problems(cfg) if method == "grpo" else []
+    p = [] if cfg.desirable_weight >= 0 and cfg.undesirable_weight >= 0 else [
+        "--desirable_weight and --undesirable_weight must not be negative (0 = from the class balance)"]
+    return p + (kto_problems(cfg) if method == "kto" else grpo_problems(cfg) if method == "grpo" else [])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,8 +258,6 @@ def grpo_config_kwargs(cfg, checkpoint_dir: str, on_gpu: bool, bf16_ok: bool) ->
     """TRL's GRPOConfig. The kit's batch is in prompts, as it is in pairs for DPO: each prompt's num_generations
     answers go through one forward pass together (TRL's per_device_train_batch_size counts answers), so a step
     always holds whole groups; one generation per optimiser step (TRL's steps_per_generation = accumulation)."""
-    import rewards
-
     kwargs = trainer_kwargs(cfg, checkpoint_dir, on_gpu, bf16_ok) | {
         "per_device_train_batch_size": cfg.per_device_train_batch_size * cfg.num_generations,
         "num_generations": cfg.num_generations, "max_completion_length": cfg.max_completion_length,
@@ -282,8 +318,6 @@ def make_trainer(cls, cfg, method: str, model, ref_model, args, train: list[dict
     common = dict(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                   peft_config=peft_config, callbacks=callbacks)
     if method == "grpo":
-        import rewards
-
         return cls(reward_funcs=rewards.reward_functions(cfg.reward, cfg.reward_cmd, grader=cfg.reward_grader), **common)
     eval_rows = formats.dataset_rows(formats.trainable(held))
     return cls(ref_model=ref_model, eval_dataset=Dataset.from_list(eval_rows) if held else None, **common)

@@ -603,6 +603,17 @@ def report(f: Facts, found: list[Finding]) -> bool:
     return not any(x.level == "fail" for x in found)
 
 
+def for_training(cfg) -> PreflightConfig:
+    """What a train_dpo.py run (its TrainConfig) needs from the machine: its output directory, its model's
+    downloads, Triton where the fused kernels run, /dev/shm and whole GPUs for several processes on this machine."""
+    import ranks
+
+    local = ranks.world()
+    return PreflightConfig(allow_cpu=cfg.allow_cpu, nproc=max(local["world_size"] // local["nodes"], 1),
+                           output_dir=cfg.output_dir, model=cfg.model_name_or_path,
+                           triton=cfg.fused_ops or cfg.use_liger_kernel, bitsandbytes=False)
+
+
 def passes(cfg: PreflightConfig, env=None) -> bool:
     """Gather, decide, report: True when this machine can run what cfg describes."""
     env = dict(os.environ) if env is None else env

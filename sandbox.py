@@ -267,6 +267,16 @@ def isolation() -> str:
     return next(m for m in MODES if m == "limits" or not why_not(m))
 
 
+def forced_problems() -> list[str]:
+    """DPO_KIT_SANDBOX's problem, if it names a mode this machine cannot run: for a run's checks up front, before a
+    model loads (GRPO's reward and the held-out scores would otherwise stop at their first answer)."""
+    try:
+        isolation() if os.environ.get(ENV, "").strip() else None
+    except SandboxError as e:
+        return [str(e)]
+    return []
+
+
 def _warn_once() -> None:
     mode, level = isolation(), landlock_abi()
     if level < 1 and "landlock" not in _WARNED:
@@ -816,24 +826,9 @@ def _entries(fd: int) -> list[bytes]:
 
 def _unlink(dir_fd: int, name: bytes, dir_: bool) -> None:
     try:
-        if dir_:
-            os.rmdir(name, dir_fd=dir_fd)
-        else:
-            os.unlink(name, dir_fd=dir_fd)
-    except FileNotFoundError:
+        os.rmdir(name, dir_fd=dir_fd) if dir_ else os.unlink(name, dir_fd=dir_fd)
+    except OSError:  # gone already, or a mount point (never entered): left as it is
         pass
-    except OSError:
-        if not dir_:
-            return
-        try:  # a directory still holding what could not be walked: walk it by name once more
-            for _ in walk(_fd_path(dir_fd, name), remove=True):
-                pass
-        except OSError:
-            pass
-
-
-def _fd_path(dir_fd: int, name: bytes) -> str:
-    return os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), os.fsdecode(name))
 
 
 def remove_tree(top: str | os.PathLike) -> None:

@@ -47,6 +47,7 @@ import preflight
 import ranks
 import rewards
 import runs
+import sandbox
 import shapes
 import token_cache
 import tokenization
@@ -63,7 +64,7 @@ TRACKERS = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",),
 
 
 @dataclasses.dataclass
-class TrainConfig:
+class TrainConfig(methods.GRPOOptions, methods.KTOOptions):
     # What to train on, what to train, where it goes
     data: str = field("", "preference pairs: .jsonl, .jsonl.gz, .json, .parquet, a directory of those, or a hub "
                       "dataset id org/name[:split]; any of the formats in docs/formats.md")
@@ -163,30 +164,6 @@ class TrainConfig:
     mix: str = field("", "more pair files mixed into training, as shares of the mixture: 'a.jsonl:0.2,b.jsonl:0.1'; "
                      f"a bare share ('0.2') uses the bundled {formats.GENERAL_MIX}")
     sft_weight: float = field(0.0, "weight of an SFT loss on the chosen responses, added to the DPO loss; 0 = off")
-    # KTO (--method kto): the two weights of TRL's KTOConfig
-    desirable_weight: float = field(0.0, "KTO: weight of the desirable examples' loss; 0 = from the class balance "
-                                    f"(the paper's rule: desirable x weight / (undesirable x weight) = {methods.KTO_BALANCE}, "
-                                    "inside its [1, 4/3])")
-    undesirable_weight: float = field(0.0, "KTO: weight of the undesirable examples' loss; 0 = from the class balance")
-    # GRPO (--method grpo): TRL's GRPOConfig names
-    num_generations: int = field(4, "GRPO: answers sampled per prompt, each scored against its group's mean")
-    max_completion_length: int = field(160, "GRPO: longest sampled answer, in tokens (the demo's working code is "
-                                       "50-150)")
-    temperature: float = field(0.8, "GRPO: sampling temperature (a 135M model's answers at 1.0 are seldom code)")
-    top_p: float = field(0.95, "GRPO: nucleus sampling's probability mass")
-    reward: str = field("checker,ran", "GRPO's reward functions, comma-separated (rewards.py): checker = checker.py's "
-                        "score of the answer's code run on the prompt's host; ran = 1 when that code ran without "
-                        "an error; MODULE:FUNCTION = your own, TRL's reward signature")
-    reward_cmd: str = field("", "GRPO: a program that reads a completion on stdin and prints its reward "
-                            "($KIT_PROMPT, $KIT_HOST: the prompt and host), added to --reward")
-    reward_grader: str = field("", "GRPO: one of OpenAI's reinforcement graders (JSON or a .json file): python "
-                               "(grade(sample, item), run in the sandbox), string_check, or a kit reward by name "
-                               "(a python grader named checker, empty source), added to --reward")
-    reward_weights: str = field("", "GRPO: one weight per reward function (--reward, --reward_cmd, --reward_grader), "
-                                f"comma-separated; '' = 1 each, but ran {rewards.RAN_WEIGHT} (a nudge towards "
-                                "running code, below what freeing space scores)")
-    use_vllm: bool = field(False, "GRPO: generate with vLLM in the training process (TRL's colocate mode; needs "
-                           "vllm and a GPU); false = transformers' generate")
     # Rounds (iterate.py): each stage starts from the previous stage's adapter, which is also its reference
     init_adapter: str = field("", "a finished run (directory or .tar.gz) on the same base: its adapter is trained "
                               "further and, frozen, is the reference (TRL's 'ref' adapter copy); its LoRA shape "
@@ -239,8 +216,7 @@ class TrainConfig:
         if self.init_adapter and self.ref_model_name_or_path:
             p.append("--init_adapter is the reference; it does not go with --ref_model_name_or_path")
         p += methods.method_problems(self, self.method)
-        if self.desirable_weight < 0 or self.undesirable_weight < 0:
-            p.append("--desirable_weight and --undesirable_weight must not be negative (0 = from the class balance)")
+        p += sandbox.forced_problems() if self.eval_prompts or self.method == "grpo" else []  # it runs answers
         p += tracker_problems(self.report_to)
         if self.run_name and (os.sep in self.run_name or self.run_name.startswith(".")):
             p.append(f"--run_name must be a plain name, not a path (got {self.run_name!r})")
@@ -449,7 +425,8 @@ def announce(cfg: TrainConfig, run: runs.Run, data: formats.TrainingData, n_trai
         print(f"[data] columns ignored (rows): {', '.join(f'{k} ({v:,})' for k, v in data.ignored_columns.items()) or 'none'}"
               + (f"; {data.score_gap_dropped:,} pairs dropped below --min_score_gap {data.min_score_gap}"
                  if data.min_score_gap else ""))
-    print("[config]\n" + "\n".join(f"  {k} = {v}" for k, v in (dataclasses.asdict(cfg) | {"run_name": run.name}).items()))
+    values = {f.name: getattr(cfg, f.name) for f in kit.fields(TrainConfig)} | {"run_name": run.name}
+    print("[config]\n" + "\n".join(f"  {k} = {v}" for k, v in values.items()))
     b = batch_info(cfg)  # tokens per step = this x up to max_length x 2 (chosen and rejected)
     unit = methods.UNITS[data.method]
     print(f"[batch] {b['effective_batch_size']} {unit} per optimiser step = {cfg.per_device_train_batch_size} per "
@@ -815,20 +792,11 @@ def exit_code(done: runs.Run) -> int:
     return 0
 
 
-def preflight_config(cfg: TrainConfig) -> preflight.PreflightConfig:
-    """What this run needs from the machine: its output directory, its model's downloads, Triton where the fused
-    kernels run, /dev/shm and whole GPUs for several processes on this machine."""
-    local = ranks.world()
-    return preflight.PreflightConfig(allow_cpu=cfg.allow_cpu, nproc=max(local["world_size"] // local["nodes"], 1),
-                                     output_dir=cfg.output_dir, model=cfg.model_name_or_path,
-                                     triton=cfg.fused_ops or cfg.use_liger_kernel, bitsandbytes=False)
-
-
 def main(argv=None) -> int:
     cfg = kit.parse_config(TrainConfig, argv, __doc__)
     # The machine first (one process per machine checks it): a GPU PyTorch cannot use, an old driver, a missing
     # compiler stop here, one sentence each, rather than deep inside a library after the model has loaded.
-    if ranks.world()["local_rank"] == 0 and not preflight.passes(preflight_config(cfg)):
+    if ranks.world()["local_rank"] == 0 and not preflight.passes(preflight.for_training(cfg)):
         return preflight.EXIT_FAILED
     return exit_code(run(cfg))
 

@@ -37,7 +37,7 @@ def variant(request):
 
 
 @pytest.fixture
-def tmp_path():
+def scratch():
     """A directory every user can traverse (pytest's own is root's alone, which would keep an unprivileged
     sandbox out by its permissions and prove nothing)."""
     import tempfile
@@ -52,13 +52,13 @@ def user_of(variant: str) -> int:
     return NOBODY if variant == "limits-as-user" else os.getuid()
 
 
-def run(variant: str, code: str, tmp_path: Path, **limits) -> dict:
+def run(variant: str, code: str, scratch: Path, **limits) -> dict:
     """The code through `python sandbox.py FILE` in the variant's mode, with SECRET in that process's environment."""
     lim = {**vars(FAST), **limits}
-    answer = tmp_path / f"answer-{secrets.token_hex(4)}.py"
+    answer = scratch / f"answer-{secrets.token_hex(4)}.py"
     answer.write_text(code)
     answer.chmod(0o644)
-    tmp_path.chmod(0o755)
+    scratch.chmod(0o755)
     env = {"PATH": os.environ["PATH"], "DPO_KIT_API_KEY": SECRET, "HF_TOKEN": SECRET,
            sandbox.ENV: "limits" if variant == "limits-as-user" else variant}
     argv = [sandbox.python_binary(), str(ROOT / "sandbox.py"), str(answer),
@@ -91,25 +91,25 @@ def test_a_forced_mode_this_machine_cannot_run_is_a_one_line_error():
         assert out.returncode == 2 and f"{sandbox.ENV}=" in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
-def test_plain_code_runs_with_a_workspace_home_and_a_cleared_environment(variant, tmp_path):
+def test_plain_code_runs_with_a_workspace_home_and_a_cleared_environment(variant, scratch):
     result = run(variant, "import os, sys\nprint(sorted(os.environ), os.environ['HOME'] != '/root', sys.flags.isolated)"
-                 "\nopen(os.path.join(os.environ['TMPDIR'], 'x'), 'w').write('ok')\n", tmp_path)
+                 "\nopen(os.path.join(os.environ['TMPDIR'], 'x'), 'w').write('ok')\n", scratch)
     assert (result["returncode"], result["reason"]) == (0, "")
     names = result["stdout"].split("]")[0]
     assert "DPO_KIT_API_KEY" not in names and "HF_TOKEN" not in names and result["stdout"].endswith("True 1\n")
     assert result["bounds"]
 
 
-def test_the_parents_environment_cannot_be_read(variant, tmp_path):
+def test_the_parents_environment_cannot_be_read(variant, scratch):
     result = run(variant, "import os\nfound = []\nfor pid in ['self', str(os.getppid()), *os.listdir('/proc')]:\n"
                  "    try:\n        found.append(open(f'/proc/{pid}/environ', 'rb').read().decode(errors='replace'))\n"
-                 "    except (OSError, ValueError):\n        pass\nprint('\\n'.join(found))\n", tmp_path)
+                 "    except (OSError, ValueError):\n        pass\nprint('\\n'.join(found))\n", scratch)
     assert SECRET not in result["stdout"]
 
 
-def test_a_fork_bomb_ends_and_leaves_no_process_behind(variant, tmp_path):
+def test_a_fork_bomb_ends_and_leaves_no_process_behind(variant, scratch):
     result = run(variant, "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
-                 tmp_path)
+                 scratch)
     assert result["returncode"] != 0 and result["reason"]
     time.sleep(0.5)
     assert not leftovers(variant)
@@ -133,55 +133,55 @@ def _cmdline(pid: str) -> str:
         return ""
 
 
-def test_an_endless_loop_stops_at_the_cpu_limit_or_the_clock(variant, tmp_path):
-    result = run(variant, "while True:\n    pass\n", tmp_path, cpu_seconds=1, wall_seconds=5)
+def test_an_endless_loop_stops_at_the_cpu_limit_or_the_clock(variant, scratch):
+    result = run(variant, "while True:\n    pass\n", scratch, cpu_seconds=1, wall_seconds=5)
     assert result["returncode"] != 0 and ("CPU" in result["reason"] or "timed out" in result["reason"])
 
 
-def test_a_child_that_leaves_the_session_dies_at_the_wall_clock(variant, tmp_path):
+def test_a_child_that_leaves_the_session_dies_at_the_wall_clock(variant, scratch):
     marker = secrets.token_hex(6)
     result = run(variant, f"import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
                  f"        os.execv('/bin/sleep', ['sleep', '600', '{marker}'])\n    os._exit(0)\n"
-                 "time.sleep(600)\n", tmp_path, wall_seconds=2)
+                 "time.sleep(600)\n", scratch, wall_seconds=2)
     assert result["returncode"] is None and "timed out after 2 s" in result["reason"]
     time.sleep(0.5)
     assert not [p for p in os.listdir("/proc") if p.isdigit() and marker in _cmdline(p)]
 
 
-def test_a_daemon_left_by_code_that_exited_dies_with_it(variant, tmp_path):
+def test_a_daemon_left_by_code_that_exited_dies_with_it(variant, scratch):
     marker = secrets.token_hex(6)
     result = run(variant, f"import os\nif os.fork() == 0:\n    os.setsid()\n"
-                 f"    os.execv('/bin/sleep', ['sleep', '600', '{marker}'])\nprint('bye')\n", tmp_path)
+                 f"    os.execv('/bin/sleep', ['sleep', '600', '{marker}'])\nprint('bye')\n", scratch)
     assert result["returncode"] == 0
     time.sleep(0.5)
     assert not [p for p in os.listdir("/proc") if p.isdigit() and marker in _cmdline(p)]
 
 
-def test_a_memory_hog_meets_the_memory_limit(variant, tmp_path):
-    result = run(variant, "x = bytearray(2 * 1024 ** 3)\nprint(len(x))\n", tmp_path)
+def test_a_memory_hog_meets_the_memory_limit(variant, scratch):
+    result = run(variant, "x = bytearray(2 * 1024 ** 3)\nprint(len(x))\n", scratch)
     assert result["returncode"] != 0 and "memory" in result["reason"], result["reason"]
 
 
-def test_many_processes_share_one_memory_bound(variant, tmp_path):
+def test_many_processes_share_one_memory_bound(variant, scratch):
     """16 processes of 200 MB each (3.2 GB in all, past the whole answer's 256 MB): never all at once."""
     result = run(variant, "import os, time\nkids = []\nfor _ in range(16):\n    pid = os.fork()\n    if pid == 0:\n"
                  "        try:\n            x = bytearray(200 * 1024 ** 2)\n            for i in range(0, len(x), 4096):\n"
                  "                x[i] = 1\n            time.sleep(2)\n            os._exit(0)\n"
                  "        except MemoryError:\n            os._exit(3)\n    kids.append(pid)\n"
-                 "print(sum(os.waitpid(k, 0)[1] == 0 for k in kids))\n", tmp_path, wall_seconds=15)
+                 "print(sum(os.waitpid(k, 0)[1] == 0 for k in kids))\n", scratch, wall_seconds=15)
     held = int(result["stdout"].split()[0]) if result["stdout"].strip() else 0
     per_process = 256 if result["bounds"].startswith("cgroup") else int(result["bounds"].split()[1])
     assert held * 200 <= max(256, per_process * 16), (held, result["bounds"])
 
 
-def test_gigabytes_of_output_stop_at_the_file_size_limit_and_the_result_keeps_a_few_kb(variant, tmp_path):
-    result = run(variant, "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n", tmp_path)
+def test_gigabytes_of_output_stop_at_the_file_size_limit_and_the_result_keeps_a_few_kb(variant, scratch):
+    result = run(variant, "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n", scratch)
     assert result["returncode"] != 0 and "file size limit" in result["reason"], result["reason"]
     assert len(result["stdout"]) <= FAST.output_kb << 10
 
 
-def test_nothing_is_written_outside_the_workspace(variant, tmp_path):
-    mine = tmp_path / "mine"
+def test_nothing_is_written_outside_the_workspace(variant, scratch):
+    mine = scratch / "mine"
     mine.mkdir()
     os.chown(mine, user_of(variant), user_of(variant))
     name = "dpo-kit-escape-" + secrets.token_hex(4)
@@ -189,7 +189,7 @@ def test_nothing_is_written_outside_the_workspace(variant, tmp_path):
     try:
         result = run(variant, f"import os\nfor t in {targets!r} + [os.path.expanduser('~root/{name}')]:\n    try:\n"
                      "        open(t, 'w').write('x')\n        print('wrote', t)\n    except OSError as e:\n"
-                     "        print(type(e).__name__)\n", tmp_path)
+                     "        print(type(e).__name__)\n", scratch)
         assert result["returncode"] == 0
         assert not [t for t in targets if os.path.exists(t)]
         assert not os.path.exists(f"/root/{name}")
@@ -198,10 +198,10 @@ def test_nothing_is_written_outside_the_workspace(variant, tmp_path):
             Path(t).unlink(missing_ok=True)
 
 
-def test_the_users_files_can_be_neither_read_nor_deleted_and_deleting_slash_deletes_nothing(variant, tmp_path):
+def test_the_users_files_can_be_neither_read_nor_deleted_and_deleting_slash_deletes_nothing(variant, scratch):
     if not sandbox.landlock_abi() and variant == "limits-as-user":
         pytest.skip("without Landlock, `limits` mode as the kit's own user cannot keep the user's files (it warns)")
-    mine = tmp_path / "mine"
+    mine = scratch / "mine"
     mine.mkdir()
     key = mine / "id_ed25519"
     key.write_text(f"-----BEGIN OPENSSH PRIVATE KEY----- {SECRET}")
@@ -210,12 +210,12 @@ def test_the_users_files_can_be_neither_read_nor_deleted_and_deleting_slash_dele
         os.chown(p, user_of(variant), user_of(variant))
     result = run(variant, f"import shutil, os\ntry:\n    print(open({str(key)!r}).read())\nexcept OSError as e:\n"
                  f"    print(type(e).__name__)\nshutil.rmtree({str(mine)!r}, ignore_errors=True)\n"
-                 "shutil.rmtree('/', ignore_errors=True)\nprint('done')\n", tmp_path, wall_seconds=20)
+                 "shutil.rmtree('/', ignore_errors=True)\nprint('done')\n", scratch, wall_seconds=20)
     assert "PRIVATE" not in result["stdout"] and key.read_text().endswith(SECRET)
     assert (ROOT / "sandbox.py").exists() and Path("/usr/bin/env").exists()
 
 
-def test_no_socket_reaches_anything_not_even_this_machines_loopback(variant, tmp_path):
+def test_no_socket_reaches_anything_not_even_this_machines_loopback(variant, scratch):
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen()
@@ -229,7 +229,7 @@ def test_no_socket_reaches_anything_not_even_this_machines_loopback(variant, tmp
                  f"            lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('127.0.0.1', "
                  f"{udp_port})),\n            lambda: socket.socket(socket.AF_UNIX).connect('/run/docker.sock'),\n"
                  "            lambda: socket.socket(socket.AF_INET6)):\n    try:\n        act()\n        print('did')\n"
-                 "    except OSError as e:\n        print(type(e).__name__)\n", tmp_path)
+                 "    except OSError as e:\n        print(type(e).__name__)\n", scratch)
     time.sleep(0.5)
     server.close()
     try:
@@ -247,7 +247,7 @@ def _accept(server):
         return None
 
 
-def test_other_processes_cannot_be_signalled(variant, tmp_path):
+def test_other_processes_cannot_be_signalled(variant, scratch):
     if sandbox.landlock_abi() < 6 and variant == "limits-as-user":
         pytest.skip("signals outside the answer are closed from Landlock ABI 6 (this kernel: "
                     f"{sandbox.landlock_abi()}); as the kit's own user nothing else closes them")
@@ -257,15 +257,15 @@ def test_other_processes_cannot_be_signalled(variant, tmp_path):
     try:
         result = run(variant, f"import os, signal\nfor pid in (os.getppid(), {sleeper.pid}, {os.getpid()}, 1):\n"
                      "    try:\n        os.kill(pid, signal.SIGKILL)\n        print('killed', pid)\n"
-                     "    except OSError as e:\n        print(type(e).__name__)\n", tmp_path)
+                     "    except OSError as e:\n        print(type(e).__name__)\n", scratch)
         assert sleeper.poll() is None, result["stdout"]
     finally:
         sleeper.kill()
         sleeper.wait()
 
 
-def test_trees_of_any_depth_and_permissions_are_measured_and_removed_without_recursion(tmp_path):
-    top = tmp_path / "tree"
+def test_trees_of_any_depth_and_permissions_are_measured_and_removed_without_recursion(scratch):
+    top = scratch / "tree"
     here = top
     here.mkdir()
     fd = os.open(here, os.O_RDONLY)
@@ -298,8 +298,8 @@ def test_the_socket_filter_is_a_small_fixed_program():
     assert confine.handled(3) == ((1 << 15) - 1, 0, 0) and confine.handled(6)[1:] == (3, 3)
 
 
-def test_a_thousand_files_stop_at_the_disk_limit(variant, tmp_path):
+def test_a_thousand_files_stop_at_the_disk_limit(variant, scratch):
     result = run(variant, "import os\nfor i in range(10000):\n    with open(os.path.join(os.environ['TMPDIR'], "
-                 "f'f{i}'), 'wb') as f:\n        f.write(os.urandom(1 << 20))\n", tmp_path, disk_mb=64,
+                 "f'f{i}'), 'wb') as f:\n        f.write(os.urandom(1 << 20))\n", scratch, disk_mb=64,
                  wall_seconds=30)
     assert result["returncode"] != 0 and "disk limit (64 MB" in result["reason"], result["reason"]
