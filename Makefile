@@ -158,8 +158,12 @@ $(OUT)/pairs/%.kto.jsonl: FORCE | $(STAMP)
 PLAN ?= data/plan.yaml
 
 .PHONY: iterate
-iterate: $(STAMP) $(BUNDLED_MODEL)/config.json ## rounds from PLAN=plan.yaml (SPIN, self-reward, DPO, SFT stages), each from the last adapter
+iterate: $(STAMP) $(BUNDLED_MODEL)/config.json ## rounds from PLAN=plan.yaml (SPIN, self-reward, DPO, SFT, attempts stages), each from the last adapter
 	$(PY) entrypoint.py iterate $(PLAN) --output_dir $(OUT) $(ARGS)
+
+.PHONY: rounds
+rounds: $(STAMP) $(BUNDLED_MODEL)/config.json $(OUT)/pairs/runs.pairs.jsonl ## the model's own scored attempts as run logs, then train on them (configs/rounds.yaml; attempts.py)
+	$(PY) entrypoint.py iterate configs/rounds.yaml --output_dir $(OUT) $(ARGS)
 
 .PHONY: train
 train: train-$(RUNNER) ## train an adapter: DATA= or LOGS=, METHOD=kto|grpo, MODEL=, RUN=, ARGS=; RUNNER=local|docker|slurm; GPUS=N NPROC= NNODES= DIST=
@@ -283,6 +287,7 @@ precision: $(STAMP) $(BUNDLED_MODEL)/config.json ## bfloat16 against float32 ove
 bench: $(STAMP) $(if $(filter-out random:%,$(MODEL)),,$(BUNDLED_MODEL)/config.json) ## measure training modes and GRPO's step: bench/results*.{md,json,png} (QUICK=1, DEVICE=cuda, MODEL=random:<shape>)
 	$(PY) bench/bench.py $(if $(filter 1,$(QUICK)),--quick) $(if $(DEVICE),--device $(DEVICE)) \
 	  $(if $(MODEL),--model $(MODEL)) $(ARGS)
+	$(if $(MODEL),,$(PY) bench/sampling.py $(if $(filter 1,$(QUICK)),--repeats 1 --max_new_tokens 96))
 
 .PHONY: compare
 compare: $(STAMP) $(BUNDLED_MODEL)/config.json ## base vs DPO vs KTO vs GRPO on LOGS, held-out checker scores over 3 seeds: bench/results-methods.{md,json} (long)

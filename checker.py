@@ -379,6 +379,28 @@ def check(code: str, host: str = CheckConfig.host, limits=None) -> Check:
                  result.landlock)
 
 
+def check_many(items: list[tuple[str, str]], limits=None, workers: int = 0, label: str = "") -> list[Check]:
+    """check() for each (code, host), a few at a time (each answer is a sandboxed process, mostly waiting on the
+    file system), each distinct pair once; label: a progress line every few seconds ('' = none)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import sampler
+
+    todo = list(dict.fromkeys(items))
+    progress = sampler.Progress(label, len(todo), "answers checked")
+    found = {}
+
+    def one(key):
+        result = found[key] = check(key[0], key[1], limits)
+        progress.add(done=1)
+        return result
+
+    with ThreadPoolExecutor(workers or min(4, os.cpu_count() or 1)) as pool:
+        list(pool.map(one, todo))
+    progress.add(force=bool(todo))
+    return [found[k] for k in items]
+
+
 def prompts_from_logs(logs: str) -> list[dict]:
     """Each run's code-asking prompt and host (build_pairs.prompts_from_logs: run logs -> prompts live there)."""
     import build_pairs

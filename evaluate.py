@@ -91,11 +91,16 @@ def report_markdown(title: str, evaluation: dict, plots: list[str], metrics: lis
                                                             if execution['base'].get('landlock') else "no Landlock")
                   + "). Pass: it ran and freed space; score: bytes freed over the "
                   "plantable junk, -1 for deleting what must be kept.", "",
-                  "| model | pass rate | mean score | outcomes |", "| --- | --- | --- | --- |"]
+                  "| model | pass rate | mean score | outcomes | bytes freed | kept files touched |",
+                  "| --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {name} | {execution[name]['pass_rate']:.3f} | {execution[name]['mean_score']:+.4f} | "
-                  + ", ".join(f"{k} {v}" for k, v in sorted(execution[name]["outcomes"].items())) + " |"
+                  + ", ".join(f"{k} {v}" for k, v in sorted(execution[name]["outcomes"].items())) + " | "
+                  + (f"{execution[name]['freed_bytes'] / (1 << 20):,.0f} MB | {execution[name]['kept_files_touched']} |"
+                     if "freed_bytes" in execution[name] else "n/a | n/a |")
                   for name in ("base", "tuned")] + [""]
         lines += ["![execution.png](execution.png)", ""] if "execution.png" in plots else []
+        story = side_by_side(execution)
+        lines += ["### Base and tuned, side by side", "", *story] if story else []
     steps = reward_rows(list(metrics))
     if steps:
         f = lambda r, k, fmt: f"{r[k]:{fmt}}" if k in r else "n/a"  # noqa: E731
@@ -404,18 +409,46 @@ def execution_scores(model, tokenizer, prompts: list[dict], samples: int, seed: 
     for name, context in (("base", model.disable_adapter), ("tuned", contextlib.nullcontext)):
         with context():
             answers = models.generate(model, tokenizer, [p["prompt"] for p in prompts], max_new_tokens,
-                                      CODE_SAMPLING, seed, n=samples)
-        checks = [checker.check(checker.code_of(a), p["host"]) for p, a in
-                  zip([p for p in prompts for _ in range(samples)], answers)]
+                                      CODE_SAMPLING, seed, n=samples, label=f"sample {name}")
+        checks = checker.check_many([(checker.code_of(a), p["host"]) for p, a in
+                                     zip([p for p in prompts for _ in range(samples)], answers)], label=f"check {name}")
         scores = [c.score for c in checks]
         result[name] = {"pass_rate": sum(c.outcome == "freed" for c in checks) / max(len(checks), 1),
                         "mean_score": sum(scores) / max(len(scores), 1),
                         "outcomes": dict(Counter(c.outcome for c in checks)), "isolation": checks[0].isolation,
-                        "landlock": checks[0].landlock}
-        for i, c in enumerate(checks[:samples * 3]):
+                        "landlock": checks[0].landlock,
+                        "freed_bytes": sum(c.freed_bytes for c in checks if c.outcome == "freed"),
+                        "kept_files_touched": sum(len(c.broken) for c in checks)}
+        for i, (c, answer) in enumerate(zip(checks, answers)):
             result["rows"].append({"model": name, "prompt": prompts[i // samples]["prompt"][-1]["content"],
-                                   "outcome": c.outcome, "score": c.score, "reason": c.reason})
+                                   "sample": i % samples, "outcome": c.outcome, "score": c.score,
+                                   "freed_bytes": c.freed_bytes, "reason": c.reason, "answer": answer[:SHOWN_CHARS]})
     return result
+
+
+SHOWN_CHARS = 1200  # of each answer kept in evaluation.json (the report shows a few side by side)
+FENCE = "````"  # around an answer in report.md: the answer's own ``` blocks stay inside it
+
+
+def side_by_side(execution: dict, prompts: int = 3) -> list[str]:
+    """report.md's story: for the first few held-out prompts, the base's and the tuned model's answer, each with
+    what the checker made of it (a passing answer when the model has one, else its first)."""
+    rows = execution.get("rows", [])
+    lines = []
+    for prompt in list(dict.fromkeys(r["prompt"] for r in rows))[:prompts]:
+        lines += [f"**{prompt}**", ""]
+        for name in ("base", "tuned"):
+            mine = [r for r in rows if r["model"] == name and r["prompt"] == prompt and "answer" in r]
+            if not mine:
+                continue
+            r = next((x for x in mine if x["outcome"] == "freed"), mine[0])
+            what = {"freed": f"freed {r['freed_bytes'] / (1 << 20):,.0f} MB, score {r['score']:+.3f}",
+                    "no_effect": "ran, freed nothing", "broke": f"deleted what must be kept: {r['reason']}"[:160],
+                    "failed": f"failed: {r['reason']}"[:160]}[r["outcome"]]
+            passed = sum(x["outcome"] == "freed" for x in mine)
+            lines += [f"{name} (answer {r['sample'] + 1} of {len(mine)}; {passed} of {len(mine)} passed): {what}", "",
+                      FENCE, r["answer"] or "(empty)", FENCE, ""]
+    return lines
 
 
 def evaluate(model, tokenizer, held: list[dict], probes: list[dict], max_length: int, seed: int,

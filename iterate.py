@@ -11,6 +11,9 @@ names) and a list of `stages`, in any order, each with a `kind`, its `data`, and
   spin         pairs from `build_pairs.py spin` on an SFT file, answered by the current model
   self_reward  pairs from `build_pairs.py self-reward` on a prompts file, sampled and judged by the current model
   sft          plain SFT on an SFT file (TRL's SFT loss: the reference answer's NLL)
+  attempts     the current model's own attempts at run logs' training prompts, each run by the checker and
+               written as run logs (attempts.py); build_pairs.py makes the pairs from the logs, the earlier
+               rounds' attempts and this one's. `pairs:` takes attempts.py's options (samples, temperature, ...)
 
 Stage i trains `<name>-<i>-<kind>-<hash>` in the output directory with `--init_adapter` = stage i-1's
 run (stage 1 starts from a fresh LoRA on the base); the hash covers the stage, its data and its
@@ -29,12 +32,12 @@ from pathlib import Path
 
 import kit
 
-KINDS = ("dpo", "spin", "self_reward", "sft")
+KINDS = ("dpo", "spin", "self_reward", "sft", "attempts")
 PLAN_KEYS = {"name", "model", "train", "stages"}
 STAGE_KEYS = {"kind", "data", "pairs", "train"}
 # Options the runner sets itself: a plan giving them would be silently overridden.
 RUNNER_TRAIN_OPTIONS = {"data", "output_dir", "run_name", "init_adapter", "lineage", "model_name_or_path"}
-RUNNER_PAIRS_OPTIONS = {"sft", "prompts", "model", "output", "report", "format"}
+RUNNER_PAIRS_OPTIONS = {"sft", "prompts", "model", "output", "report", "format", "logs", "round", "eval_fraction"}
 
 
 @dataclasses.dataclass
@@ -65,10 +68,12 @@ def option_names(kind: str) -> tuple[set, set]:
 
     train = {f.name for f in dataclasses.fields(train_dpo.TrainConfig)} - RUNNER_TRAIN_OPTIONS
     pairs = set()
-    if kind in ("spin", "self_reward"):
+    if kind in ("spin", "self_reward", "attempts"):
+        import attempts
         import self_pairs
 
-        cls = self_pairs.SpinConfig if kind == "spin" else self_pairs.SelfRewardConfig
+        cls = {"spin": self_pairs.SpinConfig, "self_reward": self_pairs.SelfRewardConfig,
+               "attempts": attempts.AttemptsConfig}[kind]
         pairs = {f.name for f in dataclasses.fields(cls)} - RUNNER_PAIRS_OPTIONS
     return train, pairs
 
@@ -137,7 +142,8 @@ def chain(plan: dict, stage_lines: list[int], data_sha256: dict[str, str]) -> li
 
 def lineage_entry(stage: Stage, data_sha: str, pairs: str, pairs_sha: str, report: dict | None) -> dict:
     keep = ("examples", "prompts", "candidates", "judge_mode", "judgements", "judgements_parsed",
-            "judgements_unparsable", "judgements_out_of_range", "pairs_written", "dropped_same_as_reference")
+            "judgements_unparsable", "judgements_out_of_range", "pairs_written", "dropped_same_as_reference",
+            "attempts", "outcomes", "pass_rate", "runs_with_a_pass", "logs_used", "pairs_by_rule")
     return {"stage": stage.index, "kind": stage.kind, "data": stage.data, "data_sha256": data_sha,
             "pairs": pairs, "pairs_sha256": pairs_sha, "run_name": stage.run_name, "parent": stage.parent,
             "pairs_report": {k: report[k] for k in keep if k in report} if report else None}
@@ -189,7 +195,40 @@ def load_plan(path: str) -> tuple[dict, list[int]]:
     return plan, lines
 
 
-def build_stage_pairs(stage: Stage, policy: str, folder: Path, plan_path: str) -> tuple[str, dict | None]:
+def attempt_logs(stage: Stage, earlier: list[Stage], folder: Path) -> list[Path]:
+    """The run logs an attempts stage's pairs are built from: its data, every earlier attempts stage's logs, its own."""
+    return [Path(stage.data), *(folder / f"{st.run_name}.attempts.jsonl" for st in earlier if st.kind == "attempts"),
+            folder / f"{stage.run_name}.attempts.jsonl"]
+
+
+def build_attempts_pairs(stage: Stage, earlier: list[Stage], policy: str, folder: Path, plan_path: str,
+                         out: Path, report: Path) -> None:
+    """attempts.py's logs of the policy's answers, then build_pairs.py on every log so far."""
+    import attempts
+    import build_pairs
+    import train_dpo
+
+    logs = attempt_logs(stage, earlier, folder)
+    mine = logs[-1]
+    summary_file = mine.with_suffix(".json")
+    if not (mine.exists() and summary_file.exists()):
+        acfg = kit.config_from(attempts.AttemptsConfig, {
+            **stage.pairs, "logs": stage.data, "model": policy, "output": str(mine), "report": str(summary_file),
+            "round": sum(st.kind == "attempts" for st in earlier) + 1,
+            "eval_fraction": stage.train.get("eval_fraction", train_dpo.TrainConfig.eval_fraction)},
+            f"{plan_path}:{stage.line}")
+        attempts.make(acfg)
+    combined = folder / f"{stage.run_name}.logs.jsonl"
+    kit.atomic_write_text(combined, "".join(p.read_text(encoding="utf-8") for p in logs))
+    if build_pairs.main([str(combined), "-o", str(out), "--report", str(report)]) != 0:
+        raise kit.UserError(f"stage {stage.index} (attempts) made no pairs; see {report}")
+    merged = {**json.loads(report.read_text()), **json.loads(summary_file.read_text()),
+              "logs_used": [str(p) for p in logs]}
+    kit.atomic_write_json(report, merged)
+
+
+def build_stage_pairs(stage: Stage, policy: str, folder: Path, plan_path: str,
+                      earlier: list[Stage] = ()) -> tuple[str, dict | None]:
     """The stage's pairs file (built once; an existing one is reused so a resumed run sees the same data)."""
     if stage.kind == "dpo":
         return stage.data, None
@@ -197,6 +236,9 @@ def build_stage_pairs(stage: Stage, policy: str, folder: Path, plan_path: str) -
     report = folder / f"{stage.run_name}.pairs.report.json"
     if out.exists() and report.exists():
         print(f"[iterate] stage {stage.index}: reusing {out}", flush=True)
+        return str(out), json.loads(report.read_text())
+    if stage.kind == "attempts":
+        build_attempts_pairs(stage, list(earlier), policy, folder, plan_path, out, report)
         return str(out), json.loads(report.read_text())
     if stage.kind == "sft":
         import self_pairs
@@ -237,7 +279,7 @@ def run_plan(cfg: IterateConfig) -> Path:
             lineage = json.loads((run_dir / "lineage.json").read_text())
             continue
         policy = str(out / st.parent) if st.parent else base
-        pairs, report = build_stage_pairs(st, policy, folder, cfg.plan)
+        pairs, report = build_stage_pairs(st, policy, folder, cfg.plan, stages[:st.index - 1])
         lineage = lineage + [lineage_entry(st, shas[st.data], pairs, kit.sha256_file(pairs), report)]
         lineage_file = folder / f"{st.run_name}.lineage.json"
         kit.atomic_write_json(lineage_file, lineage)

@@ -654,18 +654,26 @@ def tool_template_problem(tokenizer) -> str | None:
 
 
 def prompt_texts(tokenizer, prompts: list[list[dict]], prefix: str = "") -> list[str]:
-    """Each message list through the chat template, ready for the assistant's turn (+ prefix); a tokenizer
-    without a chat template gets the messages' contents separated by blank lines."""
-    if tokenizer.chat_template:
-        return [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) + prefix
-                for p in prompts]
-    return ["\n\n".join(m["content"] for m in p) + "\n\n" + prefix for p in prompts]
+    """sampler.prompt_texts: each message list through the chat template, ready for the assistant's turn."""
+    import sampler
+
+    return sampler.prompt_texts(tokenizer, prompts, prefix)
 
 
 def generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, sampling: dict | None = None,
-             seed: int | None = None, n: int = 1) -> list[str]:
-    """Answers to message lists, batched with left padding: greedy, or sampled with `sampling` (generate's
-    temperature / top_k / top_p) after seeding torch with `seed`. n answers per prompt, in prompt order."""
+             seed: int | None = None, n: int = 1, label: str = "") -> list[str]:
+    """Answers to message lists: greedy, or sampled with `sampling` (temperature / top_k / top_p) after seeding
+    torch with `seed`; n answers per prompt, in prompt order. Through sampler.py's decode loop (LoRA merged while
+    sampling, finished rows leaving the batch); label: a progress line while it runs."""
+    import sampler
+
+    return sampler.sample(model, tokenizer, prompts, max_new_tokens, sampling, seed, n, label=label)
+
+
+def hf_generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, sampling: dict | None = None,
+                seed: int | None = None, n: int = 1) -> list[str]:
+    """The same through transformers' `generate` (left-padded batch, adapter unmerged): what sampler.py
+    replaced, kept as the benchmark's baseline and the greedy answers its tests compare against."""
     import torch
 
     tokenizer.padding_side = "left"

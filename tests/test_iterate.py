@@ -200,3 +200,37 @@ def test_trainable_adapter_starts_at_the_reference_or_at_the_checkpoint(tmp_path
     save_file(saved, ckpt / "adapter_model.safetensors")
     models.sync_trainable_adapter_(model, str(ckpt))
     assert torch.equal(default_a, torch.full((2, 4), 0.5)) and not torch.equal(ref_a, default_a)
+
+
+def test_an_attempts_stage_writes_the_models_scored_attempts_as_run_logs_and_trains_on_their_pairs(tmp_path,
+                                                                                                     monkeypatch):
+    import attempts
+    import build_pairs
+    import formats
+
+    logs = tmp_path / "runs.jsonl"
+    lines = (ROOT / "data" / "runs.jsonl").read_text().splitlines()
+    logs.write_text("\n".join(lines[:6]) + "\n")
+    plan = write(tmp_path, f"""\
+name: rounds
+model: {MODEL}
+train: {{max_length: 128, lora_r: 4, lora_alpha: 8, probes: "", save_steps: 50, max_steps: 1}}
+stages:
+  - kind: attempts
+    data: {logs}
+    pairs: {{samples: 2, max_new_tokens: 12}}
+""")
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "art"
+    assert iterate.main([plan, "--output_dir", str(out)]) == 0
+    [stage] = json.loads((out / "rounds.lineage.json").read_text())["stages"]
+    report = stage["pairs_report"]
+    tried = out / "rounds" / f"{stage['run_name']}.attempts.jsonl"
+    records = [json.loads(x) for x in tried.read_text().splitlines()]
+    wanted = attempts.training_runs(build_pairs.read_runs(str(logs)), 0.2)
+    assert [r["run_id"] for r in records] == [r.run_id for r in wanted]  # held-out runs are never attempted
+    assert not any(formats.held_out({formats.RUN_KEY: r["run_id"]}, 0.2) for r in records)
+    assert sum(report["outcomes"].values()) == report["attempts"] == 2 * len(wanted)
+    assert all(r["round"] == 1 and r["model"] == str(MODEL) for r in records)
+    assert list(build_pairs.read_runs(str(tried)))  # build_pairs.py reads them back
+    assert report["logs_used"] == [str(logs), str(tried)] and report["pairs_written"] >= 1

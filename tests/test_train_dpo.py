@@ -1121,7 +1121,33 @@ def test_the_report_shows_base_and_tuned_checker_scores():
     assert "## Answers run by the checker" in text and "(sandbox: bwrap, no Landlock)" in text
     execution["base"]["landlock"] = 7
     assert "(sandbox: bwrap, Landlock ABI 7)" in evaluate.report_markdown("r", {"execution": execution}, [])
-    assert "| base | 0.000 | +0.0000 | failed 6 |" in text and "| tuned | 0.500 | +0.0312 | failed 3, freed 3 |" in text
+    assert "| base | 0.000 | +0.0000 | failed 6 | n/a | n/a |" in text
+    assert "| tuned | 0.500 | +0.0312 | failed 3, freed 3 | n/a | n/a |" in text
+
+
+def test_the_report_tells_the_story_base_and_tuned_answers_side_by_side_with_bytes_freed():
+    rows = [{"model": m, "prompt": p, "sample": i, "outcome": o, "score": sc, "freed_bytes": fb, "reason": why,
+             "answer": a} for m, p, i, o, sc, fb, why, a in [
+        ("base", "Clear pip", 0, "failed", 0.0, 0, "does not compile", "pip is a tool ```x```"),
+        ("base", "Clear pip", 1, "no_effect", 0.0, 0, "", "print(0)"),
+        ("tuned", "Clear pip", 0, "failed", 0.0, 0, "exit status 1", "import nope"),
+        ("tuned", "Clear pip", 1, "freed", 0.05, 600 << 20, "", "import shutil\nshutil.rmtree('x')"),
+        ("base", "Empty trash", 0, "broke", -1.0, 0, "~/Documents/thesis.odt", "rm -rf ~"),
+        ("tuned", "Empty trash", 0, "no_effect", 0.0, 0, "", "pass")]]
+    execution = {"prompts": 2, "samples": 2, "rows": rows,
+                 "base": {"pass_rate": 0.0, "mean_score": -0.33, "outcomes": {"failed": 1, "no_effect": 1, "broke": 1},
+                          "isolation": "bwrap", "freed_bytes": 0, "kept_files_touched": 1},
+                 "tuned": {"pass_rate": 1 / 3, "mean_score": 0.0167, "outcomes": {"failed": 1, "freed": 1,
+                           "no_effect": 1}, "isolation": "bwrap", "freed_bytes": 600 << 20, "kept_files_touched": 0}}
+    text = evaluate.report_markdown("r", {"execution": execution}, [])
+    assert "| base | 0.000 | -0.3300 | broke 1, failed 1, no_effect 1 | 0 MB | 1 |" in text
+    assert "| tuned | 0.333 | +0.0167 | failed 1, freed 1, no_effect 1 | 600 MB | 0 |" in text
+    story = text.split("### Base and tuned, side by side")[1]
+    assert story.index("**Clear pip**") < story.index("**Empty trash**")
+    assert "base (answer 1 of 2; 0 of 2 passed): failed: does not compile" in story
+    assert "tuned (answer 2 of 2; 1 of 2 passed): freed 600 MB, score +0.050" in story  # its passing answer
+    assert "base (answer 1 of 1; 0 of 1 passed): deleted what must be kept: ~/Documents/thesis.odt" in story
+    assert "````\npip is a tool ```x```\n````" in story  # an answer's own fences stay inside the block
 
 
 @needs_model

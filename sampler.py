@@ -1,0 +1,231 @@
+"""Sampling answers fast: the kit's own decode loop, used wherever the kit samples (the checker's held-out
+scores, rounds of the model's own attempts, SPIN and self-reward answers, probes, chat).
+
+Not run on its own; `make bench` measures it against transformers' `generate` (bench/sampling.py).
+
+What makes it faster than `model.generate` on the same batch:
+  - LoRA merged into the base weights while sampling (float weights only; a 4-bit base keeps its adapter on the
+    side), and the exact original weights copied back afterwards: one matmul per layer instead of three;
+  - finished answers leave the batch: a row that has written its end-of-turn token costs nothing more, so a batch
+    runs as long as its longest answer only for the rows still writing;
+  - the prompt's pass computes the output head for its last token only.
+Greedy answers are transformers' greedy answers (tests/test_sampler.py); sampled ones draw from the same
+temperature / top-k / top-p distribution.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+
+PROGRESS_EVERY = 5.0  # seconds between progress lines
+
+
+def top_k_top_p(logits, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+    """Logits of one step [rows, vocab] with temperature, top-k and nucleus (top-p) filtering applied as
+    transformers' warpers do: what is filtered out is -inf."""
+    import torch
+
+    if temperature and temperature != 1.0:
+        logits = logits / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1, None]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=False, dim=-1)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= (1 - top_p)
+        remove[..., -1:] = False  # the most likely token always stays
+        logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+    return logits
+
+
+CANDIDATES = 512  # tokens looked at per row before a full sort: a nucleus wider than this falls back to one
+
+
+def nucleus(logits, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+    """(token ids, probabilities) per row: the distribution top_k_top_p's logits give, over the few tokens it keeps,
+    without sorting the vocabulary. Ids [rows, K] with probability 0 where a token is filtered out. The top
+    CANDIDATES tokens (or top_k) hold the nucleus whenever their mass reaches top_p; a row where they do not (a
+    flat distribution) is computed from its full sort instead, so the result is exact either way."""
+    import torch
+
+    vocab = logits.shape[-1]
+    if temperature and temperature != 1.0:
+        logits = logits / temperature
+    k = min(vocab, top_k) if top_k else min(vocab, CANDIDATES) if top_p < 1.0 else vocab
+    values, ids = logits.topk(k, dim=-1)  # sorted, largest first
+    if top_k or k == vocab:
+        probs = values.softmax(dim=-1)  # top-k renormalises before top-p, as transformers' warpers do
+        inside = torch.ones(probs.shape[0], dtype=torch.bool, device=probs.device)
+    else:
+        probs = (values - logits.logsumexp(dim=-1, keepdim=True)).exp()
+        inside = probs.sum(dim=-1) >= top_p
+    if top_p < 1.0:
+        before = probs.cumsum(dim=-1) - probs  # the mass ranked strictly above each token
+        probs = probs.masked_fill(before >= top_p, 0.0)
+    if not bool(inside.all()):  # the nucleus spills past the candidates: those rows from a full sort
+        rows = (~inside).nonzero().squeeze(1)
+        full = top_k_top_p(logits[rows], 1.0, top_k, top_p).softmax(dim=-1)
+        kept = max(int((full > 0).sum(dim=-1).max()), k)
+        full_probs, full_ids = full.topk(kept, dim=-1)
+        pad = kept - k
+        ids = torch.nn.functional.pad(ids, (0, pad))
+        probs = torch.nn.functional.pad(probs, (0, pad))
+        ids[rows], probs[rows] = full_ids, full_probs
+    return ids, probs / probs.sum(dim=-1, keepdim=True)
+
+
+def draw(logits, sampling: dict | None):
+    """One token per row: the argmax (greedy), or a draw from nucleus()."""
+    import torch
+
+    if not sampling:
+        return logits.argmax(dim=-1)
+    ids, probs = nucleus(logits, **sampling)
+    return ids.gather(-1, torch.multinomial(probs, 1)).squeeze(1)
+
+
+def lora_layers(model) -> list:
+    """The model's LoRA layers whose base is a plain (float) linear layer: what merging can fold in exactly."""
+    import torch
+
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return []
+    return [m for m in model.modules() if isinstance(m, LoraLayer) and isinstance(m.get_base_layer(), torch.nn.Linear)
+            and m.get_base_layer().weight.dtype in (torch.float32, torch.float16, torch.bfloat16)]
+
+
+@contextlib.contextmanager
+def merged(model):
+    """LoRA folded into the base weights inside the block (adapters on, not already merged), and the exact
+    original weights back after it: the model trains and evaluates on afterwards as if nothing happened."""
+    import torch
+
+    layers = [m for m in lora_layers(model) if not m.merged and not m.disable_adapters and m.active_adapters]
+    saved = []
+    try:
+        with torch.no_grad():
+            for layer in layers:
+                weight = layer.get_base_layer().weight
+                names = [a for a in layer.active_adapters if a in layer.lora_A]
+                saved.append((layer, weight.detach().clone(), names))
+                for name in names:  # peft's merge() by hand: a 4-bit layer dequantised on a CPU keeps its bnb class
+                    weight += layer.get_delta_weight(name).to(weight.dtype)
+                    layer.merged_adapters.append(name)  # peft's forward: the base layer alone
+        yield len(saved)
+    finally:
+        with torch.no_grad():
+            for layer, weight, names in saved:
+                layer.get_base_layer().weight.copy_(weight)
+                for name in names:
+                    layer.merged_adapters.remove(name)
+
+
+class Progress:
+    """A line every PROGRESS_EVERY seconds on stderr: items done of how many, tokens/s (sampling), time left."""
+
+    def __init__(self, label: str, total: int, unit: str):
+        self.label, self.total, self.unit, self.done, self.tokens = label, total, unit, 0, 0
+        self.start = self.last = time.monotonic()
+
+    def add(self, done: int = 0, tokens: int = 0, force: bool = False) -> None:
+        self.done, self.tokens = self.done + done, self.tokens + tokens
+        now = time.monotonic()
+        if not self.label or not (force or now - self.last >= PROGRESS_EVERY):
+            return
+        self.last, elapsed = now, max(now - self.start, 1e-9)
+        left = (self.total - self.done) * elapsed / self.done if self.done else 0
+        rate = f"  {self.tokens / elapsed:.0f} tokens/s" if self.tokens else ""
+        print(f"[{self.label}] {self.done}/{self.total} {self.unit}{rate}  {int(elapsed)} s"
+              + (f", ~{int(left)} s left" if self.done < self.total and self.done else ""),
+              file=sys.stderr, flush=True)
+
+
+def decode_loop(model, input_ids, attention_mask, max_new_tokens: int, stop_ids: set[int], sampling: dict | None,
+                progress: Progress | None = None) -> list[list[int]]:
+    """Each row's new tokens (without the stop token), rows leaving the batch as they finish."""
+    import torch
+
+    import fastpath
+
+    rows = input_ids.shape[0]
+    out: list[list[int]] = [[] for _ in range(rows)]
+    alive = torch.arange(rows)
+    mask = attention_mask
+    position = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = fastpath.preallocated_kv_cache(input_ids.shape[1] + max_new_tokens)
+    step_input, step_position = input_ids, position
+    stops = torch.tensor(sorted(stop_ids)) if stop_ids else None
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=step_input, attention_mask=mask, position_ids=step_position, past_key_values=cache,
+                       use_cache=True, logits_to_keep=1).logits[:, -1, :].float()
+        token = draw(logits, sampling)
+        done = torch.isin(token, stops) if stops is not None else torch.zeros_like(token, dtype=torch.bool)
+        for row, t, d in zip(alive.tolist(), token.tolist(), done.tolist()):
+            if not d:
+                out[row].append(t)
+        keep = (~done).nonzero().squeeze(1)
+        if progress:
+            progress.add(done=int(done.sum()), tokens=int(keep.numel()))
+        if keep.numel() == 0:
+            break
+        if keep.numel() < alive.numel():
+            alive, token = alive[keep], token[keep]
+            mask, position = mask[keep], position[keep]
+            cache.batch_select_indices(keep)
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        position = position[:, -1:] + 1
+        step_input, step_position = token[:, None], position
+    else:
+        if progress:  # the rows that reached max_new_tokens
+            progress.add(done=int(alive.numel()))
+    return out
+
+
+def prompt_texts(tokenizer, prompts: list[list[dict]], prefix: str = "") -> list[str]:
+    """Each message list through the chat template, ready for the assistant's turn (+ prefix); a tokenizer
+    without a chat template gets the messages' contents separated by blank lines."""
+    if tokenizer.chat_template:
+        return [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) + prefix
+                for p in prompts]
+    return ["\n\n".join(m["content"] for m in p) + "\n\n" + prefix for p in prompts]
+
+
+def sample(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, sampling: dict | None = None,
+           seed: int | None = None, n: int = 1, batch_size: int = 64, label: str = "") -> list[str]:
+    """Answers to message lists: greedy (sampling None) or sampled with {temperature, top_k, top_p} after seeding
+    torch with `seed`; n answers per prompt, in prompt order. The LoRA adapter, when on, is merged while sampling.
+    label: a progress line on stderr every few seconds ('' = none)."""
+    import torch
+
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    texts = [t for t in prompt_texts(tokenizer, prompts) for _ in range(n)]
+    stop_ids = {i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id if tokenizer.pad_token == tokenizer.eos_token
+                            else None) if i is not None}
+    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    stop_ids |= set(extra if isinstance(extra, list) else [extra] if extra is not None else [])
+    if seed is not None:
+        torch.manual_seed(seed)
+    progress = Progress(label, len(texts), "answers") if label else None
+    answers: list[str] = []
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), merged(model):
+            for i in range(0, len(texts), batch_size):
+                batch = tokenizer(texts[i:i + batch_size], return_tensors="pt", padding=True,
+                                  add_special_tokens=not tokenizer.chat_template).to(model.device)
+                new = decode_loop(model, batch["input_ids"], batch["attention_mask"], max_new_tokens, stop_ids,
+                                  sampling, progress)
+                answers += [tokenizer.decode(row, skip_special_tokens=True).strip() for row in new]
+    finally:
+        model.train(was_training)
+    if progress:
+        progress.add(0, force=True)
+    return answers

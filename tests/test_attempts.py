@@ -1,0 +1,50 @@
+"""attempts.py: the model's own attempts as run logs that build_pairs.py reads, with held-out runs never attempted."""
+import json
+
+import attempts
+import build_pairs
+import checker
+import formats
+
+LOGS = "data/runs.jsonl"
+
+
+def check(outcome, freed=0, broken=(), reason=""):
+    return checker.Check(outcome, 0.0, freed, list(broken), reason, "bwrap", "")
+
+
+def test_held_out_runs_are_never_attempted_and_each_strategy_and_host_once():
+    runs = list(build_pairs.read_runs(LOGS))
+    chosen = attempts.training_runs(runs, 0.2)
+    held = [r for r in runs if formats.held_out({formats.RUN_KEY: r.run_id}, 0.2)]
+    assert held and not {r.run_id for r in held} & {r.run_id for r in chosen}
+    keys = [(r.strategy.strip(), build_pairs.host_of_run(r)) for r in chosen]
+    assert len(keys) == len(set(keys)) and len(chosen) >= len(runs) - len(held) - 2
+    assert len(attempts.training_runs(runs, 0.0)) > len(chosen)
+
+
+def test_checked_answers_become_run_logs_that_build_pairs_reads_as_the_environment_scored_them(tmp_path):
+    run = next(iter(build_pairs.read_runs(LOGS)))
+    tried = [attempts.attempt_record("```python\nimport shutil\n```", "import shutil\n", check("freed", 123)),
+             attempts.attempt_record("x = (", "x = (", check("failed", reason="does not compile")),
+             attempts.attempt_record("print(1)", "print(1)", check("no_effect")),
+             attempts.attempt_record("rm", "import os", check("broke", 5, ["~/Documents/thesis.odt"]))]
+    assert [(a["ran"], a["space_freed"]) for a in tried] == [(True, 123), (False, None), (True, 0), (True, 0)]
+    assert tried[0]["error"] is None and "thesis.odt" in tried[3]["error"] and tried[1]["error"] == "does not compile"
+    record = attempts.run_record(run, tried, 2, "artifacts/r1")
+    path = tmp_path / "a.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    [parsed] = build_pairs.read_runs(str(path))
+    assert parsed.run_id == run.run_id and parsed.messages == run.messages and parsed.tags == run.tags
+    assert [a.succeeded for a in parsed.attempts] == [True, False, False, False]
+    assert build_pairs.outcome(parsed) == "mixed"
+    pairs = build_pairs.pairs_for_run(parsed, build_pairs.PairsConfig(runs=str(path)))
+    assert {p.chosen for p in pairs} == {"import shutil\n"} and len(pairs) == 3  # each failure against the pass
+    s = attempts.summary([record], empty=1)
+    assert s["outcomes"] == {"freed": 1, "failed": 2, "no_effect": 1, "broke": 1} and s["attempts"] == 5
+    assert s["pass_rate"] == 0.2 and s["runs_with_a_pass"] == 1
+
+
+def test_a_bad_config_is_refused_in_one_go():
+    problems = attempts.AttemptsConfig(samples=0, temperature=0, eval_fraction=0.9).problems()
+    assert len(problems) == 5

@@ -1,0 +1,114 @@
+"""sampler.py: the kit's decode loop gives transformers' greedy answers, filters logits as transformers' warpers do,
+merges LoRA only while sampling and puts back the exact weights, and reports progress."""
+from pathlib import Path
+
+import pytest
+import torch
+
+import models
+import sampler
+
+ROOT = Path(__file__).resolve().parent.parent
+BUNDLED = ROOT / models.BUNDLED_MODEL_DIR
+
+
+def tiny_llama_with_lora(vocab: int = 64):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj",
+                                                                                                  "down_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("options", [{"temperature": 0.7}, {"top_k": 5}, {"top_p": 0.8},
+                                     {"temperature": 1.5, "top_k": 10, "top_p": 0.95}])
+def test_filtering_matches_transformers_warpers(options):
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1)) * 3
+    expected = logits.clone()
+    if "temperature" in options:
+        expected = TemperatureLogitsWarper(options["temperature"])(None, expected)
+    if "top_k" in options:
+        expected = TopKLogitsWarper(options["top_k"])(None, expected)
+    if "top_p" in options:
+        expected = TopPLogitsWarper(options["top_p"])(None, expected)
+    got = sampler.top_k_top_p(logits, **options)
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    assert torch.allclose(got[~torch.isinf(got)], expected[~torch.isinf(expected)])
+
+
+def test_merged_folds_lora_in_and_puts_back_the_exact_weights():
+    model = tiny_llama_with_lora()
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(3))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        tuned = model(input_ids=ids).logits
+        with model.disable_adapter():
+            base = model(input_ids=ids).logits
+        with sampler.merged(model) as n:
+            assert n == 6  # q_proj, v_proj, down_proj in each of 2 layers
+            inside = model(input_ids=ids).logits
+        after = model(input_ids=ids).logits
+    assert not torch.allclose(tuned, base, atol=1e-3)  # the adapter matters here
+    assert torch.allclose(inside, tuned, atol=1e-5)
+    assert torch.equal(after, tuned)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name  # bit for bit, not to rounding
+    with model.disable_adapter(), sampler.merged(model) as n:
+        assert n == 0  # the base is sampled as it is
+
+
+@pytest.mark.skipif(not (BUNDLED / "config.json").exists(), reason="needs the bundled model (make model)")
+def test_greedy_answers_are_transformers_greedy_answers_on_the_bundled_model():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(BUNDLED)
+    model = AutoModelForCausalLM.from_pretrained(BUNDLED, dtype=torch.float32).eval()
+    prompts = [[{"role": "user", "content": "Delete the Yarn cache directory"}],
+               [{"role": "user", "content": "What is 1+1?"}],
+               [{"role": "user", "content": "Write Python that prints the bytes used by ~/.cache/pip"}]]
+    ours = sampler.sample(model, tokenizer, prompts, 40)
+    theirs = models.hf_generate(model, tokenizer, prompts, 40)
+    assert ours == theirs
+    assert all(ours) and len(set(ours)) == 3
+
+
+def test_sampled_answers_are_seeded_and_rows_leave_the_batch_when_they_finish(capsys, monkeypatch):
+    from transformers import AutoTokenizer
+
+    if not (BUNDLED / "config.json").exists():
+        pytest.skip("needs the bundled model's tokenizer (make model)")
+    tokenizer = AutoTokenizer.from_pretrained(BUNDLED)
+    model = tiny_llama_with_lora(vocab=len(tokenizer))
+    model.generation_config.eos_token_id = None
+    monkeypatch.setattr(sampler, "PROGRESS_EVERY", 0.0)
+    prompts = [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b c d"}]]
+    sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    one = sampler.sample(model, tokenizer, prompts, 12, sampling, seed=5, n=3, label="sample")
+    two = sampler.sample(model, tokenizer, prompts, 12, sampling, seed=5, n=3)
+    assert one == two and len(one) == 6 and len(set(one)) > 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines and lines[-1].startswith("[sample] 6/6 answers")
+
+
+@pytest.mark.parametrize("options", [{"temperature": 0.7, "top_p": 0.95}, {"top_k": 100, "top_p": 0.95,
+                                     "temperature": 1.5}, {"top_k": 7}, {"top_p": 0.5}, {"temperature": 0.9}])
+@pytest.mark.parametrize("scale", [0.05, 1.0, 8.0])  # flat (the nucleus spills past the candidates) to peaked
+def test_the_nucleus_is_the_distribution_transformers_filtering_gives(options, scale):
+    logits = torch.randn(6, 3000, generator=torch.Generator().manual_seed(2)) * scale
+    logits[0] *= 40  # one row nearly one-hot, one row flat, in the same batch
+    logits[1] = 0.01 * logits[1]
+    expected = sampler.top_k_top_p(logits, **options).softmax(dim=-1)
+    ids, probs = sampler.nucleus(logits, **options)
+    got = torch.zeros_like(expected).scatter_add_(-1, ids, probs)
+    assert torch.allclose(got, expected, atol=1e-6)
+    draws = torch.stack([sampler.draw(logits, options) for _ in range(50)], dim=1)
+    assert bool((expected.gather(-1, draws) > 0).all())  # only tokens the filters keep are ever drawn
