@@ -12,6 +12,7 @@ inside the functions that use them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -24,8 +25,26 @@ import models
 import runs
 import shapes
 import tokenization
-from kit import UserError
+from kit import UserError, field
 from methods import TRAINERS, UNITS
+
+
+# train_dpo.TrainConfig inherits these (one flat set of flags): what a run measures of what training changed.
+@dataclasses.dataclass
+class EvalOptions:
+    """Held-out pairs, the checker's scores of sampled answers, retention probes."""
+    eval_fraction: float = field(0.2, "share of pairs (and prompts) held out of training, chosen by a hash of each "
+                                 "pair's run, else of the pair (stable as the file grows); 0 = none. On the demo "
+                                 "logs 0.2 holds out 8 of 49 runs: 11 pairs, 8 prompts for the checker")
+    eval_steps: int = field(5, "TRL's eval metrics on the held-out pairs every N steps")
+    early_stopping_patience: int = field(0, "stop after N evaluations without a lower held-out loss and keep "
+                                         "the best checkpoint; 0 = off")
+    eval_prompts: str = field("", "prompts whose sampled answers checker.py runs on their host, base against tuned "
+                              "(JSONL {prompt, host, run_id?}; checker.py --logs L --emit_prompts F writes them "
+                              "from run logs; rows with a run_id: only the held-out runs'); '' = none")
+    eval_samples: int = field(4, "sampled answers per --eval_prompts prompt, for each of base and tuned")
+    eval_max_new_tokens: int = field(256, "longest answer generated for --eval_prompts, in tokens")
+    probes: str = field("data/probes.jsonl", "retention probes: general prompts answered by base and tuned; '' = none")
 
 SAMPLING = {"temperature": 1.5, "top_k": 100, "top_p": 0.95}  # the co-training deck's settings
 MERGE_PROBES = ["How do I free disk space on a Linux server?", "What is 1+1?", "Tell me the history of the US."]
@@ -477,6 +496,26 @@ def evaluate(model, tokenizer, held: list[dict], probes: list[dict], max_length:
     if probes:
         result["probes"] = run_probes(model, tokenizer, probes, seed)
     return result
+
+
+def summary_lines(evaluation: dict) -> list[str]:
+    """What a run prints of its evaluation: held-out examples (KTO), the checker's pass rates, preference accuracy."""
+    out = []
+    if "held_out_kto" in evaluation:
+        b, t = evaluation["held_out_kto"]["base"], evaluation["held_out_kto"]["tuned"]
+        gap = lambda v: "n/a" if v is None else f"{v:+.3f}"  # noqa: E731
+        out.append(f"held-out examples: desirable minus undesirable log-likelihood {gap(b['gap'])} -> "
+                   f"{gap(t['gap'])} nats/token ({b['desirable']['examples']} desirable, "
+                   f"{b['undesirable']['examples']} undesirable)")
+    if "execution" in evaluation:
+        b, t = evaluation["execution"]["base"], evaluation["execution"]["tuned"]
+        out.append(f"checker on held-out prompts: pass rate {b['pass_rate']:.3f} -> {t['pass_rate']:.3f}, mean score "
+                   f"{b['mean_score']:+.4f} -> {t['mean_score']:+.4f}")
+    if "held_out" in evaluation:
+        b, t = evaluation["held_out"]["base"], evaluation["held_out"]["tuned"]
+        out.append(f"held-out preference accuracy {b['accuracy']:.3f} -> {t['accuracy']:.3f} "
+                   f"(margin {b['mean_margin']:.2f} -> {t['mean_margin']:.2f} nats) on {b['pairs']} pairs")
+    return out
 
 
 def write_report(directory: Path, title: str, evaluation: dict, metrics: list[dict]) -> None:

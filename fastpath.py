@@ -1016,6 +1016,46 @@ def kto_trainer_class():
     return KitKTOTrainer
 
 
+def arm(cfg, built) -> None:
+    """train_dpo.py's switches on its trainer: chunked log-probs (TRL's path behind its Liger switch), and the
+    kit's fused kernels and shared prompts. cfg: a TrainConfig; built: train_dpo.Built (trainer, compute, ...)."""
+    import torch
+
+    trainer, compute = built.trainer, built.compute
+    if cfg.chunked_logps and built.method == "dpo":  # TRL's DPOTrainer path
+        compute.logps, compute.chunked = enable_chunked_logps(trainer, built.targets)
+    if cfg.fused_ops:
+        autocast = torch.bfloat16 if trainer.args.bf16 else torch.float16 if trainer.args.fp16 else None
+        if liger_applies(built.on_gpu, built.targets):  # CUDA: Liger's norms and MLPs, not the kit's
+            liger = apply_liger(trainer.model, autocast)
+            if liger["failed"]:
+                print(f"[model] Liger's kernels stepped aside ({liger['failed']}); the kit's own kernels instead")
+            else:
+                compute.liger = liger["checked"]
+                print(f"[model] Liger's Triton kernels: {liger['checked']} norms and MLPs, and RoPE"
+                      + (f"; kept their own forward (a probe disagreed): {liger['reverted']}" if liger["reverted"]
+                         else ""))
+        fused = enable(trainer.model, autocast_dtype=autocast)  # each kernel checked on a probe first
+        if compute.chunked:
+            problem = head_agrees(trainer.model.device, autocast)
+            if problem:
+                compute.chunked, compute.logps = False, f"chunked by TRL (the kit's lean head stepped aside: {problem})"
+                print(f"[model] the kit's lean head stepped aside ({problem}): TRL's chunked log-probs instead")
+        trainer.kit_fused_logps = compute.chunked  # both: DPO's trainer class (below) reads them
+        trainer.kit_share_prompts = cfg.share_prompts and built.method == "dpo"
+        args = trainer.args  # bf16 / fp16: accelerate's autocast, on a CPU too
+        dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
+        if not silu_mul_applies(getattr(torch, dtype), "cuda" if built.on_gpu else "cpu"):
+            fused["mlp"] = 0  # swapped on, but they run the module's own product in this dtype on this device
+        compute.fused = fused | {"chunked_head": compute.chunked, "dtype": dtype}
+        print(f"[model] fused ops (fastpath.py): {fused['lora_linear']} LoRA layers, {fused['rms_norm']} RMSNorms, "
+              f"{fused['mlp']} SiLU gates{', the chunked head' if compute.chunked else ''} "
+              f"({dtype if dtype == 'float32' else dtype + ' autocast'}; --no_fused_ops: off)")
+        if fused["own_forward"]:
+            print("[model] kept their own forward (a fused kernel did not reproduce them on a probe input): "
+                  + ", ".join(f"{n} x{k}" for n, k in sorted(fused["own_forward"].items())))
+
+
 def grpo_trainer_class():
     """GRPOTrainer that logs where a step's time goes (three of TRL 1.14's internal methods, timed): seconds
     generating the answers (time/generation), scoring them (time/scoring: the reward functions, the checker's
@@ -1034,6 +1074,31 @@ def grpo_trainer_class():
         return wrapper
 
     class KitGRPOTrainer(GRPOTrainer):
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
+                                  has_tool_images=False):
+            """TRL's plain-transformers branch through sampler.py's loop (LoRA merged, finished rows leaving the
+            batch) where it is that branch and the loop computes the same distribution: one process, text only,
+            temperature / top-k / top-p sampling. Anything else (vLLM, continuous batching, several processes,
+            images, repetition penalties) is TRL's own."""
+            import sampler
+
+            g = self.generation_config
+            plain = (not self.use_vllm and not self.use_transformers_continuous_batching and not images
+                     and not multimodal_fields and self.accelerator.num_processes == 1 and g.do_sample
+                     and g.repetition_penalty in (None, 1.0) and not getattr(g, "min_p", None))
+            if not plain:
+                return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                     has_tool_images)
+            sampling = {"temperature": g.temperature or 1.0, "top_k": g.top_k or 0, "top_p": g.top_p or 1.0}
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                ids = sampler.sample_ids(self.model, prompt_ids, self._tokenizer.pad_token_id, g.max_new_tokens,
+                                         set(self.eos_token_ids), sampling, kv_cache=preallocated_kv_cache)
+            finally:
+                self.model.train(was_training)
+            return ids, None
+
         _generate = timed("generation", GRPOTrainer._generate)
         _calculate_rewards = timed("scoring", GRPOTrainer._calculate_rewards)
         _generate_and_score_completions = timed("rollout", GRPOTrainer._generate_and_score_completions)

@@ -665,9 +665,11 @@ def generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, s
     """Answers to message lists: greedy, or sampled with `sampling` (temperature / top_k / top_p) after seeding
     torch with `seed`; n answers per prompt, in prompt order. Through sampler.py's decode loop (LoRA merged while
     sampling, finished rows leaving the batch); label: a progress line while it runs."""
+    import fastpath
     import sampler
 
-    return sampler.sample(model, tokenizer, prompts, max_new_tokens, sampling, seed, n, label=label)
+    return sampler.sample(model, tokenizer, prompts, max_new_tokens, sampling, seed, n, label=label,
+                          kv_cache=fastpath.preallocated_kv_cache)
 
 
 def hf_generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, sampling: dict | None = None,

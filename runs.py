@@ -14,10 +14,12 @@ scaleout.py when a rank of a multi-process run fails.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import errno
 import fcntl
 import hashlib
+import importlib.util
 import io
 import json
 import os
@@ -587,3 +589,39 @@ def open_run(path: str | os.PathLike, workdir: str | os.PathLike) -> tuple[Path,
     if missing := [k for k in RUN_CONFIG_KEYS if k not in config]:
         raise UserError(f"config.json is not a train_dpo.py run's (no {', '.join(missing)})", p / "config.json")
     return p, config
+
+
+# ---------------------------------------------------------------------------------------------
+# Experiment trackers (--report_to): checked before a run, and where TensorBoard writes.
+# ---------------------------------------------------------------------------------------------
+
+# --report_to: transformers' experiment trackers (integrations.INTEGRATION_TO_CALLBACK) -> the modules each needs
+TRACKERS = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "mlflow": ("mlflow",),
+            "trackio": ("trackio",), "comet_ml": ("comet_ml",), "clearml": ("clearml",), "swanlab": ("swanlab",),
+            "dvclive": ("dvclive",), "neptune": ("neptune",), "azure_ml": ("azureml",), "dagshub": ("dagshub",),
+            "codecarbon": ("codecarbon",), "flyte": ("flytekit",), "kubeflow": ("kubeflow",)}
+
+
+def tracker_problems(report_to: str) -> list[str]:
+    """Unknown tracker names, and trackers whose package is not installed (transformers would fail at start)."""
+    p = []
+    for name in (t.strip() for t in report_to.split(",") if t.strip() not in ("", "none")):
+        if name not in TRACKERS:
+            p.append(f"--report_to: unknown tracker {name!r} (choose from none, {', '.join(TRACKERS)})")
+        elif not any(importlib.util.find_spec(module) for module in TRACKERS[name]):
+            p.append(f"--report_to {name}: needs the {TRACKERS[name][-1]} package (pip install {TRACKERS[name][-1]})")
+    return p
+
+
+@contextlib.contextmanager
+def tensorboard_dir(path: Path):
+    """TensorBoard's event files in the run directory (they travel with it into the tarball), not under the
+    checkpoints that finishing deletes; a TENSORBOARD_LOGGING_DIR the user set wins."""
+    if os.environ.get("TENSORBOARD_LOGGING_DIR"):
+        yield
+        return
+    os.environ["TENSORBOARD_LOGGING_DIR"] = str(path)
+    try:
+        yield
+    finally:
+        del os.environ["TENSORBOARD_LOGGING_DIR"]

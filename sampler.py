@@ -1,14 +1,19 @@
 """Sampling answers fast: the kit's own decode loop, used wherever the kit samples (the checker's held-out
-scores, rounds of the model's own attempts, SPIN and self-reward answers, probes, chat).
+scores, rounds of the model's own attempts, GRPO's answers, SPIN and self-reward answers, probes, chat).
 
 Not run on its own; `make bench` measures it against transformers' `generate` (bench/sampling.py).
 
 What makes it faster than `model.generate` on the same batch:
   - LoRA merged into the base weights while sampling (float weights only; a 4-bit base keeps its adapter on the
     side), and the exact original weights copied back afterwards: one matmul per layer instead of three;
+  - keys and values written in place (fastpath.preallocated_kv_cache, which models.generate passes in), not
+    concatenated at every token;
   - finished answers leave the batch: a row that has written its end-of-turn token costs nothing more, so a batch
     runs as long as its longest answer only for the rows still writing;
-  - the prompt's pass computes the output head for its last token only.
+  - the prompt's pass computes the output head for its last token only;
+  - the nucleus (top-p) drawn from the few hundred likeliest tokens, not a sort of the whole vocabulary (exact:
+    a row whose nucleus is wider falls back to the full sort).
+GRPO's answers come through the same loop (fastpath.grpo_trainer_class replaces TRL's plain-transformers branch).
 Greedy answers are transformers' greedy answers (tests/test_sampler.py); sampled ones draw from the same
 temperature / top-k / top-p distribution.
 """
@@ -19,7 +24,7 @@ import contextlib
 import sys
 import time
 
-PROGRESS_EVERY = 5.0  # seconds between progress lines
+PROGRESS_EVERY = 10.0  # seconds between progress lines
 
 
 def top_k_top_p(logits, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
@@ -146,18 +151,18 @@ class Progress:
 
 
 def decode_loop(model, input_ids, attention_mask, max_new_tokens: int, stop_ids: set[int], sampling: dict | None,
-                progress: Progress | None = None) -> list[list[int]]:
-    """Each row's new tokens (without the stop token), rows leaving the batch as they finish."""
+                progress: Progress | None = None, keep_stop: bool = False, kv_cache=None) -> list[list[int]]:
+    """Each row's new tokens (with its stop token when keep_stop), rows leaving the batch as they finish.
+    kv_cache: capacity -> a transformers cache (fastpath.preallocated_kv_cache); None = a DynamicCache."""
     import torch
-
-    import fastpath
+    from transformers import DynamicCache
 
     rows = input_ids.shape[0]
     out: list[list[int]] = [[] for _ in range(rows)]
     alive = torch.arange(rows)
     mask = attention_mask
     position = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = fastpath.preallocated_kv_cache(input_ids.shape[1] + max_new_tokens)
+    cache = kv_cache(input_ids.shape[1] + max_new_tokens) if kv_cache else DynamicCache()
     step_input, step_position = input_ids, position
     stops = torch.tensor(sorted(stop_ids)) if stop_ids else None
     for _ in range(max_new_tokens):
@@ -166,7 +171,7 @@ def decode_loop(model, input_ids, attention_mask, max_new_tokens: int, stop_ids:
         token = draw(logits, sampling)
         done = torch.isin(token, stops) if stops is not None else torch.zeros_like(token, dtype=torch.bool)
         for row, t, d in zip(alive.tolist(), token.tolist(), done.tolist()):
-            if not d:
+            if keep_stop or not d:
                 out[row].append(t)
         keep = (~done).nonzero().squeeze(1)
         if progress:
@@ -196,7 +201,7 @@ def prompt_texts(tokenizer, prompts: list[list[dict]], prefix: str = "") -> list
 
 
 def sample(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, sampling: dict | None = None,
-           seed: int | None = None, n: int = 1, batch_size: int = 64, label: str = "") -> list[str]:
+           seed: int | None = None, n: int = 1, batch_size: int = 64, label: str = "", kv_cache=None) -> list[str]:
     """Answers to message lists: greedy (sampling None) or sampled with {temperature, top_k, top_p} after seeding
     torch with `seed`; n answers per prompt, in prompt order. The LoRA adapter, when on, is merged while sampling.
     label: a progress line on stderr every few seconds ('' = none)."""
@@ -222,10 +227,25 @@ def sample(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, sam
                 batch = tokenizer(texts[i:i + batch_size], return_tensors="pt", padding=True,
                                   add_special_tokens=not tokenizer.chat_template).to(model.device)
                 new = decode_loop(model, batch["input_ids"], batch["attention_mask"], max_new_tokens, stop_ids,
-                                  sampling, progress)
+                                  sampling, progress, kv_cache=kv_cache)
                 answers += [tokenizer.decode(row, skip_special_tokens=True).strip() for row in new]
     finally:
         model.train(was_training)
     if progress:
         progress.add(0, force=True)
     return answers
+
+
+def sample_ids(model, prompt_ids: list[list[int]], pad_id: int, max_new_tokens: int, stop_ids: set[int],
+               sampling: dict | None, kv_cache=None) -> list[list[int]]:
+    """Token ids in, token ids out (each answer with its stop token, as TRL's GRPO keeps it): GRPO's generation
+    through this loop (fastpath.grpo_trainer_class). The model's own train/eval mode is left as it was."""
+    import torch
+
+    width = max(len(p) for p in prompt_ids)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompt_ids])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
+    device = next(model.parameters()).device
+    with torch.no_grad(), merged(model):
+        return decode_loop(model, ids.to(device), mask.to(device), max_new_tokens, stop_ids, sampling,
+                           keep_stop=True, kv_cache=kv_cache)

@@ -82,3 +82,20 @@ def cached(cache_dir: Path | None, key: str | None, split: str, record: dict, pr
             print(f"[data] tokenised data not cached ({e})")
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def for_run(where: str, max_length: int, tokenizer, args, pairs: list[dict], held: list[dict]) -> tuple:
+    """A DPO run's cache (--tokenized_cache `where`): (cache directory or None, {split: key}), keyed by what TRL's
+    tokenisation of each split depends on. args: its DPOConfig."""
+    import trl
+
+    cache_dir = tokenized_cache_dir(where)
+    if cache_dir is None:
+        return None, {}
+    settings = {"max_length": max_length, "truncation_mode": args.truncation_mode, "trl": trl.__version__,
+                "kit_cache": 2}  # 2: tokenize_pair
+    digest = tokenizer_digest(tokenizer)
+    keys = {"train": tokenized_cache_key(pairs, digest, settings | {"split": "train"})}
+    if held:
+        keys["eval"] = tokenized_cache_key(held, digest, settings | {"split": "eval"})
+    return cache_dir, keys

@@ -56,15 +56,10 @@ from kit import UserError, field
 KIT_NAME = "dpo-kit"
 _LOAD = models.LoadOptions()  # how the base is loaded: its defaults are TrainConfig's
 
-# --report_to: transformers' experiment trackers (integrations.INTEGRATION_TO_CALLBACK) -> the modules each needs
-TRACKERS = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "mlflow": ("mlflow",),
-            "trackio": ("trackio",), "comet_ml": ("comet_ml",), "clearml": ("clearml",), "swanlab": ("swanlab",),
-            "dvclive": ("dvclive",), "neptune": ("neptune",), "azure_ml": ("azureml",), "dagshub": ("dagshub",),
-            "codecarbon": ("codecarbon",), "flyte": ("flytekit",), "kubeflow": ("kubeflow",)}
 
 
 @dataclasses.dataclass
-class TrainConfig(methods.GRPOOptions, methods.KTOOptions):
+class TrainConfig(methods.GRPOOptions, methods.KTOOptions, evaluate.EvalOptions):
     # What to train on, what to train, where it goes
     data: str = field("", "preference pairs: .jsonl, .jsonl.gz, .json, .parquet, a directory of those, or a hub "
                       "dataset id org/name[:split]; any of the formats in docs/formats.md")
@@ -143,22 +138,9 @@ class TrainConfig(methods.GRPOOptions, methods.KTOOptions):
                                "kit ships (chatml-tools: ChatML with tool calls, for SmolLM2) or a .jinja file; saved "
                                "with the run's tokenizer")
     report_to: str = field("none", "experiment trackers that also get every logged step, comma-separated "
-                           f"(TRL's report_to: {', '.join(TRACKERS)}); tensorboard writes <run>/logs/tensorboard/ "
+                           f"(TRL's report_to: {', '.join(runs.TRACKERS)}); tensorboard writes <run>/logs/tensorboard/ "
                            "(offline; `tensorboard --logdir artifacts`); none = only metrics.jsonl")
     save_steps: int = field(10, "checkpoint every N steps (what a resume starts from)")
-    # What training changed, and keeping what the model could already do
-    eval_fraction: float = field(0.2, "share of pairs (and prompts) held out of training, chosen by a hash of each "
-                                 "pair's run, else of the pair (stable as the file grows); 0 = none. On the demo "
-                                 "logs 0.2 holds out 8 of 49 runs: 11 pairs, 8 prompts for the checker")
-    eval_steps: int = field(5, "TRL's eval metrics on the held-out pairs every N steps")
-    early_stopping_patience: int = field(0, "stop after N evaluations without a lower held-out loss and keep "
-                                         "the best checkpoint; 0 = off")
-    eval_prompts: str = field("", "prompts whose sampled answers checker.py runs on their host, base against tuned "
-                              "(JSONL {prompt, host, run_id?}; checker.py --logs L --emit_prompts F writes them "
-                              "from run logs; rows with a run_id: only the held-out runs'); '' = none")
-    eval_samples: int = field(4, "sampled answers per --eval_prompts prompt, for each of base and tuned")
-    eval_max_new_tokens: int = field(256, "longest answer generated for --eval_prompts, in tokens")
-    probes: str = field("data/probes.jsonl", "retention probes: general prompts answered by base and tuned; '' = none")
     tokenized_cache: str = field("", "where tokenised pairs are kept between runs of the same data, tokenizer and "
                                  "max_length ('' = $DPO_KIT_CACHE or ~/.cache/dpo-kit; 'none' = off)")
     mix: str = field("", "more pair files mixed into training, as shares of the mixture: 'a.jsonl:0.2,b.jsonl:0.1'; "
@@ -217,7 +199,7 @@ class TrainConfig(methods.GRPOOptions, methods.KTOOptions):
             p.append("--init_adapter is the reference; it does not go with --ref_model_name_or_path")
         p += methods.method_problems(self, self.method)
         p += sandbox.forced_problems() if self.eval_prompts or self.method == "grpo" else []  # it runs answers
-        p += tracker_problems(self.report_to)
+        p += runs.tracker_problems(self.report_to)
         if self.run_name and (os.sep in self.run_name or self.run_name.startswith(".")):
             p.append(f"--run_name must be a plain name, not a path (got {self.run_name!r})")
         return p
@@ -226,17 +208,6 @@ class TrainConfig(methods.GRPOOptions, methods.KTOOptions):
 # ---------------------------------------------------------------------------------------------
 # Pure helpers: tested without a model.
 # ---------------------------------------------------------------------------------------------
-
-
-def tracker_problems(report_to: str) -> list[str]:
-    """Unknown tracker names, and trackers whose package is not installed (transformers would fail at start)."""
-    p = []
-    for name in methods.trackers(report_to):
-        if name not in TRACKERS:
-            p.append(f"--report_to: unknown tracker {name!r} (choose from none, {', '.join(TRACKERS)})")
-        elif not any(importlib.util.find_spec(module) for module in TRACKERS[name]):
-            p.append(f"--report_to {name}: needs the {TRACKERS[name][-1]} package (pip install {TRACKERS[name][-1]})")
-    return p
 
 
 def truncation_stats(prompt_lens, chosen_lens, rejected_lens, max_length: int) -> int:
@@ -537,20 +508,6 @@ def build_model(cfg: TrainConfig, model_path: str, ref_path: str | None, interna
                  params={"quantized_4bit": quantized}, compute=compute, on_gpu=on_gpu, internals=internals)
 
 
-@contextlib.contextmanager
-def tensorboard_dir(path: Path):
-    """TensorBoard's event files in the run directory (they travel with it into the tarball), not under the
-    checkpoints that finishing deletes; a TENSORBOARD_LOGGING_DIR the user set wins."""
-    if os.environ.get("TENSORBOARD_LOGGING_DIR"):
-        yield
-        return
-    os.environ["TENSORBOARD_LOGGING_DIR"] = str(path)
-    try:
-        yield
-    finally:
-        del os.environ["TENSORBOARD_LOGGING_DIR"]
-
-
 def build_trainer(cfg: TrainConfig, run: runs.Run, built: Built, pairs: list[dict], held: list[dict],
                   data: formats.TrainingData, interrupt: Interrupt, callbacks) -> None:
     """The method's TRL trainer over the model (methods.py): LoRA (or the --init_adapter run's adapter), its
@@ -577,76 +534,22 @@ def build_trainer(cfg: TrainConfig, run: runs.Run, built: Built, pairs: list[dic
         model, built.targets, built.parent = models.load_init_adapter(model, cfg.init_adapter, models.LoadOptions.of(cfg),
                                                                       cfg.model_name_or_path)
         peft_config = None
-    if data.method != "dpo":  # TRL's log-probs; the kit's tokenisation (KTO) and module kernels (arm_fast_path)
+    if data.method != "dpo":  # TRL's log-probs; the kit's tokenisation (KTO) and module kernels (fastpath.arm)
         built.compute.logps = f"full logits (TRL's {methods.TRAINERS[data.method]})"
-    dpo_cache = tokenized_cache(cfg, built.tokenizer, args, pairs, held) if data.method == "dpo" and built.internals else ()
+    dpo_cache = token_cache.for_run(cfg.tokenized_cache, cfg.max_length, built.tokenizer, args, pairs, held) \
+        if data.method == "dpo" and built.internals else ()
     trainer_cls = methods.trainer_class(data.method, built.internals, dpo_cache, data.tokenized)
     args.run_name = run.name  # what trackers call the run
-    with tensorboard_dir(run.partial / "logs" / "tensorboard"):  # transformers' TensorBoardCallback reads it at init
+    with runs.tensorboard_dir(run.partial / "logs" / "tensorboard"):  # transformers' TensorBoardCallback reads it at init
         trainer = methods.make_trainer(trainer_cls, cfg, data.method, model, built.ref_model, args, pairs, held,
                                        built.tokenizer, peft_config, [*extra, *callbacks])
     trainer.remove_callback(PrinterCallback)  # raw dicts per step: runs.training_callbacks shows progress instead
     built.trainer = trainer
     if built.internals:
-        arm_fast_path(cfg, built)
+        fastpath.arm(cfg, built)
     if cfg.use_liger_kernel:  # TRL's chunked log-probs, whatever --chunked_logps says
         built.compute.logps, built.compute.chunked = "chunked by TRL, Liger kernels in the model (--use_liger_kernel)", True
     models.float32_trainable(trainer.model)  # TRL casts them to bfloat16 for a 4-bit base, on a GPU too
-
-
-def tokenized_cache(cfg: TrainConfig, tokenizer, args, pairs: list[dict], held: list[dict]) -> tuple:
-    """(cache directory or None, {split: key}): what TRL's tokenisation of each split depends on."""
-    import trl
-
-    cache_dir = token_cache.tokenized_cache_dir(cfg.tokenized_cache)
-    if cache_dir is None:
-        return None, {}
-    settings = {"max_length": cfg.max_length, "truncation_mode": args.truncation_mode, "trl": trl.__version__,
-                "kit_cache": 2}  # 2: tokenize_pair
-    digest = token_cache.tokenizer_digest(tokenizer)
-    keys = {"train": token_cache.tokenized_cache_key(pairs, digest, settings | {"split": "train"})}
-    if held:
-        keys["eval"] = token_cache.tokenized_cache_key(held, digest, settings | {"split": "eval"})
-    return cache_dir, keys
-
-
-def arm_fast_path(cfg: TrainConfig, built: Built) -> None:
-    """Chunked log-probs (TRL's path behind its Liger switch), and the kit's fused kernels and shared prompts."""
-    import torch
-
-    trainer, compute = built.trainer, built.compute
-    if cfg.chunked_logps and built.method == "dpo":  # TRL's DPOTrainer path
-        compute.logps, compute.chunked = fastpath.enable_chunked_logps(trainer, built.targets)
-    if cfg.fused_ops:
-        autocast = torch.bfloat16 if trainer.args.bf16 else torch.float16 if trainer.args.fp16 else None
-        if fastpath.liger_applies(built.on_gpu, built.targets):  # CUDA: Liger's norms and MLPs, not the kit's
-            liger = fastpath.apply_liger(trainer.model, autocast)
-            if liger["failed"]:
-                print(f"[model] Liger's kernels stepped aside ({liger['failed']}); the kit's own kernels instead")
-            else:
-                compute.liger = liger["checked"]
-                print(f"[model] Liger's Triton kernels: {liger['checked']} norms and MLPs, and RoPE"
-                      + (f"; kept their own forward (a probe disagreed): {liger['reverted']}" if liger["reverted"]
-                         else ""))
-        fused = fastpath.enable(trainer.model, autocast_dtype=autocast)  # each kernel checked on a probe first
-        if compute.chunked:
-            problem = fastpath.head_agrees(trainer.model.device, autocast)
-            if problem:
-                compute.chunked, compute.logps = False, f"chunked by TRL (the kit's lean head stepped aside: {problem})"
-                print(f"[model] the kit's lean head stepped aside ({problem}): TRL's chunked log-probs instead")
-        trainer.kit_fused_logps = compute.chunked  # both: DPO's trainer class (fastpath.py) reads them
-        trainer.kit_share_prompts = cfg.share_prompts and built.method == "dpo"
-        args = trainer.args  # bf16 / fp16: accelerate's autocast, on a CPU too
-        dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
-        if not fastpath.silu_mul_applies(getattr(torch, dtype), "cuda" if built.on_gpu else "cpu"):
-            fused["mlp"] = 0  # swapped on, but they run the module's own product in this dtype on this device
-        compute.fused = fused | {"chunked_head": compute.chunked, "dtype": dtype}
-        print(f"[model] fused ops (fastpath.py): {fused['lora_linear']} LoRA layers, {fused['rms_norm']} RMSNorms, "
-              f"{fused['mlp']} SiLU gates{', the chunked head' if compute.chunked else ''} "
-              f"({dtype if dtype == 'float32' else dtype + ' autocast'}; --no_fused_ops: off)")
-        if fused["own_forward"]:
-            print("[model] kept their own forward (a fused kernel did not reproduce them on a probe input): "
-                  + ", ".join(f"{n} x{k}" for n, k in sorted(fused["own_forward"].items())))
 
 
 def record_data(cfg: TrainConfig, run: runs.Run, built: Built, data: formats.TrainingData, n_pairs: int) -> None:
@@ -745,20 +648,8 @@ def evaluate_trained(cfg: TrainConfig, run: runs.Run, built: Built, held: list[d
         evaluation = {} if sharded else evaluate.evaluate(model, built.tokenizer, held, probes, cfg.max_length, cfg.seed,
                                                           list(exec_prompts), cfg.eval_samples, cfg.eval_max_new_tokens)
     evaluate.write_report(run.partial, f"{run.name}: what training changed", evaluation, metrics)
-    if "held_out_kto" in evaluation:
-        b, t = evaluation["held_out_kto"]["base"], evaluation["held_out_kto"]["tuned"]
-        gap = lambda v: "n/a" if v is None else f"{v:+.3f}"  # noqa: E731
-        print(f"[eval] held-out examples: desirable minus undesirable log-likelihood {gap(b['gap'])} -> "
-              f"{gap(t['gap'])} nats/token ({b['desirable']['examples']} desirable, "
-              f"{b['undesirable']['examples']} undesirable)")
-    if "execution" in evaluation:
-        b, t = evaluation["execution"]["base"], evaluation["execution"]["tuned"]
-        print(f"[eval] checker on held-out prompts: pass rate {b['pass_rate']:.3f} -> {t['pass_rate']:.3f}, mean score "
-              f"{b['mean_score']:+.4f} -> {t['mean_score']:+.4f}")
-    if "held_out" in evaluation:
-        b, t = evaluation["held_out"]["base"], evaluation["held_out"]["tuned"]
-        print(f"[eval] held-out preference accuracy {b['accuracy']:.3f} -> {t['accuracy']:.3f} "
-              f"(margin {b['mean_margin']:.2f} -> {t['mean_margin']:.2f} nats) on {b['pairs']} pairs")
+    for line in evaluate.summary_lines(evaluation):
+        print(f"[eval] {line}")
     print(f"[eval] report.md written in {time.time() - t0:.0f}s", flush=True)
     return evaluation
 

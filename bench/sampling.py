@@ -95,8 +95,8 @@ def main(argv=None) -> int:
     paths = {
         "transformers generate": lambda: models.hf_generate(model, tokenizer, prompts, cfg.max_new_tokens, sampling,
                                                             cfg.seed, n=cfg.samples),
-        "sampler.py": lambda: sampler.sample(model, tokenizer, prompts, cfg.max_new_tokens, sampling, cfg.seed,
-                                             n=cfg.samples, label="sample")}
+        "sampler.py": lambda: models.generate(model, tokenizer, prompts, cfg.max_new_tokens, sampling, cfg.seed,
+                                              n=cfg.samples, label="sample")}
     runs = {name: [] for name in paths}
     for name, fn in paths.items():
         fn()  # warm-up

@@ -75,9 +75,9 @@ def test_greedy_answers_are_transformers_greedy_answers_on_the_bundled_model():
     prompts = [[{"role": "user", "content": "Delete the Yarn cache directory"}],
                [{"role": "user", "content": "What is 1+1?"}],
                [{"role": "user", "content": "Write Python that prints the bytes used by ~/.cache/pip"}]]
-    ours = sampler.sample(model, tokenizer, prompts, 40)
+    ours = models.generate(model, tokenizer, prompts, 40)  # the preallocated cache (fastpath)
     theirs = models.hf_generate(model, tokenizer, prompts, 40)
-    assert ours == theirs
+    assert ours == theirs == sampler.sample(model, tokenizer, prompts, 40)  # and transformers' DynamicCache
     assert all(ours) and len(set(ours)) == 3
 
 

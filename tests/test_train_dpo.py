@@ -426,8 +426,8 @@ def test_report_to_names_known_trackers_whose_package_is_installed():
     from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 
     assert set(train_dpo.TRACKERS) == set(INTEGRATION_TO_CALLBACK)  # the kit's list is transformers' own
-    assert train_dpo.tracker_problems("tensorboard") == []  # tensorboardX is in the lock
-    problems = train_dpo.tracker_problems("tensorbored,kubeflow")
+    assert runs.tracker_problems("tensorboard") == []  # tensorboardX is in the lock
+    problems = runs.tracker_problems("tensorbored,kubeflow")
     assert problems[0].startswith("--report_to: unknown tracker 'tensorbored'")
     assert problems[1] == "--report_to kubeflow: needs the kubeflow package (pip install kubeflow)"
     cfg = train_dpo.TrainConfig(data="x.jsonl", report_to="tensorboard")
