@@ -287,7 +287,7 @@ precision: $(STAMP) $(BUNDLED_MODEL)/config.json ## bfloat16 against float32 ove
 bench: $(STAMP) $(if $(filter-out random:%,$(MODEL)),,$(BUNDLED_MODEL)/config.json) ## measure training modes and GRPO's step: bench/results*.{md,json,png} (QUICK=1, DEVICE=cuda, MODEL=random:<shape>)
 	$(PY) bench/bench.py $(if $(filter 1,$(QUICK)),--quick) $(if $(DEVICE),--device $(DEVICE)) \
 	  $(if $(MODEL),--model $(MODEL)) $(ARGS)
-	$(if $(MODEL),,$(PY) bench/sampling.py $(if $(filter 1,$(QUICK)),--repeats 1 --max_new_tokens 96))
+	$(if $(MODEL),,$(PY) bench/sampling.py $(if $(filter 1,$(QUICK)),--repeats 1 --max_new_tokens 96 --stem results-sampling-quick))
 
 .PHONY: compare
 compare: $(STAMP) $(BUNDLED_MODEL)/config.json ## base vs DPO vs KTO vs GRPO on LOGS, held-out checker scores over 3 seeds: bench/results-methods.{md,json} (long)

@@ -2,7 +2,7 @@
 and settings, as the held-out checker scores sample (the demo's held-out prompts x 4 answers, up to 256 tokens).
 
     python bench/sampling.py [--repeats 2] [--max_new_tokens 256]      # make bench runs it too
-    -> bench/results-sampling.{md,json}
+    -> bench/results-sampling.{md,json}   (make bench QUICK=1: results-sampling-quick.*, shorter answers)
 
 The model is loaded as a run's evaluation loads it (4-bit NF4, dequantised on a CPU) with a LoRA adapter on every
 linear layer (B moved off zero, so the adapter changes the answers as a trained one does). Each path samples the
@@ -35,7 +35,9 @@ class SamplingBenchConfig:
     repeats: int = field(2, "timed runs of each path, after a warm-up")
     lora_r: int = field(16, "the adapter's rank (train_dpo.py's default)")
     seed: int = field(0, "sampling seed")
-    out_dir: str = field("bench", "where results-sampling.{md,json} go")
+    out_dir: str = field("bench", "where the results go")
+    stem: str = field("results-sampling", "their file names: <stem>.md and <stem>.json (make bench QUICK=1: "
+                      "results-sampling-quick, not committed)")
 
 
 def held_out_prompts(logs: str) -> list[list[dict]]:
@@ -118,9 +120,9 @@ def main(argv=None) -> int:
     result["speedup"] = result["paths"]["sampler.py"]["tokens_per_s"] / \
         result["paths"]["transformers generate"]["tokens_per_s"]
     out = ROOT / cfg.out_dir
-    kit.atomic_write_json(out / "results-sampling.json", result)
-    kit.atomic_write_text(out / "results-sampling.md", markdown(result))
-    print(f"[bench] sampling: {result['speedup']:.2f}x transformers' generate; {out / 'results-sampling.md'}")
+    kit.atomic_write_json(out / f"{cfg.stem}.json", result)
+    kit.atomic_write_text(out / f"{cfg.stem}.md", markdown(result))
+    print(f"[bench] sampling: {result['speedup']:.2f}x transformers' generate; {out / (cfg.stem + '.md')}")
     return 0
 
 
