@@ -110,7 +110,8 @@ def merged(model):
     original weights back after it: the model trains and evaluates on afterwards as if nothing happened."""
     import torch
 
-    layers = [m for m in lora_layers(model) if not m.merged and not m.disable_adapters and m.active_adapters]
+    layers = [m for m in lora_layers(model) if not m.merged and not m.disable_adapters and m.active_adapters
+              and not any(getattr(m, "use_dora", {}).get(a) for a in m.active_adapters)]  # DoRA: its own forward
     saved = []
     try:
         with torch.no_grad():

@@ -425,7 +425,7 @@ def test_report_to_names_known_trackers_whose_package_is_installed():
     assert methods.trackers("none") == [] and methods.trackers("tensorboard, wandb") == ["tensorboard", "wandb"]
     from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 
-    assert set(train_dpo.TRACKERS) == set(INTEGRATION_TO_CALLBACK)  # the kit's list is transformers' own
+    assert set(runs.TRACKERS) == set(INTEGRATION_TO_CALLBACK)  # the kit's list is transformers' own
     assert runs.tracker_problems("tensorboard") == []  # tensorboardX is in the lock
     problems = runs.tracker_problems("tensorbored,kubeflow")
     assert problems[0].startswith("--report_to: unknown tracker 'tensorbored'")
