@@ -1205,7 +1205,7 @@ def preallocated_kv_cache(capacity: int):
                 self.lazy_initialization(key_states, value_states)
             end = self.filled + key_states.shape[-2]
             if end > self.buffers[0].shape[-2]:  # past the capacity asked for: grow (never on the sampler's path)
-                self.buffers = [torch_cat_free(b, end) for b in self.buffers]
+                self.buffers = [grown(b, end) for b in self.buffers]
             self.buffers[0][:, :, self.filled:end] = key_states
             self.buffers[1][:, :, self.filled:end] = value_states
             self.filled = end
@@ -1217,10 +1217,10 @@ def preallocated_kv_cache(capacity: int):
                 self.buffers = [b[indices] for b in self.buffers]
                 self.keys, self.values = (b[:, :, :self.filled] for b in self.buffers)
 
-    def torch_cat_free(buffer, length):
-        grown = buffer.new_empty(*buffer.shape[:2], max(length, 2 * buffer.shape[-2]), buffer.shape[-1])
-        grown[:, :, :buffer.shape[-2]] = buffer
-        return grown
+    def grown(buffer, length):  # a copy with room for `length` positions (doubling)
+        bigger = buffer.new_empty(*buffer.shape[:2], max(length, 2 * buffer.shape[-2]), buffer.shape[-1])
+        bigger[:, :, :buffer.shape[-2]] = buffer
+        return bigger
 
     cache.layer_class_to_replicate = PreallocatedLayer
     return cache

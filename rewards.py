@@ -195,8 +195,7 @@ class Checked:
         found = {k: self.cache[k] for k in dict.fromkeys(keys) if k in self.cache}
         todo = [k for k in dict.fromkeys(keys) if k not in found]
         limits = sandbox.Limits(wall_seconds=self.wall_seconds)
-        with ThreadPoolExecutor(self.workers) as pool:
-            found |= dict(zip(todo, pool.map(lambda k: checker.check(k[0], k[1], limits), todo)))
+        found |= dict(zip(todo, checker.check_many(todo, limits, self.workers)))
         if len(self.cache) + len(todo) > CACHE_SIZE:  # the checker and ran rewards of a step share it: keep it small
             self.cache.clear()
         self.cache.update((k, found[k]) for k in todo)

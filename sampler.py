@@ -212,8 +212,7 @@ def sample(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, sam
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     texts = [t for t in prompt_texts(tokenizer, prompts) for _ in range(n)]
-    stop_ids = {i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id if tokenizer.pad_token == tokenizer.eos_token
-                            else None) if i is not None}
+    stop_ids = {tokenizer.eos_token_id} - {None}
     extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     stop_ids |= set(extra if isinstance(extra, list) else [extra] if extra is not None else [])
     if seed is not None:

@@ -112,3 +112,22 @@ def test_the_nucleus_is_the_distribution_transformers_filtering_gives(options, s
     assert torch.allclose(got, expected, atol=1e-6)
     draws = torch.stack([sampler.draw(logits, options) for _ in range(50)], dim=1)
     assert bool((expected.gather(-1, draws) > 0).all())  # only tokens the filters keep are ever drawn
+
+
+def test_the_preallocated_cache_gives_the_dynamic_caches_logits_and_grows_past_its_capacity():
+    import fastpath
+    from transformers import DynamicCache
+
+    model = tiny_llama_with_lora()
+    ids = torch.randint(0, 64, (3, 6), generator=torch.Generator().manual_seed(4))
+    steps = torch.randint(0, 64, (3, 5), generator=torch.Generator().manual_seed(5))
+    outs = []
+    for cache in (DynamicCache(), fastpath.preallocated_kv_cache(7)):  # 6 + 5 tokens: grows once
+        with torch.no_grad():
+            logits = [model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]]
+            for i in range(steps.shape[1]):
+                logits.append(model(input_ids=steps[:, i:i + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+            cache.batch_select_indices(torch.tensor([0, 2]))
+            logits.append(model(input_ids=steps[[0, 2], :1], past_key_values=cache, use_cache=True).logits[:, -1])
+        outs.append(logits)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(*outs))
