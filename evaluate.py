@@ -70,8 +70,17 @@ def preference_stats(rows) -> dict:
 
 def reward_rows(metrics: list[dict]) -> list[dict]:
     """GRPO's logged steps: reward mean and spread, the checker's pass and ran rates, seconds per part."""
-    keys = ("reward", "reward_std", "pass_rate", "ran_rate", "kl", "time/generation", "time/scoring", "step_time")
+    keys = ("reward", "reward_std", "pass_rate", "ran_rate", "kit/signal", "kl", "time/generation", "time/scoring",
+            "step_time")
     return [{"step": m["step"], **{k: m[k] for k in keys if k in m}} for m in metrics if "reward" in m]
+
+
+def signal_summary(steps: list[dict]) -> list[str]:
+    """GRPO: how many logged steps had a signal (some batch in which a group's answers scored differently)."""
+    known = [r["kit/signal"] for r in steps if "kit/signal" in r]
+    if not known:
+        return []
+    return [f"**{sum(v > 0 for v in known)} of {len(known)} steps had a signal.**", ""]
 
 
 def report_markdown(title: str, evaluation: dict, plots: list[str], metrics: list[dict] = ()) -> str:
@@ -125,11 +134,15 @@ def report_markdown(title: str, evaluation: dict, plots: list[str], metrics: lis
         f = lambda r, k, fmt: f"{r[k]:{fmt}}" if k in r else "n/a"  # noqa: E731
         lines += ["## Reward per step (GRPO)", "",
                   "Each step's sampled answers: the reward's mean and spread (the group-relative advantage is each "
-                  "answer's reward against its group's), and the share the checker passed (freed space) or saw run.",
-                  "", "| step | reward | ± | pass | ran | KL | generation s | scoring s | step s |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "answer's reward against its group's), and the share the checker passed (freed space) or saw run. "
+                  "Signal: the share of the step's batches in which some group's answers scored differently; a "
+                  "batch without one teaches only the KL term (skipped with --skip_alike).", "",
+                  *signal_summary(steps),
+                  "| step | reward | ± | pass | ran | signal | KL | generation s | scoring s | step s |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {r['step']} | {f(r, 'reward', '.3f')} | {f(r, 'reward_std', '.3f')} | {f(r, 'pass_rate', '.2f')} "
-                  f"| {f(r, 'ran_rate', '.2f')} | {f(r, 'kl', '.4f')} | {f(r, 'time/generation', '.1f')} | "
+                  f"| {f(r, 'ran_rate', '.2f')} | {f(r, 'kit/signal', '.2f')} | {f(r, 'kl', '.4f')} | "
+                  f"{f(r, 'time/generation', '.1f')} | "
                   f"{f(r, 'time/scoring', '.1f')} | {f(r, 'step_time', '.1f')} |" for r in steps] + [""]
     curves = [p for p in plots if p != "execution.png"]
     if curves:

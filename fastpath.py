@@ -1056,6 +1056,9 @@ def arm(cfg, built) -> None:
                   + ", ".join(f"{n} x{k}" for n, k in sorted(fused["own_forward"].items())))
 
 
+ALIKE = 1e-6  # an advantage below this is a group's rounding, not a signal (a real one is a reward's gap / its std)
+
+
 def grpo_trainer_class():
     """GRPOTrainer that logs where a step's time goes (three of TRL 1.14's internal methods, timed): seconds
     generating the answers (time/generation), scoring them (time/scoring: the reward functions, the checker's
@@ -1099,6 +1102,19 @@ def grpo_trainer_class():
                 self.model.train(was_training)
             return ids, None
 
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            """A training batch whose every answer has a zero advantage (each group scored alike) teaches nothing
+            but the KL term: logged as kit/signal 0, and with skip_alike its forward and backward are skipped (a
+            zero loss on the trainable weights; one process only, where no other rank waits on its gradients)."""
+            if not model.training:
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            alike = bool(inputs["advantages"].abs().max() < ALIKE)
+            self._metrics["train"]["kit/signal"].append(0.0 if alike else 1.0)
+            if alike and self.kit_skip_alike and self.accelerator.num_processes == 1:
+                return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+        kit_skip_alike = True
         _generate = timed("generation", GRPOTrainer._generate)
         _calculate_rewards = timed("scoring", GRPOTrainer._calculate_rewards)
         _generate_and_score_completions = timed("rollout", GRPOTrainer._generate_and_score_completions)

@@ -56,6 +56,9 @@ class GRPOOptions:
     reward_weights: str = field("", "GRPO: one weight per reward function (--reward, --reward_cmd, --reward_grader), "
                                 f"comma-separated; '' = 1 each, but ran {rewards.RAN_WEIGHT} (a nudge towards "
                                 "running code, below what freeing space scores)")
+    skip_alike: bool = field(True, "GRPO: no update from a batch in which every group's answers scored alike (zero "
+                             "advantage everywhere, so only the KL term would move the model: DAPO's dynamic "
+                             "sampling drops such groups); the report counts the steps that had a signal")
     use_vllm: bool = field(False, "GRPO: generate with vLLM in the training process (TRL's colocate mode; needs "
                            "vllm and a GPU); false = transformers' generate")
 
@@ -318,6 +321,10 @@ def make_trainer(cls, cfg, method: str, model, ref_model, args, train: list[dict
     common = dict(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                   peft_config=peft_config, callbacks=callbacks)
     if method == "grpo":
-        return cls(reward_funcs=rewards.reward_functions(cfg.reward, cfg.reward_cmd, grader=cfg.reward_grader), **common)
+        trainer = cls(reward_funcs=rewards.reward_functions(cfg.reward, cfg.reward_cmd, grader=cfg.reward_grader),
+                      **common)
+        if hasattr(trainer, "kit_skip_alike"):  # the kit's subclass (fastpath.grpo_trainer_class)
+            trainer.kit_skip_alike = cfg.skip_alike
+        return trainer
     eval_rows = formats.dataset_rows(formats.trainable(held))
     return cls(ref_model=ref_model, eval_dataset=Dataset.from_list(eval_rows) if held else None, **common)

@@ -96,6 +96,37 @@ def test_a_reward_command_reads_the_completion_and_its_number_is_the_reward(tmp_
 # ------------------------------------------------------------------ options, data, TRL mapping
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_batch_whose_groups_all_scored_alike_is_logged_without_signal_and_skipped_with_skip_alike(skip):
+    """compute_loss of the kit's GRPOTrainer on a batch with zero advantages everywhere: kit/signal 0, and with
+    skip_alike a zero loss whose backward leaves the trainable weights' gradients at zero (no forward of the policy,
+    so no TRL input is read but the advantages). Without it, TRL's own loss runs (here: on a batch it cannot read)."""
+    import collections
+
+    import fastpath
+    import torch
+
+    cls = fastpath.grpo_trainer_class()
+    trainer = object.__new__(cls)
+    trainer._metrics = {"train": collections.defaultdict(list)}
+    trainer.kit_skip_alike = skip
+    trainer.accelerator = type("Accelerator", (), {"num_processes": 1})()
+    model = torch.nn.Linear(3, 2)
+    model.train()
+    alike = {"advantages": torch.tensor([1e-9, -1e-9, 0.0, 0.0])}  # rounding, not a signal
+    if skip:
+        loss = trainer.compute_loss(model, alike)
+        loss.backward()
+        assert loss.item() == 0.0 and all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    else:
+        with pytest.raises(AttributeError):  # TRL's loss reads what this bare trainer lacks
+            trainer.compute_loss(model, alike)
+    assert trainer._metrics["train"]["kit/signal"] == [0.0]
+    with pytest.raises(AttributeError):  # a batch with a signal goes to TRL's loss whatever skip_alike says
+        trainer.compute_loss(model, {"advantages": torch.tensor([0.5, -0.5, 0.0, 0.0])})
+    assert trainer._metrics["train"]["kit/signal"] == [0.0, 1.0]
+
+
 def test_grpo_options_map_onto_trl_with_whole_groups_per_step():
     cfg = train_dpo.TrainConfig(data="x", method="grpo", per_device_train_batch_size=3, num_generations=4,
                                 max_completion_length=64, temperature=0.7)
@@ -180,12 +211,14 @@ def test_grpo_in_4bit_stops_on_sigterm_resumes_and_hands_off_a_tarball_that_veri
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"reward"' in x]
     assert len(rows) == 3 and all("pass_rate" in r and r["time/generation"] > 0 for r in rows)
     assert any(r["reward_std"] > 0 for r in rows)  # the length reward differs within a group
+    assert all(r["kit/signal"] == 1.0 for r in rows)  # so every step had a signal, and none was skipped
     evaluation = json.loads((run_dir / "evaluation.json").read_text())
     execution = evaluation["execution"]
     assert execution["prompts"] == 2 and execution["samples"] == 1 and set(execution["base"]["outcomes"]) <= {
         "failed", "no_effect", "freed", "broke"}
     report = (run_dir / "report.md").read_text()
     assert "Reward per step (GRPO)" in report and "Answers run by the checker" in report
+    assert "**3 of 3 steps had a signal.**" in report
     assert (run_dir / "execution.png").exists() and (run_dir / "reward.png").exists()
     assert "LoRA GRPO adapter" in (run_dir / "README.md").read_text()
     manifest = runs.verify_tarball(run_dir.with_name("g.tar.gz"))
