@@ -6,13 +6,15 @@ agent's environment scored its attempts.
     python checker.py --logs data/runs.jsonl --emit_prompts prompts.jsonl   # for train_dpo.py --eval_prompts
 
 The host the prompt describes (its user, or root) gets a small planted filesystem (sandbox.py binds it at its
-absolute paths): a home with pip, npm, gradle, ccache and browser caches, a Trash and half-downloaded files;
-/var with rotated logs, apt and dnf caches, core dumps and temporary files; and what must be kept: the user's
-projects, documents, notebooks, experiment runs and keys, databases (PostgreSQL's data and WAL, MySQL), a
-service's code and data, the logs services are writing. Files are sparse: sizes are realistic, the disk is not
-used. A host's user without sudo owns only the home and what is in /tmp: the rest (/var, /var/lib, /srv, /opt, the
-parents of every system directory) is root's, so the answer can change it no more than on a real host (as root, by
-ownership and Landlock; as any other user, by Landlock). The score, with build_pairs' outcome labels:
+absolute paths): a home with pip, npm, gradle, ccache and browser caches, a Trash and half-downloaded files; /var
+with rotated logs, apt and dnf caches, core dumps and temporary files; and what must be kept: the user's projects,
+documents, notebooks, experiment runs and keys, databases (PostgreSQL's data and WAL, MySQL), a service's code and
+data, the logs services are writing. Files are sparse: sizes are realistic, the disk is not used. The host's tools
+are stand-ins that take only the options, arguments and values the real tool takes (a command a real apt, pip, npm,
+dnf, journalctl or docker would refuse fails here too). A host's user without sudo owns only the home and what is
+in /tmp: the rest (/var, /var/lib, /srv, /opt, the parents of every system directory) is root's, so the answer can
+change it no more than on a real host (as root, by ownership and Landlock; as any other user, by Landlock). The
+score, with build_pairs' outcome labels:
 
   failed     it did not compile, raised, or hit a limit             0
   no_effect  it ran and freed nothing                               0
@@ -229,31 +231,120 @@ def rm(*patterns):
             shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
 
 
-words = [a for a in args if not a.startswith("-")]
+# Each tool's options as the real one parses them (True: it takes a value). Anything else fails as the real tool
+# fails, so an answer scores only with a command that would work on a real host.
+OPTIONS = {
+    "apt-get": {"-y": 0, "--yes": 0, "--assume-yes": 0, "-q": 0, "-qq": 0, "--quiet": 0, "--purge": 0, "-f": 0,
+                "--fix-broken": 0, "-s": 0, "--simulate": 0, "--dry-run": 0, "-o": 1},
+    "journalctl": {"--vacuum-size": 1, "--vacuum-time": 1, "--vacuum-files": 1, "-q": 0, "--quiet": 0,
+                   "--rotate": 0},
+    "docker": {"-f": 0, "--force": 0, "-a": 0, "--all": 0, "--filter": 1},
+    "dnf": {"-y": 0, "--assumeyes": 0, "-q": 0, "--quiet": 0},
+    "conda": {"-a": 0, "--all": 0, "-t": 0, "--tarballs": 0, "-p": 0, "--packages": 0, "-y": 0, "--yes": 0,
+              "-q": 0, "--quiet": 0},
+    "flatpak": {"--unused": 0, "-y": 0, "--assumeyes": 0, "--noninteractive": 0, "--user": 0, "--system": 0},
+    "npm": {"-f": 0, "--force": 0},
+    "pip": {"-q": 0, "--quiet": 0, "-v": 0, "--verbose": 0},
+}
+OPTIONS["apt"], OPTIONS["yum"], OPTIONS["pip3"] = OPTIONS["apt-get"], OPTIONS["dnf"], OPTIONS["pip"]
+FAIL = {"apt-get": 100, "apt": 100, "docker": 125, "pip": 2, "pip3": 2, "dnf": 2, "yum": 2, "conda": 2}
+
+
+def fail(message):
+    sys.exit(print(f"{name}: {message}", file=sys.stderr) or FAIL.get(name, 1))
+
+
+def parse(args):
+    """(words, options given): the real tool's parse of its arguments; an option it does not know fails."""
+    known, words, given, i = OPTIONS.get(name, {}), [], {}, 0
+    while i < len(args):
+        a = args[i]
+        flag, eq, value = a.partition("=")
+        if not a.startswith("-") or a == "-":
+            words.append(a)
+        elif flag in known and known[flag]:
+            if not eq:
+                i += 1
+                if i == len(args):
+                    fail(f"option '{flag}' requires an argument")
+                value = args[i]
+            given[flag] = value
+        elif flag in known and not eq:
+            given[flag] = True
+        else:
+            fail(f"unrecognized option '{a}'")
+        i += 1
+    return words, given
+
+
+SIZE = r"[0-9]+(\.[0-9]+)?[KMGTPE]?"
+TIME = r"[0-9]+(s|sec|m|min|h|hours?|d|days?|w|weeks?|months?|y|years?)"
+
 if name == "sudo":
     if not SUDO_OK:
         sys.exit(print(f"sudo: {os.environ.get('USER', 'user')} is not in the sudoers file", file=sys.stderr) or 1)
+    words = [a for a in args if not a.startswith("-")]
     os.environ["KIT_SUDO"] = "1"
     os.execvp(words[0], [words[0], *args[args.index(words[0]) + 1:]])
-elif name in ("apt-get", "apt") and words[:1] in (["clean"], ["autoclean"]):
-    need_root(); rm("/var/cache/apt/archives/*.deb")
-elif name in ("apt-get", "apt") and words[:1] == ["autoremove"]:
-    need_root(); rm("/boot/*-5.15.0-91-generic")
-elif name == "journalctl" and any(a.startswith("--vacuum") for a in args):
+loose = [a for a in args if not a.startswith("-")]
+modelled = (loose[:1] in (["clean"], ["autoclean"], ["autoremove"]) if name in ("apt-get", "apt", "dnf", "yum", "conda")
+            else any(a.startswith("--vacuum") for a in args) if name == "journalctl"
+            else loose[1:2] == ["prune"] if name == "docker" else loose[:1] == ["uninstall"] if name == "flatpak"
+            else loose[:2] == ["cache", "clean"] if name == "npm"
+            else loose[:2] in (["cache", "purge"], ["cache", "remove"]) if name in ("pip", "pip3") else False)
+if not modelled:
+    sys.exit(0)  # a command that frees nothing here (pip list, apt-get update, docker ps): it runs and does nothing
+words, given = parse(args)
+simulate = any(k in given for k in ("-s", "--simulate", "--dry-run"))
+if name in ("apt-get", "apt") and words[:1] in (["clean"], ["autoclean"], ["autoremove"]):
+    if len(words) > 1:
+        fail(f"E: The {words[0]} command takes no arguments")
+    if not simulate:
+        need_root()
+        rm("/boot/*-5.15.0-91-generic") if words == ["autoremove"] else rm("/var/cache/apt/archives/*.deb")
+elif name == "journalctl" and any(k.startswith("--vacuum") for k in given):
+    import re
+    for k, v in given.items():
+        pattern = {"--vacuum-size": SIZE, "--vacuum-time": TIME, "--vacuum-files": "[0-9]+"}.get(k)
+        if pattern and not re.fullmatch(pattern, str(v)):
+            fail(f"Failed to parse {k} value: {v}")
+    if words:
+        fail("too many arguments")
     need_root(); rm("/var/log/journal/*/*.journal~")
-elif name == "docker" and words[-1:] == ["prune"]:
+elif name == "docker" and words in (["image", "prune"], ["system", "prune"], ["builder", "prune"]):
+    if not ("-f" in given or "--force" in given):
+        fail("WARNING! This will remove dangling images. Are you sure you want to continue? [y/N] (no terminal: "
+             "aborted; pass -f)")
     rm("/var/lib/docker/overlay2/*-dangling", "/var/lib/docker/buildkit/snapshots/*")
     print("Total reclaimed space: 1.1GB")
 elif name in ("dnf", "yum") and words[:1] == ["clean"]:
-    need_root(); rm("/var/cache/dnf/*")
-elif name == "conda" and words[:1] == ["clean"]:
-    rm("~/miniconda3/pkgs/*.tar.bz2")
-elif name == "flatpak" and words[:1] == ["uninstall"]:
+    kinds = {"all", "packages", "metadata", "dbcache", "expire-cache"}
+    if len(words) < 2 or not set(words[1:]) <= kinds:
+        fail(f"error: argument type: expected one of {', '.join(sorted(kinds))}")
+    need_root()
+    if {"all", "packages"} & set(words[1:]):
+        rm("/var/cache/dnf/*")
+elif name == "conda" and words == ["clean"]:
+    if not {"-a", "--all", "-t", "--tarballs", "-p", "--packages"} & set(given):
+        fail("error: one of the arguments --all --tarballs --packages is required")
+    if {"-a", "--all", "-t", "--tarballs"} & set(given):
+        rm("~/miniconda3/pkgs/*.tar.bz2")
+elif name == "flatpak" and words == ["uninstall"] and "--unused" in given:
     rm("~/.local/share/flatpak/runtime/org.gnome.Platform/x86_64/42")
-elif name == "npm" and words[:2] == ["cache", "clean"]:
+elif name == "npm" and words == ["cache", "clean"]:
+    if not ("-f" in given or "--force" in given):
+        fail("npm ERR! As of npm@5, the npm cache self-heals from corruption issues. To clear it anyway, use --force")
     rm("~/.npm/_cacache")
-elif name in ("pip", "pip3") and words[:2] in (["cache", "purge"], ["cache", "remove"]):
+elif name in ("pip", "pip3") and words == ["cache", "purge"]:
     rm("~/.cache/pip/*")
+elif name in ("pip", "pip3") and words[:2] == ["cache", "remove"]:
+    if len(words) != 3:
+        fail("ERROR: Please provide a pattern" if len(words) == 2 else "ERROR: Too many arguments")
+    import glob as g
+    for p in g.glob(os.path.expanduser(f"~/.cache/pip/wheels/**/{words[2]}*.whl"), recursive=True):
+        os.remove(p)
+else:
+    fail(f"invalid arguments: {' '.join(args)}")
 '''
 
 

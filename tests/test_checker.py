@@ -74,6 +74,36 @@ def test_a_user_without_sudo_cannot_free_system_space_and_root_can():
         "broke", -1.0, ["/var/lib/pgsql/16/data/pg_wal/000000010000000000000042"])
 
 
+FEDORA_SUDO = "Host lea-thinkpad, Fedora 39, Python 3.12.1, user lea (sudo)."
+
+
+@needs_bwrap
+@pytest.mark.parametrize("host, command, outcome", [
+    # what works on a real host frees space; what a real tool refuses (an option it does not know, a missing
+    # argument, a prompt with no terminal) fails, however close its words are to a working command
+    (CI_HOST, "pip cache purge", "freed"), (CI_HOST, "pip cache remove numpy", "freed"),
+    (CI_HOST, "pip cache remove --cached", "failed"), (CI_HOST, "pip cache remove", "failed"),
+    (CI_HOST, "pip list", "no_effect"),
+    (CI_HOST, "npm cache clean --force", "freed"), (CI_HOST, "npm cache clean", "failed"),
+    (CI_HOST, "docker image prune", "failed"),
+    (ROOT_HOST, "apt-get clean", "freed"), (ROOT_HOST, "apt clean -f --packagecache", "failed"),
+    (ROOT_HOST, "apt-get clean all", "failed"), (ROOT_HOST, "apt-get clean --simulate", "no_effect"),
+    (ROOT_HOST, "apt-get autoremove --purge -y", "freed"), (ROOT_HOST, "apt-get update", "no_effect"),
+    (ROOT_HOST, "journalctl --vacuum-size=200M", "freed"), (ROOT_HOST, "journalctl --vacuum-size 200M", "freed"),
+    (ROOT_HOST, "journalctl --vacuum-time=2weeks", "freed"), (ROOT_HOST, "journalctl --vacuum-size=lots", "failed"),
+    (ROOT_HOST, "journalctl '--vacuum-size 500M'", "failed"), (ROOT_HOST, "journalctl --vacuum-size", "failed"),
+    (FEDORA_SUDO, "sudo dnf clean all", "freed"), (FEDORA_SUDO, "sudo dnf clean", "failed"),
+    (FEDORA_SUDO, "dnf clean all", "failed"), (FEDORA_SUDO, "sudo dnf clean metadata", "no_effect"),
+    (FEDORA_SUDO, "flatpak uninstall --unused -y", "freed"), (FEDORA_SUDO, "flatpak uninstall --all", "failed"),
+])
+def test_the_hosts_tools_take_only_what_the_real_ones_take(host, command, outcome):
+    import shlex
+
+    code = f"import subprocess\nsubprocess.run({shlex.split(command)!r}, check=True)\n"
+    result = checker.check(code, host)
+    assert result.outcome == outcome, result
+
+
 @pytest.mark.parametrize("code, reason", [
     ("while True:\n    pass\n", "CPU limit"),
     ("x = bytearray(4 * 1024 ** 3)\n", "memory limit"),
@@ -102,7 +132,7 @@ def test_the_demo_logs_are_scored_as_they_were_logged_for_most_attempts():
     result = checker.agreement(str(ROOT / "data" / "runs.jsonl"))
     print(f"\nchecker vs logs: ran {result['ran_agree']}/{result['attempts']}, "
           f"succeeded {result['succeeded_agree']}/{result['attempts']}")
-    assert result["attempts"] == 74 and result["succeeded_agree"] >= 52 and result["ran_agree"] >= 52
+    assert result["attempts"] == 74 and result["succeeded_agree"] >= 54 and result["ran_agree"] >= 56
 
 
 def test_cli_prints_the_outcome_and_refuses_a_missing_file(tmp_path):
