@@ -110,6 +110,7 @@ SYSTEM_KEEP = {
 HOST_TOOLS = {"ci-runner-03": {"docker", "npm"}, "gpu-ws-02": {"conda"}, "lea-thinkpad": {"flatpak"}}
 HOST_ABSENT = {"ci-runner-03": ("~/.ccache",), "web-prod-11": ("/var/lib/systemd/coredump",),
                "gpu-ws-02": ("~/.cache/thumbnails", "~/.cache/torch_extensions")}
+STANDARD_DIRS = ("/home", "/tmp", "/var/tmp", "/var/log")
 USER_DIRS = ("/tmp",)  # beside the home: what a user without sudo may change on the planted host
 HEADER = 4096  # bytes of random content at the start of each kept file (the rest is sparse): what its digest sees
 BLOCK = 1 << 16  # a file's digest reads its data 64 KiB at a time and skips all-zero blocks (holes read as zeros)
@@ -456,6 +457,8 @@ def check(code: str, host: str = CheckConfig.host, limits=None) -> Check:
     try:
         root = tmp / "root"
         plant(root, junk | keep, headed=tuple(keep))
+        for d in STANDARD_DIRS:  # every Linux host has them, whoever the user (shutil.disk_usage("/home") works)
+            (root / d.lstrip("/")).mkdir(parents=True, exist_ok=True)
         plant_tools(root, host)
         watched = [*keep, *(f"{TOOLS_DIR}/{p.name}" for p in (root / TOOLS_DIR.lstrip("/")).iterdir())]
         kept = {p: state(root, p) for p in watched}
