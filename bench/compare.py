@@ -2,10 +2,13 @@
 each scored by running its sampled answers to the held-out runs' prompts through the checker.
 
     make compare                        # 3 seeds x (DPO, KTO, GRPO) on the demo logs: bench/results-methods.{md,json}
-    .venv/bin/python bench/compare.py [--seeds 1,2,3] [--methods dpo,kto,grpo] [--logs data/runs.jsonl]
+    .venv/bin/python bench/compare.py [--seeds 1,2,3] [--arms "dpo=dpo; kto=kto"] [--logs data/runs.jsonl]
                                       [--out bench/results-methods] [-- TRAIN_FLAGS...]
 
-Every run is one `train_dpo.py` with the demo's settings and the seed, on what build_pairs.py makes of the logs
+An arm is NAME=METHOD [train_dpo.py flags], arms separated by ';'. The default arms: `default` (what `make train`
+runs: DPO with the demo's settings), `dpo-no-sft` (the same without the SFT term on the chosen answer), `kto`
+and `grpo` (`make train METHOD=...`). Every run is one `train_dpo.py` with the arm's flags, TRAIN_FLAGS (every
+arm) and the seed, on what build_pairs.py makes of the logs
 (pairs for DPO, --emit kto examples for KTO, the logs' own prompts for GRPO), and the same held-out runs (the
 split is by run). Its report's execution section is read back: `--eval_samples` sampled answers (seeded) to each
 held-out prompt from the base (adapter off) and from the tuned model, each run on the prompt's host. The base's
@@ -29,10 +32,29 @@ sys.path.insert(0, str(ROOT))
 import kit  # noqa: E402
 
 
+DEFAULT_ARMS = "default=dpo; dpo-no-sft=dpo --sft_weight 0; kto=kto; grpo=grpo"
+
+
+def parse_arms(spec: str) -> list[tuple[str, str, list[str]]]:
+    """'NAME=METHOD flags; ...' -> [(name, method, flags)]: what each arm trains, in order."""
+    import shlex
+
+    arms = []
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        name, eq, rest = part.partition("=")
+        words = shlex.split(rest)
+        if not eq or not name.strip() or not words:
+            raise kit.UserError(f"--arms: {part!r} is not NAME=METHOD [flags]")
+        arms.append((name.strip(), words[0], words[1:]))
+    if len({a[0] for a in arms}) != len(arms):
+        raise kit.UserError(f"--arms: a name is used twice in {spec!r}")
+    return arms
+
+
 @dataclasses.dataclass
 class CompareConfig:
     seeds: str = kit.field("1,2,3", "training and sampling seeds")
-    methods: str = kit.field("dpo,kto,grpo", "methods to train (train_dpo.py --method)")
+    arms: str = kit.field(DEFAULT_ARMS, "what to train: NAME=METHOD [train_dpo.py flags], separated by ';'")
     logs: str = kit.field("data/runs.jsonl", "agent run logs")
     out: str = kit.field("bench/results-methods", "writes OUT.md and OUT.json")
     work: str = kit.field("", "where the runs go (default: artifacts/bench-compare)")
@@ -75,7 +97,8 @@ def grpo_signal(metrics: list[dict]) -> dict:
     rates."""
     steps = [m for m in metrics if "reward" in m]
     n = max(len(steps), 1)
-    return {"steps": len(steps), "flat_steps": sum(m.get("reward_std", 0.0) == 0.0 for m in steps),
+    flat = [m["kit/signal"] == 0 if "kit/signal" in m else m.get("reward_std", 0.0) == 0.0 for m in steps]
+    return {"steps": len(steps), "flat_steps": sum(flat),
             "reward": sum(m["reward"] for m in steps) / n, "ran_rate": sum(m.get("ran_rate", 0.0) for m in steps) / n,
             "pass_rate": sum(m.get("pass_rate", 0.0) for m in steps) / n}
 
@@ -114,13 +137,13 @@ def main(argv=None) -> int:
     (work / "pairs").mkdir(parents=True, exist_ok=True)
     rows = []
     for seed in [int(s) for s in cfg.seeds.split(",")]:
-        for method in cfg.methods.split(","):
+        for arm, method, flags in parse_arms(cfg.arms):
             data, prompts = data_for(method, str(Path(cfg.logs).resolve()), work)
-            name = f"{method}-s{seed}"
+            name = f"{arm}-s{seed}"
             t0 = time.time()
             cmd = [sys.executable, str(ROOT / "train_dpo.py"), "--data", data, "--method", method, "--seed", str(seed),
                    "--output_dir", str(work), "--run_name", name, "--probes", "",
-                   *(["--eval_prompts", prompts] if prompts else []), *extra]
+                   *(["--eval_prompts", prompts] if prompts else []), *extra, *flags]
             print(f"[compare] {name}: {' '.join(cmd[2:])}", flush=True)
             code = subprocess.run(cmd, cwd=ROOT).returncode
             if code:
@@ -130,7 +153,8 @@ def main(argv=None) -> int:
             evaluation = json.loads((work / name / "evaluation.json").read_text())["execution"]
             manifest = json.loads((work / name / "manifest.json").read_text())
             took = dt.datetime.fromisoformat(manifest["finished_at"]) - dt.datetime.fromisoformat(manifest["started_at"])
-            rows.append({"seed": seed, "method": method, "base": evaluation["base"], "tuned": evaluation["tuned"],
+            rows.append({"seed": seed, "method": arm, "trained": " ".join([method, *flags]),
+                         "base": evaluation["base"], "tuned": evaluation["tuned"],
                          "prompts": evaluation["prompts"], "samples": evaluation["samples"],
                          "steps": manifest["steps"], "minutes": took.total_seconds() / 60,
                          "this_call_s": time.time() - t0})
@@ -139,7 +163,8 @@ def main(argv=None) -> int:
                                                 (work / name / "metrics.jsonl").read_text().splitlines() if line.strip()])  # a finished run found again is not trained again
             kit.atomic_write_json(Path(cfg.out + ".json"), {"rows": rows, "summary": summarize(rows)})
     summary = summarize(rows)
-    head = (f"# Held-out checker scores: base, DPO, KTO, GRPO on {cfg.logs}\n\n"
+    head = (f"# Held-out checker scores: base, {', '.join(a[0] for a in parse_arms(cfg.arms))} on {cfg.logs}\n\n"
+            + "".join(f"- `{a}`: `train_dpo.py --method {m} {' '.join(f)}`\n" for a, m, f in parse_arms(cfg.arms)) + "\n"
             f"{rows[0]['samples']} sampled answers to each of {rows[0]['prompts']} held-out prompts per model and seed, "
             f"each run on its prompt's host by checker.py (score: bytes freed over the plantable junk, -1 for "
             f"deleting what must be kept; pass: it freed space). Mean ± standard deviation over seeds "

@@ -281,6 +281,17 @@ def test_method_comparison_summary_is_mean_and_spread_over_seeds():
     assert "| grpo | +0.4000 ± 0.0000 | 1.000 ± 0.000 | 2 |" in compare.table(rows, summary)
 
 
+def test_compare_arms_name_a_method_and_its_flags_and_a_bad_arm_is_a_user_error():
+    import compare  # bench/compare.py
+
+    assert compare.parse_arms("default=dpo; dpo-no-sft=dpo --sft_weight 0;kto=kto --beta '0.2'") == [
+        ("default", "dpo", []), ("dpo-no-sft", "dpo", ["--sft_weight", "0"]), ("kto", "kto", ["--beta", "0.2"])]
+    assert [a[0] for a in compare.parse_arms(compare.DEFAULT_ARMS)] == ["default", "dpo-no-sft", "kto", "grpo"]
+    for bad in ("dpo", "x=", "=dpo", "a=dpo; a=kto"):
+        with pytest.raises(kit.UserError, match="--arms"):
+            compare.parse_arms(bad)
+
+
 def test_grpo_signal_counts_steps_with_no_advantage_and_the_findings_say_so():
     import compare  # bench/compare.py
 
