@@ -207,7 +207,7 @@ def plant_tools(root: Path, host: Host) -> None:
     bin_dir = root / TOOLS_DIR.lstrip("/")
     bin_dir.mkdir(parents=True)
     (bin_dir / "kit-tool").write_text(TOOL_SCRIPT.replace("PRIVILEGED", repr(host.user == "root"))
-                                      .replace("SUDO_OK", repr(host.sudo)))
+                                      .replace("SUDO_OK", repr(host.sudo)).replace("DOCKER_SPOOL", repr(DOCKER_SPOOL)))
     (bin_dir / "kit-tool").chmod(0o755)
     for name in host.tools:
         (bin_dir / name).symlink_to("kit-tool")
@@ -316,7 +316,8 @@ elif name == "docker" and words in (["image", "prune"], ["system", "prune"], ["b
     if not ("-f" in given or "--force" in given):
         fail("WARNING! This will remove dangling images. Are you sure you want to continue? [y/N] (no terminal: "
              "aborted; pass -f)")
-    rm("/var/lib/docker/overlay2/*-dangling", "/var/lib/docker/buildkit/snapshots/*")
+    with open(DOCKER_SPOOL + "/requests", "a") as spool:  # the daemon (root: the checker, after the run) prunes
+        spool.write(words[0] + "\\n")
     print("Total reclaimed space: 1.1GB")
 elif name in ("dnf", "yum") and words[:1] == ["clean"]:
     kinds = {"all", "packages", "metadata", "dbcache", "expire-cache"}
@@ -347,6 +348,39 @@ elif name in ("pip", "pip3") and words[:2] == ["cache", "remove"]:
 else:
     fail(f"invalid arguments: {' '.join(args)}")
 '''
+
+
+DOCKER_SPOOL = "/var/run/kit-docker"  # where the docker stand-in leaves its requests for the daemon
+DOCKER_PRUNES = {"image": ("/var/lib/docker/overlay2", "*-dangling"), "builder": ("/var/lib/docker/buildkit/snapshots", "*")}
+
+
+def docker_daemon(root: Path) -> None:
+    """The Docker daemon, run as root once the answer has exited: the prunes the docker stand-in asked for (a user in
+    the docker group prunes through the daemon; the files are root's). It never follows a symlink: a directory an
+    answer swapped for a link is left alone."""
+    import fnmatch
+
+    import sandbox
+
+    try:
+        asked = (root / DOCKER_SPOOL.lstrip("/") / "requests").read_text(errors="replace").split()[:16]
+    except OSError:
+        return
+    for what in dict.fromkeys(asked):
+        for kind in ("image", "builder") if what == "system" else (what,):
+            if kind not in DOCKER_PRUNES:
+                continue
+            parent, pattern = DOCKER_PRUNES[kind]
+            where = root / parent.lstrip("/")
+            if os.path.realpath(where) != str(where):
+                continue
+            with os.scandir(where) as entries:
+                for entry in entries:
+                    if fnmatch.fnmatch(entry.name, pattern):
+                        if entry.is_dir(follow_symlinks=False):
+                            sandbox.remove_tree(entry.path)
+                        else:
+                            os.unlink(entry.path)
 
 
 def code_of(completion: str) -> str:
@@ -460,11 +494,16 @@ def check(code: str, host: str = CheckConfig.host, limits=None) -> Check:
         for d in STANDARD_DIRS:  # every Linux host has them, whoever the user (shutil.disk_usage("/home") works)
             (root / d.lstrip("/")).mkdir(parents=True, exist_ok=True)
         plant_tools(root, host)
+        spool = (DOCKER_SPOOL,) if "docker" in host.tools else ()
+        for d in spool:
+            (root / d.lstrip("/")).mkdir(parents=True)
         watched = [*keep, *(f"{TOOLS_DIR}/{p.name}" for p in (root / TOOLS_DIR.lstrip("/")).iterdir())]
         kept = {p: state(root, p) for p in watched}
         before = total_bytes(root)
         result = sandbox.run_code(code, tmp, host.home, limits or sandbox.Limits(), path=(TOOLS_DIR,),
-                                  writable=None if host.privileged else (host.home, *USER_DIRS))
+                                  writable=None if host.privileged else (host.home, *USER_DIRS, *spool))
+        if spool:
+            docker_daemon(root.resolve())
         kept_after = {p: state(root, p) for p in watched}
         outcome, value, freed, broken = score(before, total_bytes(root), junk, kept, kept_after, result.returncode)
     finally:

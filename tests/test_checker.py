@@ -85,7 +85,8 @@ FEDORA_SUDO = "Host lea-thinkpad, Fedora 39, Python 3.12.1, user lea (sudo)."
     (CI_HOST, "pip cache remove --cached", "failed"), (CI_HOST, "pip cache remove", "failed"),
     (CI_HOST, "pip list", "no_effect"),
     (CI_HOST, "npm cache clean --force", "freed"), (CI_HOST, "npm cache clean", "failed"),
-    (CI_HOST, "docker image prune", "failed"),
+    (CI_HOST, "docker image prune", "failed"), (CI_HOST, "docker image prune -f", "freed"),
+    (CI_HOST, "docker builder prune --force", "freed"), (CI_HOST, "docker ps", "no_effect"),
     (ROOT_HOST, "apt-get clean", "freed"), (ROOT_HOST, "apt clean -f --packagecache", "failed"),
     (ROOT_HOST, "apt-get clean all", "failed"), (ROOT_HOST, "apt-get clean --simulate", "no_effect"),
     (ROOT_HOST, "apt-get autoremove --purge -y", "freed"), (ROOT_HOST, "apt-get update", "no_effect"),
@@ -102,6 +103,27 @@ def test_the_hosts_tools_take_only_what_the_real_ones_take(host, command, outcom
     code = f"import subprocess\nsubprocess.run({shlex.split(command)!r}, check=True)\n"
     result = checker.check(code, host)
     assert result.outcome == outcome, result
+
+
+def test_the_docker_daemon_prunes_only_its_own_directories_and_never_through_a_symlink(tmp_path):
+    """docker_daemon runs as root after the answer: what the docker stand-in asked for, where the planted host keeps
+    it. An overlay2 swapped for a link to elsewhere (here: a directory outside the workspace) is left alone."""
+    root = tmp_path / "root"
+    overlay = root / "var/lib/docker/overlay2"
+    (overlay / "a-dangling/diff").mkdir(parents=True)
+    (overlay / "a-dangling/diff/layer.tar").write_bytes(b"x")
+    (overlay / "in-use").mkdir()
+    spool = root / checker.DOCKER_SPOOL.lstrip("/")
+    spool.mkdir(parents=True)
+    (spool / "requests").write_text("image\nrm -rf /\n")
+    checker.docker_daemon(root)
+    assert not (overlay / "a-dangling").exists() and (overlay / "in-use").is_dir()
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "b-dangling").mkdir(parents=True)
+    (root / "var/lib/docker/overlay2").rename(root / "var/lib/docker/old")
+    (root / "var/lib/docker/overlay2").symlink_to(elsewhere)
+    checker.docker_daemon(root)
+    assert (elsewhere / "b-dangling").is_dir()
 
 
 @pytest.mark.parametrize("code, reason", [
@@ -132,7 +154,7 @@ def test_the_demo_logs_are_scored_as_they_were_logged_for_most_attempts():
     result = checker.agreement(str(ROOT / "data" / "runs.jsonl"))
     print(f"\nchecker vs logs: ran {result['ran_agree']}/{result['attempts']}, "
           f"succeeded {result['succeeded_agree']}/{result['attempts']}")
-    assert result["attempts"] == 74 and result["succeeded_agree"] >= 54 and result["ran_agree"] >= 56
+    assert result["attempts"] == 74 and result["succeeded_agree"] >= 56 and result["ran_agree"] >= 58
 
 
 def test_cli_prints_the_outcome_and_refuses_a_missing_file(tmp_path):
