@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
 
-from fastapi import UploadFile  # at module level: the upload route's annotation is resolved from here
+from fastapi import Request, UploadFile  # at module level: the routes' annotations are resolved from here
 from pydantic import BaseModel, ConfigDict, Field
 
 import runs
@@ -229,6 +229,33 @@ def job_view(job: dict) -> dict:
                        | ({"grader": job["method"]["grader"]} if "grader" in job["method"] else {})}}
 
 
+ANY_METADATA = object()  # no metadata filter given
+
+
+def metadata_filter(params) -> dict | None | object:
+    """OpenAI's jobs.list(metadata=...) from the query (the SDK sends metadata[k]=v; metadata=null asks for jobs
+    without metadata): {k: v} to match, None for no metadata, ANY_METADATA for no filter."""
+    wanted, null = {}, False
+    for key, value in params:
+        if key.startswith("metadata[") and key.endswith("]"):
+            wanted[key[len("metadata["):-1]] = value
+        elif key == "metadata":
+            if value not in ("null", ""):
+                raise ApiError(400, "metadata: filter with metadata[key]=value, or metadata=null for jobs without "
+                               "metadata", "metadata", "invalid_metadata_filter")
+            null = True
+    if null and wanted:
+        raise ApiError(400, "metadata: metadata=null and metadata[key]=value together", "metadata",
+                       "invalid_metadata_filter")
+    return None if null else wanted if wanted else ANY_METADATA
+
+
+def metadata_matches(metadata: dict | None, wanted: dict | None) -> bool:
+    if wanted is None:
+        return not metadata
+    return all((metadata or {}).get(k) == v for k, v in wanted.items())
+
+
 def router(svc, limit_bytes: int):
     """/v1/files and /v1/fine_tuning/jobs over svc (service.Service)."""
     from fastapi import APIRouter, File, Form
@@ -305,12 +332,15 @@ def router(svc, limit_bytes: int):
                                     resolved_hyperparameters(t, given), flags, body.suffix, seed, body.metadata))
 
     @api.get("/fine_tuning/jobs", tags=["fine-tuning"])
-    def list_jobs(after: Optional[str] = None, limit: Annotated[int, Field(ge=1, le=100)] = 20):
+    def list_jobs(request: Request, after: Optional[str] = None, limit: Annotated[int, Field(ge=1, le=100)] = 20):
+        """OpenAI's filter: metadata[k]=v for each pair a job's metadata must hold; metadata=null: jobs without."""
+        wanted = metadata_filter(request.query_params.multi_items())
         job = store.job(after) if after else None
         cursor = job["seq"] if job else None
-        rows = store.query("SELECT * FROM jobs WHERE (? IS NULL OR seq < ?) ORDER BY seq DESC LIMIT ?",
-                           cursor, cursor, limit + 1)
-        return page([job_view(j) for j in rows], limit)
+        rows = store.query("SELECT * FROM jobs WHERE (? IS NULL OR seq < ?) ORDER BY seq DESC", cursor, cursor)
+        if wanted is not ANY_METADATA:
+            rows = [j for j in rows if metadata_matches(j["metadata"], wanted)]
+        return page([job_view(j) for j in rows[:limit + 1]], limit)
 
     @api.get("/fine_tuning/jobs/{job_id}", tags=["fine-tuning"])
     def get_job(job_id: str):

@@ -639,7 +639,7 @@ def test_raw_run_logs_become_pairs_by_the_rules_and_sft_files_become_a_supervise
     for name, method in (("runs.jsonl", "dpo"), ("sft.jsonl", "supervised")):
         f = client.files.create(file=open(ROOT / "data" / name, "rb"), purpose="fine-tune")
         job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f.id,
-                                             method={"type": method})
+                                             method={"type": method}, metadata={"data": name, "team": "agents"})
         wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id).status, lambda s: s != "validating_files")
         client.fine_tuning.jobs.cancel(job.id)  # only the validation is under test here
         done[name] = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in jobs.TERMINAL)
@@ -655,6 +655,27 @@ def test_raw_run_logs_become_pairs_by_the_rules_and_sft_files_become_a_supervise
     sft_events = [e.message for e in client.fine_tuning.jobs.list_events(done["sft.jsonl"].id, limit=100)]
     assert any(m.startswith("6 SFT examples read from sft.jsonl") for m in sft_events)
     assert done["sft.jsonl"].method.type == "supervised"
+    # jobs.list(metadata=...): the SDK's metadata[k]=v filter, each pair held; metadata=None: no filter sent
+    assert [j.id for j in client.fine_tuning.jobs.list(metadata={"data": "sft.jsonl"})] == [done["sft.jsonl"].id]
+    assert [j.id for j in client.fine_tuning.jobs.list(metadata={"team": "agents"}, limit=100)] == [
+        done["sft.jsonl"].id, done["runs.jsonl"].id]
+    assert list(client.fine_tuning.jobs.list(metadata={"team": "agents", "data": "other"})) == []
+    without = client.fine_tuning.jobs.list(extra_query={"metadata": "null"}, limit=100)
+    assert done["sft.jsonl"].id not in {j.id for j in without} and all(not j.metadata for j in without)
+
+
+def test_the_metadata_filter_reads_openais_query_shape():
+    import api_openai
+
+    f = api_openai.metadata_filter
+    assert f([("limit", "3")]) is api_openai.ANY_METADATA and f([("metadata", "null")]) is None
+    assert f([("metadata[a]", "1"), ("metadata[b]", "x y")]) == {"a": "1", "b": "x y"}
+    for bad in ([("metadata", "{}")], [("metadata", "null"), ("metadata[a]", "1")]):
+        with pytest.raises(api_openai.ApiError):
+            f(bad)
+    m = api_openai.metadata_matches
+    assert m({"a": "1", "b": "2"}, {"a": "1"}) and not m({"a": "2"}, {"a": "1"}) and not m(None, {"a": "1"})
+    assert m(None, None) and m({}, None) and not m({"a": "1"}, None)
 
 
 def test_a_users_python_grader_is_refused_where_the_sandbox_has_only_limits_unless_the_operator_allows_it(monkeypatch):
