@@ -82,6 +82,23 @@ def input_kind(path: str | os.PathLike) -> str:
     return "pairs"
 
 
+def read_as_training(method: str, path: str) -> int:
+    """A file read by the rules its method's training file is read by (OpenAI's validation file): SFT examples
+    (supervised); pairs, unpaired examples or run logs (dpo). Raises UserError naming the line; returns the rows
+    read. (Reinforcement: Scheduler.prompts_file, which checks them as the training reads them.)"""
+    import build_pairs
+    import formats
+
+    kind = input_kind(path)
+    if method == "supervised":
+        import self_pairs
+
+        return len(self_pairs.read_examples(path, need_answer=True))
+    if kind == "run_log":
+        return sum(1 for _ in build_pairs.read_runs(path))
+    return formats.load_pairs(path)[1]["pairs"]
+
+
 def rft_rows(path: str) -> tuple[list[dict], list[int]]:
     """OpenAI's reinforcement rows ({"messages": [...], ...fields}) or the kit's prompts ({"prompt", "host"}) as
     the kit's prompt rows, the other fields as the item a grader reads; and each row's line in the file."""
@@ -94,6 +111,8 @@ def rft_rows(path: str) -> tuple[list[dict], list[int]]:
         if not isinstance(row, dict) or not ("messages" in row or "prompt" in row):
             raise UserError("a reinforcement row needs messages (the prompt) and the fields its grader reads",
                             path, line_no)
+        if "messages" in row and not (isinstance(row["messages"], list) and row["messages"]):
+            raise UserError("messages must be a non-empty list of messages (OpenAI's reinforcement rows)", path, line_no)
         prompt = row.pop("messages") if "messages" in row else row.pop("prompt")  # an empty one: refused with its line later
         host = row.pop("host", "") if isinstance(row.get("host", ""), str) else ""
         rows.append({"prompt": prompt, "host": host, "item": row.pop("item", row)})
@@ -389,7 +408,10 @@ class Scheduler(threading.Thread):
                 raise _with(UserError("the file was deleted before the job started"), param, job[param])
             try:
                 if param == "validation_file":
-                    formats.load_pairs(f["path"])
+                    if job["method"]["type"] == "reinforcement":
+                        self.prompts_file(job, f, work / "valid.prompts.jsonl")
+                    else:
+                        read_as_training(job["method"]["type"], f["path"])
                     self.store.event(job["id"], "validation_file checked; the kit evaluates on a held-out share "
                                      "of the training pairs (--eval_fraction), not on this file", level="warn")
                     continue
@@ -431,23 +453,29 @@ class Scheduler(threading.Thread):
         ({"messages": [...], ...the item's fields}), or the kit's prompts file; written as the kit's prompts file,
         each row's other fields kept as the item its grader reads ({{item.FIELD}}). Checked as the training will
         read them (every prompt, with its line; enough training prompts for a step)."""
+        out, rows = self.prompts_file(job, f, work / "train.prompts.jsonl")
+        self.store.event(job["id"], f"{len(rows)} prompts in {f['filename']}: the job samples answers to each and "
+                         f"its grader ({job['method']['grader'].get('name') or job['method']['grader']['type']}) "
+                         "scores them (GRPO)", data={"prompts": len(rows)})
+        return str(out)
+
+    def prompts_file(self, job: dict, f: dict, out: Path) -> tuple[Path, list[dict]]:
+        """f's prompts (run logs' code-asking prompts, OpenAI's reinforcement rows, the kit's prompts file) written
+        to out as the kit's prompts file, checked as the training reads them; (out, the rows)."""
         import build_pairs
         import formats
         import methods
         import train_dpo
 
+        kind = input_kind(f["path"])
         rows, lines = (build_pairs.prompts_from_logs(f["path"]), []) if kind == "run_log" else rft_rows(f["path"])
-        out = work / "train.prompts.jsonl"
         kit.atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
         cfg = self.train_config(job, str(out)) or train_dpo.TrainConfig(data=str(out), method="grpo")
         try:
             methods.grpo_data(cfg, formats.TrainingData(path=str(out), sha256="", format="", pairs=0, skipped={}))
         except UserError as e:
             raise UserError(e.message, f["path"], lines[e.line - 1] if e.line and lines else None) from None
-        self.store.event(job["id"], f"{len(rows)} prompts in {f['filename']}: the job samples answers to each and "
-                         f"its grader ({job['method']['grader'].get('name') or job['method']['grader']['type']}) "
-                         "scores them (GRPO)", data={"prompts": len(rows)})
-        return str(out)
+        return out, rows
 
     def train_config(self, job: dict, data: str):
         """The TrainConfig the job's training command will parse (None when its flags are not the kit's own:

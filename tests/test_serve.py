@@ -148,6 +148,30 @@ def test_hostile_uploads_fail_their_own_jobs_naming_the_line_and_the_next_job_is
     assert store.job(valid_job)["status"] == "queued"  # validated in the same poll, after all of them
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_a_validation_file_is_read_by_its_methods_training_rules_and_a_bad_line_is_named(tmp_path, method):
+    """OpenAI's validation file holds what the method's training file holds (reinforcement rows with their item
+    fields, SFT messages, DPO's pairs), read by the same rules; a line those rules refuse fails the job, naming it."""
+    store = jobs.Store(tmp_path / "serve")
+    scheduler = jobs.Scheduler(serve.ServeConfig(output_dir=str(tmp_path)), store)
+    good = openai_pairs(2) if method == "dpo" else (json.dumps(GOOD_ROW[method]) + "\n") * 2
+    train = tmp_path / "train.jsonl"
+    train.write_text(openai_pairs(4) if method == "dpo" else (json.dumps(GOOD_ROW[method]) + "\n") * 4)
+    ids = {}
+    for name, text in (("valid.jsonl", good), ("bad.jsonl", good + '{"messages": "not a list"}\n')):
+        path = tmp_path / name
+        path.write_text(text)
+        f = store.add_file(name, "fine-tune", path, path.stat().st_size)
+        ids[name] = add_job(store, train, METHODS[method])
+        store.execute("UPDATE jobs SET validation_file = ? WHERE id = ?", f["id"], ids[name])
+    with runs.RunLock(tmp_path, ids["valid.jsonl"]):  # the valid job waits in the queue instead of training
+        scheduler.tick()
+    assert store.job(ids["valid.jsonl"])["status"] == "queued", store.job(ids["valid.jsonl"])["error"]
+    bad = store.job(ids["bad.jsonl"])
+    assert bad["status"] == "failed" and bad["error"]["param"] == "validation_file"
+    assert bad["error"]["message"].startswith("bad.jsonl:3: "), bad["error"]
+
+
 def test_service_refuses_bad_options_and_an_open_host_without_a_key(monkeypatch):
     monkeypatch.delenv("DPO_KIT_API_KEY", raising=False)
     problems = serve.ServeConfig(host="0.0.0.0", train_args="--no_such_flag 1").problems()
