@@ -224,7 +224,8 @@ def job_view(job: dict) -> dict:
             "training_file": job["training_file"], "validation_file": job["validation_file"],
             "result_files": job["result_files"] or [], "seed": job["seed"], "metadata": job["metadata"],
             "hyperparameters": job["hyperparameters"], "organization_id": "org-dpo-kit", "integrations": [],
-            "estimated_finish": None, "suffix": job["suffix"],
+            "estimated_finish": job.get("estimated_finish") if job["status"] == "running" else None,
+            "suffix": job["suffix"],
             "method": {"type": t, t: {"hyperparameters": job["hyperparameters"]}
                        | ({"grader": job["method"]["grader"]} if "grader" in job["method"] else {})}}
 

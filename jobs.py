@@ -147,7 +147,8 @@ def job_flags(cfg, job: dict) -> list[str]:
 
 def metrics_event(row: dict) -> tuple[str, dict]:
     """A metrics.jsonl row as an OpenAI metrics event: its message and data."""
-    data = {"step": row["step"], "epoch": row.get("epoch")}
+    data = {"step": row["step"], "epoch": row.get("epoch")} | (
+        {"total_steps": row["max_steps"]} if isinstance(row.get("max_steps"), int) else {})
     names = {"loss": "train_loss", "rewards/margins": "train_reward_margin",
              "rewards/accuracies": "train_reward_accuracy", "eval_loss": "valid_loss",
              "eval_rewards/margins": "valid_reward_margin", "eval_rewards/accuracies": "valid_reward_accuracy",
@@ -169,7 +170,7 @@ CREATE TABLE IF NOT EXISTS jobs (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT 
     api TEXT, status TEXT, model TEXT, base TEXT, init_adapter TEXT, training_file TEXT, validation_file TEXT,
     method TEXT, hyperparameters TEXT, flags TEXT, suffix TEXT, seed INTEGER, metadata TEXT, nip_config TEXT,
     fine_tuned_model TEXT, finished_at INTEGER, trained_tokens INTEGER, error TEXT, result_files TEXT,
-    data TEXT, pid INTEGER, stop_request TEXT, metrics_step INTEGER DEFAULT 0, waiting_on INTEGER,
+    data TEXT, pid INTEGER, stop_request TEXT, metrics_step INTEGER DEFAULT 0, waiting_on INTEGER, estimated_finish INTEGER,
     slurm_job_id TEXT, submitted_at INTEGER, slurm_state TEXT, resubmits INTEGER DEFAULT 0, resubmit_step INTEGER);
 CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, job_id TEXT,
     created_at INTEGER, level TEXT, message TEXT, type TEXT, data TEXT);
@@ -561,14 +562,17 @@ class Scheduler(threading.Thread):
         """New metrics.jsonl rows (steps not yet reported) as metrics events."""
         run = runs.Run(self.out, job["id"])
         rows = runs.read_metrics(run.partial if run.partial.exists() else run.final)
-        seen = job["metrics_step"] or 0
+        seen, left = job["metrics_step"] or 0, None
         for row in rows:
             if row["step"] > seen and "train_runtime" not in row and "loss" in row:
                 message, data = metrics_event(row)
                 self.store.event(job["id"], message, kind="metrics", data=data)
-                seen = row["step"]
+                seen, left = row["step"], row.get("seconds_left")
         if seen != job["metrics_step"]:
-            self.store.update_job(job["id"], metrics_step=seen)
+            # OpenAI's estimated_finish: the training's own estimate of the time its remaining steps take (the
+            # held-out evaluation and the handoff after them are not in it)
+            self.store.update_job(job["id"], metrics_step=seen,
+                                  estimated_finish=now() + int(left) if isinstance(left, (int, float)) else None)
 
     def reap(self, job: dict, rc: int) -> None:
         """The process ended: succeeded (the run is complete), or stopped as asked (cancel, pause, the service

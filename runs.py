@@ -286,10 +286,19 @@ def training_callbacks(run: Run, stop_requested, terminal: bool) -> list:
     from transformers import TrainerCallback
 
     class Record(TrainerCallback):
+        start, first_step = 0.0, 0
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.start, self.first_step = time.time(), state.global_step
+
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not state.is_world_process_zero:  # logs are already averaged over processes
                 return
-            row = {"step": state.global_step, "epoch": round(state.epoch or 0, 4), **(logs or {})}
+            row = {"step": state.global_step, "epoch": round(state.epoch or 0, 4), "max_steps": state.max_steps}
+            done = state.global_step - self.first_step
+            if done > 0 and "train_runtime" not in (logs or {}):  # at this process's pace so far (a resume too)
+                row["seconds_left"] = round((time.time() - self.start) / done * max(state.max_steps - state.global_step, 0))
+            row |= logs or {}
             with open(run.partial / "metrics.jsonl", "a", encoding="utf-8") as f:
                 f.write(json.dumps(row) + "\n")
 

@@ -148,6 +148,31 @@ def test_hostile_uploads_fail_their_own_jobs_naming_the_line_and_the_next_job_is
     assert store.job(valid_job)["status"] == "queued"  # validated in the same poll, after all of them
 
 
+def test_a_running_jobs_estimated_finish_is_the_trainings_own_estimate_and_its_steps_are_in_the_events(tmp_path):
+    import api_openai
+
+    store = jobs.Store(tmp_path / "serve")
+    scheduler = jobs.Scheduler(serve.ServeConfig(output_dir=str(tmp_path)), store)
+    train = tmp_path / "train.jsonl"
+    train.write_text(openai_pairs(4))
+    job_id = add_job(store, train, METHODS["dpo"])
+    store.update_job(job_id, status="running")
+    run = tmp_path / f"{job_id}.partial"
+    run.mkdir()
+    rows = [{"step": 1, "epoch": 0.1, "max_steps": 10, "seconds_left": 90, "loss": 0.7},
+            {"step": 2, "epoch": 0.2, "max_steps": 10, "seconds_left": 80, "loss": 0.6}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "los')  # half a row
+    before = jobs.now()
+    scheduler.follow_metrics(store.job(job_id))
+    job = store.job(job_id)
+    assert job["metrics_step"] == 2 and before + 80 <= job["estimated_finish"] <= jobs.now() + 80
+    assert api_openai.job_view(job)["estimated_finish"] == job["estimated_finish"]
+    events = store.query("SELECT data FROM events WHERE job_id = ? AND type = 'metrics' ORDER BY seq", job_id)
+    assert [(json.loads(e["data"])["step"], json.loads(e["data"])["total_steps"]) for e in events] == [(1, 10), (2, 10)]
+    store.update_job(job_id, status="succeeded")
+    assert api_openai.job_view(store.job(job_id))["estimated_finish"] is None  # only while it runs
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_a_validation_file_is_read_by_its_methods_training_rules_and_a_bad_line_is_named(tmp_path, method):
     """OpenAI's validation file holds what the method's training file holds (reinforcement rows with their item
@@ -301,6 +326,7 @@ def test_openai_sdk_uploads_trains_polls_reads_events_and_chats_then_continues(s
 
     events = list(client.fine_tuning.jobs.list_events(job.id, limit=100))
     assert [e.data["step"] for e in events if e.type == "metrics"] == [2, 1]  # newest first
+    assert all(e.data["total_steps"] == 2 for e in events if e.type == "metrics") and job.estimated_finish is None
     assert "successfully completed" in events[0].message and events[-1].message.startswith("Created")
     assert {"train_loss", "train_reward_margin"} <= set(events[0 + 1].data)
     page = client.fine_tuning.jobs.list_events(job.id, limit=2)
