@@ -145,6 +145,36 @@ def job_flags(cfg, job: dict) -> list[str]:
             "--model_name_or_path", job["base"], *(["--init_adapter", parent] if parent else []), *job["flags"]]
 
 
+RESULT_COLUMNS = ("step", "train_loss", "train_accuracy", "valid_loss", "valid_mean_token_accuracy",
+                  "train_mean_token_accuracy", "full_valid_loss", "full_valid_mean_token_accuracy",
+                  "train_reward_margin", "train_reward_accuracy", "valid_reward_margin", "valid_reward_accuracy")
+
+
+def results_csv(rows: list[dict]) -> str:
+    """OpenAI's results file: one CSV row per step (its columns first, the kit's reward margins after; a value the
+    run did not log is empty), base64-encoded as OpenAI hands it back (base64.b64decode(content.text))."""
+    import base64
+    import csv
+    import io
+
+    steps: dict[int, dict] = {}
+    for row in rows:
+        if "train_runtime" in row or not isinstance(row.get("step"), int):
+            continue
+        _, data = metrics_event(row)
+        out = steps.setdefault(row["step"], {"step": row["step"]})
+        out.update({k: v for k, v in data.items() if k in RESULT_COLUMNS and k != "step"})
+        if isinstance(row.get("mean_token_accuracy"), (int, float)):
+            out["train_mean_token_accuracy"] = out["train_accuracy"] = row["mean_token_accuracy"]
+        if isinstance(row.get("eval_mean_token_accuracy"), (int, float)):
+            out["valid_mean_token_accuracy"] = row["eval_mean_token_accuracy"]
+    text = io.StringIO()
+    writer = csv.DictWriter(text, RESULT_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(steps[k] for k in sorted(steps))
+    return base64.b64encode(text.getvalue().encode()).decode()
+
+
 def metrics_event(row: dict) -> tuple[str, dict]:
     """A metrics.jsonl row as an OpenAI metrics event: its message and data."""
     data = {"step": row["step"], "epoch": row.get("epoch")} | (
@@ -605,9 +635,12 @@ class Scheduler(threading.Thread):
         metrics = runs.read_metrics(run.final)
         tokens = max((int(r["num_tokens"]) for r in metrics if isinstance(r.get("num_tokens"), (int, float))),
                      default=None)
+        step_metrics = self.store.jobs_dir / job["id"] / "step_metrics.csv"
+        step_metrics.parent.mkdir(parents=True, exist_ok=True)
+        kit.atomic_write_text(step_metrics, results_csv(metrics))
         results = [self.store.add_file(f"{job['id']}-{name}", "fine-tune-results", path, path.stat().st_size)["id"]
-                   for name, path in (("metrics.jsonl", run.final / "metrics.jsonl"), ("adapter.tar.gz", run.tarball))
-                   if path.exists()]
+                   for name, path in (("step_metrics.csv", step_metrics), ("adapter.tar.gz", run.tarball),
+                                      ("metrics.jsonl", run.final / "metrics.jsonl")) if path.exists()]
         self.store.update_job(job["id"], status="succeeded", finished_at=now(), trained_tokens=tokens,
                               fine_tuned_model=job["fine_tuned_model"], result_files=results)
         self.store.event(job["id"], f"The job has successfully completed: {job['fine_tuned_model']}")

@@ -148,6 +148,22 @@ def test_hostile_uploads_fail_their_own_jobs_naming_the_line_and_the_next_job_is
     assert store.job(valid_job)["status"] == "queued"  # validated in the same poll, after all of them
 
 
+def test_the_results_file_is_openais_csv_one_row_per_step_base64_encoded():
+    import base64
+    import csv
+    import io
+
+    rows = [{"step": 1, "epoch": 0.5, "loss": 0.69, "rewards/margins": 0.1, "rewards/accuracies": 0.5},
+            {"step": 2, "epoch": 1.0, "loss": 0.5, "mean_token_accuracy": 0.75},
+            {"step": 2, "epoch": 1.0, "eval_loss": 0.6, "eval_rewards/margins": 0.3},
+            {"step": 2, "train_runtime": 9.0, "train_loss": 0.6}]
+    table = list(csv.DictReader(io.StringIO(base64.b64decode(jobs.results_csv(rows)).decode())))
+    assert list(table[0]) == list(jobs.RESULT_COLUMNS)
+    assert [(r["step"], r["train_loss"], r["valid_loss"], r["train_mean_token_accuracy"]) for r in table] == [
+        ("1", "0.69", "", ""), ("2", "0.5", "0.6", "0.75")]
+    assert table[0]["train_reward_margin"] == "0.1" and table[1]["valid_reward_margin"] == "0.3"
+
+
 def test_a_running_jobs_estimated_finish_is_the_trainings_own_estimate_and_its_steps_are_in_the_events(tmp_path):
     import api_openai
 
@@ -320,8 +336,15 @@ def test_openai_sdk_uploads_trains_polls_reads_events_and_chats_then_continues(s
     assert job.fine_tuned_model.startswith("ft:SmolLM2-135M-Instruct:first:") and job.trained_tokens > 0
     assert job.method.dpo.hyperparameters.beta == 0.2 and job.finished_at >= job.created_at
     assert json.loads((service.out / job.id / "config.json").read_text())["beta"] == 0.2  # the run trained with it
-    metrics_file, tarball = job.result_files
+    results, tarball, metrics_file = job.result_files
     assert [json.loads(r)["step"] for r in client.files.content(metrics_file).text.splitlines()][:2] == [1, 2]
+    import base64
+    import csv
+    import io
+
+    steps = list(csv.DictReader(io.StringIO(base64.b64decode(client.files.content(results).text).decode())))
+    assert [r["step"] for r in steps] == ["1", "2"] and float(steps[0]["train_loss"]) > 0  # OpenAI's results CSV
+    assert client.files.retrieve(results).filename.endswith("step_metrics.csv")
     assert client.files.content(tarball).read() == (service.out / f"{job.id}.tar.gz").read_bytes()
 
     events = list(client.fine_tuning.jobs.list_events(job.id, limit=100))
