@@ -93,6 +93,9 @@ PAIRS := $(if $(DATA),$(DATA),$(if $(filter grpo,$(METHOD)),$(LOGS),$(OUT)/pairs
 # Built beside the pairs from LOGS: each run's code-asking prompt and host, whose sampled answers the checker runs
 # for base and tuned at the end of training (train_dpo.py --eval_prompts; the held-out runs' prompts only).
 EVAL_PROMPTS := $(if $(DATA)$(filter grpo,$(METHOD)),,$(OUT)/pairs/$(notdir $(basename $(LOGS))).prompts.jsonl)
+# The bundled model's recipe (configs/demo.yaml, chosen by measurement: bench/results-recipe.md) for DPO on it;
+# another MODEL, or METHOD=kto|grpo, trains with train_dpo.py's own defaults. ARGS override either.
+RECIPE := $(if $(MODEL)$(filter-out dpo,$(METHOD)),,--config configs/demo.yaml)
 
 .PHONY: help
 help: ## list the targets
@@ -176,20 +179,20 @@ train-local: $(STAMP) $(if $(filter-out random:%,$(MODEL)),,$(BUNDLED_MODEL)/con
 	$(PY) $(if $(DISTRIBUTED),scaleout.py $(if $(GPUS),--gpus $(GPUS)) $(DIST_FLAGS) $(if $(DRY_RUN),--dry_run) --,train_dpo.py) \
 	  --data $(PAIRS) --output_dir $(OUT) $(if $(MODEL),--model_name_or_path $(MODEL)) \
 	  $(if $(RUN),--run_name $(RUN)) $(if $(METHOD),--method $(METHOD)) $(if $(MIX),--mix $(MIX)) \
-	  $(if $(EVAL_PROMPTS),--eval_prompts $(EVAL_PROMPTS)) $(ARGS)
+	  $(if $(EVAL_PROMPTS),--eval_prompts $(EVAL_PROMPTS)) $(RECIPE) $(ARGS)
 
 # Submits the run's sbatch script (<OUT>/slurm/<run>/train.sbatch), prints its log as it grows, exits as the run did.
 .PHONY: train-slurm
 train-slurm: $(STAMP) $(if $(filter-out random:%,$(MODEL)),,$(BUNDLED_MODEL)/config.json) $(if $(DATA),,$(PAIRS))
 	$(PY) slurm.py $(SLURM_FLAGS) $(if $(DRY_RUN),--dry_run) -- --data $(PAIRS) --output_dir $(OUT) \
 	  $(if $(MODEL),--model_name_or_path $(MODEL)) $(if $(RUN),--run_name $(RUN)) $(if $(METHOD),--method $(METHOD)) \
-	  $(if $(MIX),--mix $(MIX)) $(if $(EVAL_PROMPTS),--eval_prompts $(EVAL_PROMPTS)) $(ARGS)
+	  $(if $(MIX),--mix $(MIX)) $(if $(EVAL_PROMPTS),--eval_prompts $(EVAL_PROMPTS)) $(RECIPE) $(ARGS)
 
 .PHONY: train-docker
 train-docker: $(if $(DRY_RUN),,$(LAUNCHER_STAMP))
 	$(LAUNCHER_PY) launcher.py train $(LAUNCH_RUN) $(if $(DATA),--data $(DATA),--logs $(LOGS)) \
 	  $(if $(MODEL),--model $(MODEL)) $(if $(RUN),--run_name $(RUN)) $(if $(METHOD),--method $(METHOD)) \
-	  $(if $(filter 0,$(PRUNE)),--no_prune) -- $(if $(MIX),--mix $(MIX)) $(ARGS)
+	  $(if $(filter 0,$(PRUNE)),--no_prune) -- $(if $(MIX),--mix $(MIX)) $(RECIPE) $(ARGS)
 
 $(LAUNCHER_STAMP): requirements.txt
 	@test -x $(LVENV)/bin/python || $(PYTHON) -m venv $(LVENV)

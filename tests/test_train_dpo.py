@@ -1,5 +1,6 @@
 """train_dpo.py: pure helpers on toy modules, then real 4-bit DPO steps on the bundled model."""
 import datetime as dt
+import dataclasses
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ import train_dpo
 from kit import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
+RECIPE_KEYS = {"loss_type", "learning_rate", "num_train_epochs", "eval_steps"}  # configs/demo.yaml's measured keys
 MODEL = ROOT / models.BUNDLED_MODEL_DIR
 
 
@@ -744,10 +746,13 @@ def test_cpu_matmul_precision_bf16_is_recorded_close_to_float32_and_undone(tmp_p
 
 
 
-def test_demo_config_spells_out_the_defaults_and_flags_override_it():
+def test_the_demo_recipe_is_the_defaults_but_its_measured_keys_and_flags_override_it():
     demo = str(ROOT / "configs" / "demo.yaml")
+    recipe = {k: v for k, v in kit._read_config_file(demo).items()
+              if "# recipe" in next(line for line in Path(demo).read_text().splitlines() if line.startswith(f"{k}:"))}
+    assert set(recipe) == RECIPE_KEYS
     assert kit.parse_config(train_dpo.TrainConfig, ["--config", demo, "--data", "p.jsonl"], "") == \
-        train_dpo.TrainConfig(data="p.jsonl")
+        dataclasses.replace(train_dpo.TrainConfig(data="p.jsonl"), **recipe)
     assert kit.parse_config(train_dpo.TrainConfig, ["--config", demo, "--data", "p.jsonl", "--beta", "0.3"], "").beta == 0.3
 
 
