@@ -113,7 +113,7 @@ def rft_rows(path: str) -> tuple[list[dict], list[int]]:
                             path, line_no)
         if "messages" in row and not (isinstance(row["messages"], list) and row["messages"]):
             raise UserError("messages must be a non-empty list of messages (OpenAI's reinforcement rows)", path, line_no)
-        prompt = row.pop("messages") if "messages" in row else row.pop("prompt")  # an empty one: refused with its line later
+        prompt = row.pop("messages") if "messages" in row else row.pop("prompt")  # an empty prompt: refused with its line later
         host = row.pop("host", "") if isinstance(row.get("host", ""), str) else ""
         rows.append({"prompt": prompt, "host": host, "item": row.pop("item", row)})
         lines.append(line_no)

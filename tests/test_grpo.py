@@ -252,7 +252,12 @@ def test_reinforcement_rows_become_prompt_rows_with_their_item_and_a_bad_line_is
     rows, lines = jobs.rft_rows(str(rft))
     assert rows == [{"prompt": [{"role": "user", "content": "2+2?"}], "host": "", "item": {"answer": "4"}},
                     {"prompt": "Clear pip", "host": "Host h", "item": {}}] and lines == [1, 3]
-    rft.write_bytes(b'{"messages": [], "a": 1}\n' + b"{" * 100000 + b"\n")
+    rft.write_bytes(b'{"messages": [{"role": "user", "content": "x"}], "a": 1}\n' + b"{" * 100000 + b"\n")
     with pytest.raises(UserError, match="malformed JSON") as e:
         jobs.rft_rows(str(rft))
     assert (e.value.path, e.value.line) == (str(rft), 2)
+    for messages in ("[]", '"2+2?"'):  # OpenAI's rows hold a list of messages
+        rft.write_text('{"prompt": "Clear pip"}\n{"messages": %s, "answer": "4"}\n' % messages)
+        with pytest.raises(UserError, match="messages must be a non-empty list") as e:
+            jobs.rft_rows(str(rft))
+        assert (e.value.path, e.value.line) == (str(rft), 2)

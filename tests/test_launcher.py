@@ -309,11 +309,12 @@ def test_make_dry_run_prints_the_second_machines_command_without_an_engine(tmp_p
     train = lines[lines.index("# train") + 1]
     assert train.startswith("docker run --rm --gpus 8 ") and " --network host " in train
     assert train.endswith("dpo-kit:t1 launch --nproc 8 --nnodes 2 --node_rank 1 --master_addr 10.0.0.1 -- "
-                          "--data /data/runs.pairs.jsonl --output_dir /artifacts --eval_prompts /artifacts/pairs/runs.prompts.jsonl")
+                          "--data /data/runs.pairs.jsonl --output_dir /artifacts --eval_prompts /artifacts/pairs/runs.prompts.jsonl "
+                          "--config configs/demo.yaml")  # the bundled model's recipe (run from the image's /opt/kit)
     assert lines[-1] == ("# accelerate launch --num_processes 16 --num_machines 2 --machine_rank 1 --main_process_ip "
                          "10.0.0.1 --main_process_port 29500 --multi_gpu --mixed_precision no --dynamo_backend no "
                          "/opt/kit/train_dpo.py --data /data/runs.pairs.jsonl --output_dir /artifacts "
-                         "--eval_prompts /artifacts/pairs/runs.prompts.jsonl")
+                         "--eval_prompts /artifacts/pairs/runs.prompts.jsonl --config configs/demo.yaml")
     assert not (tmp_path / "a").exists()
     bad = subprocess.run(["make", "train", "DIST=zero4", "RUNNER=docker", "DRY_RUN=1"], capture_output=True, text=True,
                          cwd=ROOT, timeout=60)
