@@ -20,6 +20,8 @@ import runs
 from jobs import new_id, now
 from service import ApiError
 
+GREEDY_BELOW = 1e-4  # a chat temperature under this samples greedily (see Models.generate)
+
 
 class TextPart(BaseModel):
     type: Literal["text"]
@@ -136,8 +138,10 @@ class Chat:
         if options.get("seed") is not None:
             torch.manual_seed(options["seed"])
         temperature = options.get("temperature", 1.0)
+        # Below GREEDY_BELOW the sampled distribution is the greedy one to float precision, and dividing the
+        # logits by it overflows them to inf (a 500 once, at temperature 1e-300): answer greedily.
         sampling = {"do_sample": True, "temperature": temperature, "top_p": options.get("top_p", 1.0)} \
-            if temperature and temperature > 0 else {"do_sample": False}
+            if temperature and temperature >= GREEDY_BELOW else {"do_sample": False}
         with torch.no_grad():
             out = model.generate(**batch, max_new_tokens=options["max_tokens"], streamer=streamer,
                                  pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, **sampling)

@@ -233,6 +233,11 @@ def test_nip_bodies_the_schema_allows_get_no_server_error(keyed):
 def test_chat_bodies_the_schema_allows_on_a_real_model_get_no_server_error(keyed):
     """Messages of every shape the schema allows, through the bundled model's own chat template (a few tokens)."""
     operation, seen = schema_operation(keyed, "/v1/chat/completions", "POST"), set()
+    for temperature in (1e-300, 5e-324, 1e-5):  # the schema's smallest temperatures: greedy, not logits / 0 = nan
+        reply = httpx.post(f"{keyed.url}/v1/chat/completions", headers=AUTH, timeout=120, json={
+            "model": BUNDLED, "max_tokens": 2, "temperature": temperature,
+            "messages": [{"role": "user", "content": "Hi"}]})
+        assert reply.status_code == 200, reply.text
 
     @settings(max_examples=40, suppress_health_check=list(HealthCheck))
     @given(case=operation.as_strategy(), plain=st.booleans(),
