@@ -338,9 +338,12 @@ def router(svc, limit_bytes: int):
         wanted = metadata_filter(request.query_params.multi_items())
         job = store.job(after) if after else None
         cursor = job["seq"] if job else None
-        rows = store.query("SELECT * FROM jobs WHERE (? IS NULL OR seq < ?) ORDER BY seq DESC", cursor, cursor)
-        if wanted is not ANY_METADATA:
-            rows = [j for j in rows if metadata_matches(j["metadata"], wanted)]
+        if wanted is ANY_METADATA:  # the common call: one page from the database
+            rows = store.query("SELECT * FROM jobs WHERE (? IS NULL OR seq < ?) ORDER BY seq DESC LIMIT ?",
+                               cursor, cursor, limit + 1)
+        else:
+            rows = [j for j in store.query("SELECT * FROM jobs WHERE (? IS NULL OR seq < ?) ORDER BY seq DESC",
+                                           cursor, cursor) if metadata_matches(j["metadata"], wanted)]
         return page([job_view(j) for j in rows[:limit + 1]], limit)
 
     @api.get("/fine_tuning/jobs/{job_id}", tags=["fine-tuning"])

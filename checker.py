@@ -33,6 +33,7 @@ functions (GRPO) of the same checks.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -287,13 +288,15 @@ if name == "sudo":
     words = [a for a in args if not a.startswith("-")]
     os.environ["KIT_SUDO"] = "1"
     os.execvp(words[0], [words[0], *args[args.index(words[0]) + 1:]])
+# The commands a stand-in models (what frees space), by their words before any parsing; the rest run and do nothing.
 loose = [a for a in args if not a.startswith("-")]
-modelled = (loose[:1] in (["clean"], ["autoclean"], ["autoremove"]) if name in ("apt-get", "apt", "dnf", "yum", "conda")
-            else any(a.startswith("--vacuum") for a in args) if name == "journalctl"
-            else loose[1:2] == ["prune"] if name == "docker" else loose[:1] == ["uninstall"] if name == "flatpak"
-            else loose[:2] == ["cache", "clean"] if name == "npm"
-            else loose[:2] in (["cache", "purge"], ["cache", "remove"]) if name in ("pip", "pip3") else False)
-if not modelled:
+cleans = loose[:1] in (["clean"], ["autoclean"], ["autoremove"])
+MODELLED = {"apt-get": cleans, "apt": cleans, "dnf": cleans, "yum": cleans, "conda": cleans,
+            "journalctl": any(a.startswith("--vacuum") for a in args), "docker": loose[1:2] == ["prune"],
+            "flatpak": loose[:1] == ["uninstall"], "npm": loose[:2] == ["cache", "clean"],
+            "pip": loose[:2] in (["cache", "purge"], ["cache", "remove"])}
+MODELLED["pip3"] = MODELLED["pip"]
+if not MODELLED.get(name):
     sys.exit(0)  # a command that frees nothing here (pip list, apt-get update, docker ps): it runs and does nothing
 words, given = parse(args)
 simulate = any(k in given for k in ("-s", "--simulate", "--dry-run"))
@@ -372,7 +375,7 @@ def docker_daemon(root: Path) -> None:
                 continue
             parent, pattern = DOCKER_PRUNES[kind]
             where = root / parent.lstrip("/")
-            if os.path.realpath(where) != str(where):
+            if os.path.realpath(where) != str(where) or not where.is_dir():
                 continue
             with os.scandir(where) as entries:
                 for entry in entries:
@@ -380,7 +383,8 @@ def docker_daemon(root: Path) -> None:
                         if entry.is_dir(follow_symlinks=False):
                             sandbox.remove_tree(entry.path)
                         else:
-                            os.unlink(entry.path)
+                            with contextlib.suppress(OSError):
+                                os.unlink(entry.path)
 
 
 def code_of(completion: str) -> str:
