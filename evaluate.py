@@ -232,7 +232,9 @@ def model_card(run_name: str, cfg, data: dict, params: dict, targets, metrics: l
         f"- steps: {last.get('step', 0)}, beta {cfg.beta}, learning rate {cfg.learning_rate}, "
         f"batch {batch['effective_batch_size']} pairs per step ({cfg.per_device_train_batch_size} per device "
         f"x {batch['processes']} process(es) x accumulation {cfg.gradient_accumulation_steps}), seed {cfg.seed}",
-        f"- reference: {reference_mode(cfg)}; compute: {data['compute']}",
+        f"- reference: {reference_mode(cfg)}"
+        + (" (held-out evaluation only: the sft loss alone trained on the chosen rows, which it reads)"
+           if data.get("chosen_only") else "") + f"; compute: {data['compute']}",
         f"- parameters: {params['trainable']:,} trainable of {params['total']:,} "
         f"({100 * params['trainable'] / max(params['total'], 1):.2f}%)",
         f"- LoRA target modules: {', '.join(targets)}",
@@ -241,6 +243,7 @@ def model_card(run_name: str, cfg, data: dict, params: dict, targets, metrics: l
         "| metric | first step | last step |", "| --- | --- | --- |",
         *(f"| {k} | {fmt(first, k)} | {fmt(last, k)} |" for k in (
             ("reward", "reward_std", "pass_rate", "kl") if data.get("method") == "grpo" else
+            ("loss", "logps/chosen") if data.get("chosen_only") else  # no rejected or reference pass in training
             ("loss", "rewards/margins", "rewards/accuracies"))),
         "", "Training-set numbers: they show the optimisation worked, not that the model got better; "
         "[report.md](report.md) has held-out accuracy before and after, retention probes and plots.", "",

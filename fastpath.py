@@ -71,6 +71,7 @@ class Compute:
     # {"lora_linear": n, "rms_norm": n, "mlp": n, "own_forward": {class: n}, "chunked_head": bool, "dtype": "bfloat16"}
     fused: dict | None = None  # None = off
     liger: int = 0  # modules running Liger's Triton kernels (CUDA), each checked on a probe
+    chosen_only: bool = False  # sft loss alone: training steps forward the chosen rows only (chosen_only_sft_loss)
 
 
 def version_problem(versions: dict[str, str] | None = None) -> str | None:
@@ -1024,6 +1025,12 @@ def arm(cfg, built) -> None:
     trainer, compute = built.trainer, built.compute
     if cfg.chunked_logps and built.method == "dpo":  # TRL's DPOTrainer path
         compute.logps, compute.chunked = enable_chunked_logps(trainer, built.targets)
+    if built.method == "dpo":
+        trainer.kit_chosen_only = cfg.chosen_only
+        compute.chosen_only = cfg.chosen_only and list(trainer.loss_types) == ["sft"]
+        if compute.chosen_only:
+            print("[model] sft loss alone: training steps forward the chosen rows only (no rejected rows, no "
+                  "reference pass; --no_chosen_only: TRL's whole pass); held-out evaluation runs TRL's whole loss")
     if cfg.fused_ops:
         autocast = torch.bfloat16 if trainer.args.bf16 else torch.float16 if trainer.args.fp16 else None
         if liger_applies(built.on_gpu, built.targets):  # CUDA: Liger's norms and MLPs, not the kit's
@@ -1123,6 +1130,63 @@ def grpo_trainer_class():
     return KitGRPOTrainer
 
 
+CHOSEN_ONLY_KEYS = {"input_ids", "attention_mask", "completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
+
+
+def chosen_only_applies(trainer, inputs) -> bool:
+    """TRL's sft loss alone (loss_type ["sft"]) reads only the chosen rows' log-probs: the rejected rows and the
+    reference pass it computes beside them change neither the loss nor its gradient. Not with WPO weighting, a
+    MoE's auxiliary loss, LD-DPO's length split, or a batch with more than text in it."""
+    return (list(trainer.loss_types) == ["sft"] and not trainer.use_weighting and not trainer.aux_loss_enabled
+            and trainer.ld_alpha is None and not getattr(trainer, "_is_vlm", False)
+            and set(inputs) <= CHOSEN_ONLY_KEYS and inputs["input_ids"].shape[0] % 2 == 0)
+
+
+def chosen_width(attention_mask, multiple: int | None) -> int:
+    """Columns the chosen rows need: TRL pads the batch right, to its longest row of either side (and to a
+    multiple of pad_to_multiple_of when set); the chosen rows alone need only up to their own longest."""
+    full = attention_mask.shape[1]
+    width = max(int(attention_mask.sum(1).max()), 1)
+    if multiple:
+        width = -(-width // multiple) * multiple
+    return min(width, full)
+
+
+def chosen_only_sft_loss(trainer, model, inputs):
+    """TRL 1.14's DPOTrainer._compute_loss for loss_type ["sft"] (the mean negative log-likelihood of the chosen
+    completions' tokens, times its weight) from a forward of the chosen rows alone: about 3 of TRL's 8 row-passes
+    per pair (policy forward and backward over both rows, and the reference's forward over both). Logged: the
+    loss, num_tokens as TRL counts it (both rows) and logps/chosen; the pair metrics (rewards/*) need the
+    rejected and reference passes and are left to the held-out evaluation, which runs TRL's whole loss."""
+    import torch
+    import torch.nn.functional as F
+
+    b = inputs["input_ids"].shape[0] // 2
+    width = chosen_width(inputs["attention_mask"][:b], trainer.args.pad_to_multiple_of)
+    input_ids = inputs["input_ids"][:b, :width]
+    attention_mask = inputs["attention_mask"][:b, :width]
+    completion_mask = inputs["completion_mask"][:b, :width]
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
+    mask = completion_mask[:, 1:].bool()
+    if trainer.use_liger_kernel:  # the kit's lean head or TRL's chunked one: log-probs of the completion tokens
+        per_token_logps, _, _ = trainer._get_per_token_logps_and_entropies(model, kwargs, input_ids,
+                                                                           completion_mask)
+        loss = -per_token_logps[mask].mean()
+    else:
+        logits = model(**kwargs).logits[:, :-1]
+        loss = F.cross_entropy(logits[mask], input_ids[:, 1:][mask])
+        with torch.no_grad():
+            per_token_logps = torch.zeros(mask.shape, dtype=logits.dtype, device=logits.device).masked_scatter(
+                mask, -F.cross_entropy(logits[mask].detach(), input_ids[:, 1:][mask], reduction="none"))
+    loss = loss * trainer.loss_weights[0]
+    metrics, gather = trainer._metrics["train"], trainer.accelerator.gather_for_metrics
+    trainer._total_train_tokens += gather(inputs["attention_mask"].sum()).sum().item() // trainer._tp_size
+    metrics["num_tokens"] = [trainer._total_train_tokens]
+    metrics["logps/chosen"].append(gather(per_token_logps.detach().sum(1)).mean().item())
+    trainer.kit_chosen_batches += 1
+    return loss
+
+
 def dpo_trainer_class(cache_dir: Path | None, keys: dict, record: dict):
     """DPOTrainer with two hooks into TRL 1.14's internals. Dataset preparation is tokenization.prepare_pairs
     (chat template, tokenisation at the prompt's own end, dropping prompts that fill max_length) through the
@@ -1139,10 +1203,18 @@ def dpo_trainer_class(cache_dir: Path | None, keys: dict, record: dict):
         kit_share_prompts = False  # and each prompt once, where attention_work says it pays
         kit_lean_batches = 0  # forward passes whose log-probs went through the lean head (counted by dpo_logps)
         kit_shared_batches = 0  # of those, the ones that shared their prompts
+        kit_chosen_only = True  # sft loss alone: training steps forward the chosen rows only (chosen_only_sft_loss)
+        kit_chosen_batches = 0  # training batches that did
 
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
             return token_cache.cached(cache_dir, keys.get(dataset_name), dataset_name, record,
                                       lambda: tokenization.prepare_pairs(dataset, processing_class, args, dataset_name))
+
+        def _compute_loss(self, model, inputs, return_outputs):
+            if (self.kit_chosen_only and model.training and not return_outputs
+                    and chosen_only_applies(self, inputs)):
+                return chosen_only_sft_loss(self, model, inputs)
+            return super()._compute_loss(model, inputs, return_outputs)
 
         def _get_per_token_logps_and_entropies(self, model, model_kwargs, input_ids, completion_mask):
             out = None

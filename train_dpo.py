@@ -116,6 +116,9 @@ class TrainConfig(methods.GRPOOptions, methods.KTOOptions, evaluate.EvalOptions)
     share_prompts: bool = field(True, "with --fused_ops: run each pair's prompt once for both completions (its "
                                 "keys and values kept, with gradients, for the chosen and the rejected pass) "
                                 "where that saves work; the same log-probs to float rounding")
+    chosen_only: bool = field(True, "with --loss_type sft alone: training steps forward the chosen rows only (the "
+                              "loss reads nothing else; TRL also runs the rejected rows and the reference, about "
+                              "2.7x the work), the same loss and gradients to float rounding")
     # DPO and optimisation (TRL / transformers names)
     beta: float = field(0.1, "DPO temperature (KTO's too; GRPO: the KL coefficient): higher keeps the policy closer "
                         "to the reference")
@@ -586,6 +589,7 @@ def data_record(data: formats.TrainingData, compute: fastpath.Compute, cfg: Trai
     """data.json: what the run trained on, and how it computed (and, on a random:<shape> base, that it is one)."""
     random_base = shapes.describe(cfg.model_name_or_path) if shapes.is_random(cfg.model_name_or_path) else None
     return dataclasses.asdict(data) | {"compute": compute.matmuls, "logps": compute.logps, "fused_ops": compute.fused,
+                                       "chosen_only": compute.chosen_only,
                                        "random_base": random_base}
 
 
@@ -598,6 +602,8 @@ def train(run: runs.Run, trainer, resume_from: str, interrupt: Interrupt) -> Non
     interrupt.training = False
     if getattr(trainer, "kit_lean_batches", 0):
         print(f"[model] {trainer.kit_lean_batches} forward passes took their log-probs through the lean head")
+    if getattr(trainer, "kit_chosen_batches", 0):
+        print(f"[model] {trainer.kit_chosen_batches} training batches forwarded their chosen rows only (sft loss)")
     if getattr(trainer, "kit_shared_batches", 0):
         print(f"[model] {trainer.kit_shared_batches} forward passes ran each prompt once for both completions")
     if interrupt.signum is not None:

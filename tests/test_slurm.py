@@ -291,7 +291,7 @@ def sacct(name: str) -> list[tuple[str, str]]:
     """(SLURM job id, state) of every job SLURM's accounting has under this name."""
     done = subprocess.run(["sacct", "-X", "-n", "-P", "--name", name, "-S", "now-1days", "-E", "now+1days", "-o",
                            "JobID,State"],  # -E: a job held pending until later is in the window too
-                          capture_output=True, text=True, check=True)
+                          capture_output=True, text=True, check=True, timeout=120)
     return [(i, s.split()[0]) for i, s in (line.split("|") for line in done.stdout.splitlines() if line)]
 
 
@@ -395,8 +395,10 @@ def test_make_train_runner_slurm_gives_the_local_runs_adapter_and_its_lock_turns
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text(openai_pairs(6))
     args = f"{TRAIN_ARGS} --max_steps 4 --per_device_train_batch_size 1 --seed 3"
-    local = subprocess.run([sys.executable, "train_dpo.py", "--data", pairs, "--output_dir", tmp_path / "local",
-                            "--run_name", run, *args.split()], cwd=ROOT, capture_output=True, text=True)
+    # make train on the bundled model trains its recipe (configs/demo.yaml): the local run is given it by hand
+    local = subprocess.run([sys.executable, "train_dpo.py", "--config", "configs/demo.yaml", "--data", pairs,
+                            "--output_dir", tmp_path / "local", "--run_name", run, *args.split()], cwd=ROOT,
+                           capture_output=True, text=True, timeout=900)
     assert local.returncode == 0, local.stderr[-3000:]
     out = tmp_path / "art"
     make = subprocess.Popen(["make", "train", "RUNNER=slurm", f"DATA={pairs}", f"OUT={out}", f"RUN={run}",
@@ -406,7 +408,8 @@ def test_make_train_runner_slurm_gives_the_local_runs_adapter_and_its_lock_turns
         wait_for(lambda: sacct(f"dpo-kit-{run}"), lambda j: j and j[0][1] == "RUNNING", what="the SLURM job")
         wait_for(lambda: runs.lock_holder(out, run), lambda pid: pid is not None, what="the run's lock")
         script = out / "slurm" / run / "train.sbatch"
-        second = subprocess.run(["sbatch", "--parsable", script], capture_output=True, text=True, check=True)
+        second = subprocess.run(["sbatch", "--parsable", script], capture_output=True, text=True, check=True,
+                                timeout=120)
         second_id = slurm.parse_job_id(second.stdout)  # by hand, while the first holds the run
         wait_for(lambda: dict(sacct(f"dpo-kit-{run}")).get(second_id), lambda s: s == "FAILED", what="the second job")
         output, _ = make.communicate(timeout=600)
@@ -434,7 +437,7 @@ def test_a_job_sbatch_took_before_the_service_died_unrecorded_is_found_by_its_na
                           "model": "m", "base": "m", "method": {"type": "dpo"}, "flags": [], "result_files": [],
                           "submitted_at": jobs.now()})
     done = subprocess.run(["sbatch", "--parsable", f"--job-name=dpo-kit-{job_id}", f"--output={tmp_path}/%j.out",
-                           "--wrap", "sleep 6"], capture_output=True, text=True, check=True)
+                           "--wrap", "sleep 6"], capture_output=True, text=True, check=True, timeout=120)
     slurm_id = slurm.parse_job_id(done.stdout)
     svc, _ = slurm_service(out)
     try:
@@ -480,11 +483,12 @@ def test_a_job_slurm_holds_pending_pauses_and_cancels_without_a_training(cluster
 def test_a_job_whose_node_is_lost_is_queued_again_or_past_its_cap_paused_and_resumes_to_succeeded(cluster, tmp_path,
                                                                                                  max_resubmits):
     out = tmp_path / "art"
-    node = subprocess.run(["sinfo", "-h", "-o", "%N"], capture_output=True, text=True, check=True).stdout.strip()
+    node = subprocess.run(["sinfo", "-h", "-o", "%N"], capture_output=True, text=True, check=True,
+                          timeout=120).stdout.strip()
     # --no_requeue: not SLURM's own requeue; the service submits again, up to --max_resubmits times
     svc, client = slurm_service(out, f"--no_requeue --max_resubmits {max_resubmits}")
     scontrol = lambda *a: subprocess.run(["scontrol", "update", f"NodeName={node}", *a],  # noqa: E731
-                                         capture_output=True, text=True, check=True)
+                                         capture_output=True, text=True, check=True, timeout=120)
     try:
         f = upload_pairs(client, tmp_path / "pairs.jsonl", 6)
         job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f,

@@ -544,6 +544,49 @@ def assert_same_training(run_a: Path, run_f: Path):
     assert (learned - torch.cat([wf[k].flatten() for k in b])).norm() / learned.norm() < 1e-2
 
 
+@needs_model
+@pytest.mark.integration
+def test_the_sft_loss_on_the_chosen_rows_alone_learns_what_trls_whole_pass_learns(tmp_path):
+    """--loss_type sft: training steps forward the chosen rows only (no rejected rows, no reference pass), with
+    the lean head and with full logits, and learn what TRL's whole pass learns: the same loss at every step to
+    float rounding, and the same adapter update."""
+    import torch
+    from safetensors.torch import load_file
+
+    def rows(run):
+        return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+    whole, out_w = small_run(tmp_path, "trl_conversational", "whole", "--loss_type", "sft", "--no_chosen_only")
+    assert "chosen rows only" not in out_w and "rewards/margins" in rows(whole)[0]
+    ref = load_file(whole / "adapter_model.safetensors")
+    b = [k for k in ref if "lora_B" in k]
+    learned = torch.cat([ref[k].flatten() for k in b])
+    assert learned.norm() > 0 and rows(whole)[1]["loss"] != rows(whole)[0]["loss"]
+    for name, extra in (("chosen", ()), ("chosen-full-logits", ("--no_chunked_logps",))):
+        run, out = small_run(tmp_path, "trl_conversational", name, "--loss_type", "sft", *extra)
+        assert "training steps forward the chosen rows only" in out
+        assert "2 training batches forwarded their chosen rows only" in out
+        assert json.loads((run / "data.json").read_text())["chosen_only"] is True
+        card = (run / "README.md").read_text()
+        assert "| logps/chosen |" in card and "rewards/margins" not in card and "held-out evaluation only" in card
+        for ra, rw in zip(rows(run), rows(whole), strict=True):
+            assert ra["loss"] == pytest.approx(rw["loss"], rel=1e-4), name
+            assert ra["num_tokens"] == rw["num_tokens"] and "rewards/margins" not in ra
+            assert ra["logps/chosen"] == pytest.approx(rw["logps/chosen"], rel=1e-4), name
+        got = load_file(run / "adapter_model.safetensors")
+        assert (learned - torch.cat([got[k].flatten() for k in b])).norm() / learned.norm() < 1e-2, name
+
+
+def test_the_chosen_rows_need_only_their_own_width():
+    import torch
+
+    att = torch.tensor([[1, 1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0]])
+    assert fastpath.chosen_width(att, None) == 5
+    assert fastpath.chosen_width(att, 4) == 8 and fastpath.chosen_width(att, 3) == 6
+    assert fastpath.chosen_width(att, 16) == 8  # never wider than the batch
+    assert fastpath.chosen_width(torch.zeros(2, 4, dtype=torch.long), None) == 1
+
+
 def stopped_after_a_step(args: list, partial: Path) -> str:
     """Start a training, SIGTERM it once its first step is logged; it must exit 128 + SIGTERM. Its output."""
     proc = subprocess.Popen(list(map(str, args)), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
