@@ -152,12 +152,12 @@ class Chat:
     def load(self, svc, name: str):
         """(model, tokenizer) for a model name the service knows: a succeeded job's or a base; 404 otherwise."""
         job = svc.tuned_job(name)
-        bases = svc.base_models()
-        if job is None and name not in bases:
+        base = job["base"] if job else svc.base_path(name)
+        if base is None:
             raise ApiError(404, f"model {name!r} does not exist here (GET /v1/models lists them)", "model",
                            "model_not_found")
         with self.lock:  # loading is slow: one at a time, and each model once
-            return self.model(name, svc.out / job["id"] if job else None, job["base"] if job else bases[name])
+            return self.model(name, svc.out / job["id"] if job else None, base)
 
 
 def render(tokenizer, messages: list[dict], name: str, tools: list | None = None) -> str:
@@ -212,7 +212,11 @@ def router(svc):
 
     @api.get("/models")
     def list_models():
-        bases = [{"object": "model", "id": name, "created": 0, "owned_by": "dpo-kit"} for name in svc.base_models()]
+        import serve
+
+        names = [*svc.base_models(), *(n for n, _ in serve.parse_model_map(getattr(svc.cfg, "model_map", ""))
+                                       if not n.endswith("*") and svc.base_path(n))]  # a pattern is not a model
+        bases = [{"object": "model", "id": name, "created": 0, "owned_by": "dpo-kit"} for name in dict.fromkeys(names)]
         tuned = [{"object": "model", "id": j["fine_tuned_model"], "created": j["finished_at"], "owned_by": "user"}
                  for j in svc.store.query("SELECT * FROM jobs WHERE status = 'succeeded' ORDER BY seq")]
         return {"object": "list", "data": bases + tuned}

@@ -131,8 +131,8 @@ class Serving:
 
     def start(self, name: str) -> dict:
         job = self.svc.tuned_job(name)
-        bases = self.svc.base_models()
-        if job is None and name not in bases:
+        base_path = job["base"] if job else self.svc.base_path(name)
+        if base_path is None:
             raise ApiError(400, f"model_name {name!r} is neither a base nor a fine-tuned model of this service "
                            "(GET /v1/models lists them)", "model_name", "model_not_found")
         with self.lock:
@@ -142,7 +142,7 @@ class Serving:
             self.name, self.status, self.error = name, "not_accepting_connections", None
             vllm = shutil.which("vllm")
             if vllm and self.svc.cfg.vllm_port and _gpu():
-                base = job["base"] if job else bases[name]
+                base = base_path
                 adapter = str(self.svc.out / job["id"]) if job else None
                 self.port = self.svc.cfg.vllm_port
                 log = open(self.svc.out / "serve" / "vllm.log", "ab")

@@ -40,9 +40,13 @@ def page(rows: list[dict], limit: int) -> dict:
     return {"object": "list", "data": rows[:limit], "has_more": len(rows) > limit}
 
 
+ORG = "dpo-kit"  # where OpenAI's model names hold the organisation
+
+
 def fine_tuned_name(base: str, suffix: str | None, job_id: str) -> str:
-    """OpenAI's shape: ft:<base>:<suffix>:<job id without its prefix>."""
-    return f"ft:{Path(base).name}:{suffix or 'dpo-kit'}:{job_id.split('-', 1)[1]}"
+    """OpenAI's shape: ft:<base>:<organisation>:<suffix, may be empty>:<job id without its prefix>, so code that
+    splits OpenAI's names on ':' finds each part where it was."""
+    return f"ft:{Path(base).name}:{ORG}:{suffix or ''}:{job_id.split('-', 1)[1]}"
 
 
 UNION_TAGS = re.compile(r"^(float|int|str|bool|none|bytes|[a-z]+-[a-z-]+(\[.*\])?|(literal|list|dict|tuple|"
@@ -97,6 +101,25 @@ class Service:
             found.setdefault(d.parent.name, str(d.parent))
         return found
 
+    def mapped(self, name: str) -> str | None:
+        """The base --model_map sends a client's model name to (OpenAI's names: gpt-4o-mini-2024-07-18 ->
+        Qwen2.5-7B-Instruct), or None."""
+        import serve
+
+        for pattern, base in serve.parse_model_map(getattr(self.cfg, "model_map", "")):
+            if name == pattern or (pattern.endswith("*") and name.startswith(pattern[:-1])):
+                return base
+        return None
+
+    def base_path(self, name: str) -> str | None:
+        """What train_dpo.py gets for a base model name (a base of models_dir, the bundled model, or a name
+        --model_map sends to one); None when the name is none of these."""
+        bases = self.base_models()
+        if name in bases:
+            return bases[name]
+        target = self.mapped(name)
+        return bases.get(target) if target else None
+
     def tuned_job(self, name: str) -> dict | None:
         """The succeeded job whose fine-tuned model is name, or None."""
         rows = self.store.query("SELECT * FROM jobs WHERE fine_tuned_model = ? AND status = 'succeeded'", name)
@@ -109,13 +132,18 @@ class Service:
             if parent[0]["status"] != "succeeded":
                 raise ApiError(400, f"model {name!r} is not ready: its job is {parent[0]['status']}", param)
             return parent[0]["base"], parent[0]["id"]
-        bases = self.base_models()
-        if name in bases:
-            return bases[name], None
+        path = self.base_path(name)
+        if path:
+            return path, None
+        target = self.mapped(name)
+        if target:
+            raise ApiError(400, f"model {name!r} is mapped to {target!r} (--model_map), which this service does not "
+                           f"have: its bases are {', '.join(self.base_models())}", param, "model_not_found")
         if name.startswith("random:") or (HUB_ID.match(name) and ".." not in name):
             return name, None
-        raise ApiError(400, f"unknown model {name!r}: use {', '.join(bases)}, a hub id (org/name) or a fine-tuned "
-                       "model of this service", param, "model_not_found")
+        raise ApiError(400, f"unknown model {name!r}: use {', '.join(self.base_models())}, a hub id (org/name) or a "
+                       "fine-tuned model of this service (OpenAI's model names: start the service with --model_map "
+                       "'gpt-4o-mini*=<a base>')", param, "model_not_found")
 
     def check_file(self, file_id: str, param: str) -> None:
         f = self.file_or_404(file_id, param)

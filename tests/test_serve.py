@@ -70,9 +70,30 @@ def test_vllm_command_serves_a_base_by_the_started_name_and_a_tuned_model_as_its
     assert len(api_nip.job_suffix("x" * 100)) == 64
 
 
+def test_model_map_sends_openais_names_to_bases_and_refuses_what_it_cannot_read(tmp_path):
+    spec = "gpt-4o-mini*=Qwen2.5-7B-Instruct, gpt-4.1-nano = SmolLM2-135M-Instruct,"
+    assert serve.parse_model_map(spec) == [("gpt-4o-mini*", "Qwen2.5-7B-Instruct"),
+                                           ("gpt-4.1-nano", "SmolLM2-135M-Instruct")]
+    for bad in ("gpt-4o", "=x", "gpt*4o=x", "*=x", "ft:gpt-4o:org::1=x"):
+        with pytest.raises(ValueError):
+            serve.parse_model_map(bad)
+    assert any("--model_map" in p for p in serve.ServeConfig(model_map="gpt-4o").problems())
+    svc = service_app.Service(serve.ServeConfig(output_dir=str(tmp_path),
+                                                model_map="gpt-4o-mini*=SmolLM2-135M-Instruct,gpt-4o=nowhere"))
+    assert svc.mapped("gpt-4o-mini-2024-07-18") == "SmolLM2-135M-Instruct" and svc.mapped("gpt-4o") == "nowhere"
+    assert svc.mapped("gpt-4.1") is None and svc.mapped("gpt-4o-2024-08-06") is None  # exact unless it ends in *
+    assert svc.resolve_model("gpt-4o-mini-2024-07-18") == (models.BUNDLED_MODEL_DIR, None)
+    with pytest.raises(service_app.ApiError, match="mapped to 'nowhere'"):  # a base the service does not have
+        svc.resolve_model("gpt-4o")
+    with pytest.raises(service_app.ApiError, match="--model_map"):
+        svc.resolve_model("gpt-4.1")
+
+
 def test_names_commands_and_pages():
     assert service_app.fine_tuned_name("models/SmolLM2-135M-Instruct", None, "ftjob-abc") == \
-        "ft:SmolLM2-135M-Instruct:dpo-kit:abc"
+        "ft:SmolLM2-135M-Instruct:dpo-kit::abc"  # OpenAI's five parts: base, organisation, suffix, id
+    assert service_app.fine_tuned_name("gpt-4o-mini-2024-07-18", "s", "ftjob-abc") == \
+        "ft:gpt-4o-mini-2024-07-18:dpo-kit:s:abc"
     cfg = serve.ServeConfig(output_dir="out")
     flags = ["--data", "d.jsonl", "--output_dir", "out", "--run_name", "ftjob-1", "--beta", "0.2"]
     assert jobs.train_command(cfg, flags, "py")[1:] == [str(ROOT / "train_dpo.py"), *flags]
@@ -306,7 +327,8 @@ def job_log(out: Path, job_id: str) -> str:
 def service(tmp_path_factory):
     if not (MODEL / "config.json").exists():
         pytest.skip("bundled model not converted (make model)")
-    svc = Service(tmp_path_factory.mktemp("serve") / "art", None, "--max_file_mb", "0.1")  # data/runs.jsonl: 72 KB
+    svc = Service(tmp_path_factory.mktemp("serve") / "art", None, "--max_file_mb", "0.1",  # data/runs.jsonl: 72 KB
+                  "--model_map", "gpt-4o-mini*=SmolLM2-135M-Instruct,gpt-4.1-nano=SmolLM2-135M-Instruct")
     yield svc
     svc.stop()
 
@@ -321,21 +343,28 @@ def client(service):
 @needs_model
 @pytest.mark.integration
 def test_openai_sdk_uploads_trains_polls_reads_events_and_chats_then_continues(service, client, tmp_path):
+    import openai
+
     path = tmp_path / "pairs.jsonl"
     path.write_text(openai_pairs(4))
     f = client.files.create(file=open(path, "rb"), purpose="fine-tune")
     assert (f.filename, f.bytes, f.purpose) == ("pairs.jsonl", path.stat().st_size, "fine-tune")
     assert not (service.out / "serve" / "files" / "pairs.jsonl").exists()  # stored by id
     assert client.files.content(f.id).read() == path.read_bytes()
-    job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f.id, suffix="first",
+    with pytest.raises(openai.BadRequestError, match="--model_map") as unmapped:  # OpenAI's name, not mapped
+        client.fine_tuning.jobs.create(model="gpt-4o-2024-08-06", training_file=f.id)
+    assert unmapped.value.body["param"] == "model"
+    # OpenAI's model name, as the team's code sends it: --model_map sends it to a base the service has
+    job = client.fine_tuning.jobs.create(model="gpt-4o-mini-2024-07-18", training_file=f.id, suffix="first",
                                          method={"type": "dpo", "dpo": {"hyperparameters": {
                                              "beta": 0.2, "batch_size": 2, "n_epochs": 1}}})
-    assert job.status == "validating_files" and job.fine_tuned_model is None
+    assert job.status == "validating_files" and job.fine_tuned_model is None and job.model == "gpt-4o-mini-2024-07-18"
     job = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in jobs.TERMINAL)
     assert job.status == "succeeded", (job.error, job_log(service.out, job.id)[-2000:])
-    assert job.fine_tuned_model.startswith("ft:SmolLM2-135M-Instruct:first:") and job.trained_tokens > 0
+    assert job.fine_tuned_model.startswith("ft:gpt-4o-mini-2024-07-18:dpo-kit:first:") and job.trained_tokens > 0
     assert job.method.dpo.hyperparameters.beta == 0.2 and job.finished_at >= job.created_at
-    assert json.loads((service.out / job.id / "config.json").read_text())["beta"] == 0.2  # the run trained with it
+    trained = json.loads((service.out / job.id / "config.json").read_text())
+    assert trained["beta"] == 0.2 and Path(trained["model_name_or_path"]).name == "SmolLM2-135M-Instruct"
     results, tarball, metrics_file = job.result_files
     assert [json.loads(r)["step"] for r in client.files.content(metrics_file).text.splitlines()][:2] == [1, 2]
     import base64
@@ -357,7 +386,8 @@ def test_openai_sdk_uploads_trains_polls_reads_events_and_chats_then_continues(s
     (checkpoint,) = client.fine_tuning.jobs.checkpoints.list(job.id)
     assert checkpoint.step_number == 2 and checkpoint.metrics.train_loss == events[1].data["train_loss"]
 
-    assert job.fine_tuned_model in [m.id for m in client.models.list()]
+    listed = [m.id for m in client.models.list()]
+    assert job.fine_tuned_model in listed and "gpt-4.1-nano" in listed and "gpt-4o-mini*" not in listed
     reply = client.chat.completions.create(model=job.fine_tuned_model, temperature=0, max_tokens=6,
                                            messages=[{"role": "user", "content": "What is 2 + 2?"}])
     answer = reply.choices[0].message.content
@@ -619,7 +649,7 @@ def test_nip_client_loop_trains_serves_chats_with_and_stops_the_model_it_made(se
     created = httpx.post(f"{url}/training/jobs", json=request)
     assert created.status_code == 201, created.text
     info = TrainingJobInfo(**created.json())
-    assert info.new_model_name.startswith("ft:SmolLM2-135M-Instruct:round-1-verifier:")
+    assert info.new_model_name.startswith("ft:SmolLM2-135M-Instruct:dpo-kit:round-1-verifier:")
     info = wait_for(lambda: TrainingJobInfo(**httpx.get(f"{url}/training/jobs/{info.job_id}").json()),
                     lambda j: j.status not in ("pending", "starting", "running"))
     assert info.status == "succeeded", (info.error_message, job_log(service.out, info.job_id)[-2000:])
