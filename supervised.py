@@ -52,8 +52,9 @@ class SftData:
 
     def summary(self, name: str) -> str:
         """'N SFT examples read from NAME: ...', what a job's event and a stage's log say."""
-        return (f"{len(self.examples)} SFT examples read from {name}: one per assistant message trained on, in "
-                f"{self.rows} rows; {self.context_only} assistant messages of weight 0 kept as context, not trained on")
+        return (f"{len(self.examples)} SFT examples read from {name} (one per assistant message trained on, in "
+                f"{self.rows} rows); {self.context_only} assistant message(s) of weight 0 kept as context, not "
+                "trained on")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import evaluate
+import formats
 import iterate
 import kit
 import models
@@ -104,9 +105,20 @@ def test_each_stage_starts_from_the_previous_one_and_names_follow_content(tmp_pa
 
 
 def test_sft_pairs():
-    [pair] = iterate.sft_pairs([(1, [{"role": "user", "content": "Q"}], "the answer is four")], 0)
-    assert pair["chosen"] == [{"role": "assistant", "content": "the answer is four"}]
-    assert pair["rejected"][0]["content"] != "the answer is four"
+    import supervised
+
+    ask = [{"role": "user", "content": "Q"}]
+    call = {"id": "c1", "type": "function", "function": {"name": "du", "arguments": {"path": "/"}}}
+    tools = [{"type": "function", "function": {"name": "du"}}]
+    words, calls = iterate.sft_pairs([supervised.Example(1, ask, {"role": "assistant", "content": "the answer is four"}),
+                                      supervised.Example(2, ask, {"role": "assistant", "content": "",
+                                                                  "tool_calls": [call]}, tools)], 0)
+    assert words["chosen"] == [{"role": "assistant", "content": "the answer is four"}] and "tools" not in words
+    assert words["rejected"][0]["content"] != "the answer is four"
+    # a call alone: chosen is the call, rejected the call garbled as text (never trained on, but it differs)
+    assert calls["prompt"] == ask and calls["chosen"][0]["tool_calls"] == [call] and calls["tools"] == tools
+    assert calls["rejected"][0]["content"] not in ("", 'du({"path": "/"})') and "tool_calls" not in calls["rejected"][0]
+    assert formats.normalise(calls, "trl_conversational") == calls  # the pairs file reads back as it was written
 
 
 # ------------------------------------------------------------------ the real thing: SPIN then self-reward
