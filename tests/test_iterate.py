@@ -121,6 +121,20 @@ def test_sft_pairs():
     assert formats.normalise(calls, "trl_conversational") == calls  # the pairs file reads back as it was written
 
 
+def test_an_sft_stage_trains_every_weighted_answer_of_openais_rows(tmp_path):
+    data = tmp_path / "sft.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "1"},
+                                             {"role": "user", "content": "b"},
+                                             {"role": "assistant", "content": "2", "weight": 0},
+                                             {"role": "user", "content": "c"},
+                                             {"role": "assistant", "content": "3"}]}) + "\n")
+    stage = iterate.Stage(1, "sft", str(data), {}, {}, 4, run_name="t-1-sft-x")
+    out, report = iterate.build_stage_pairs(stage, "unused", tmp_path, "plan.yaml")
+    assert report == {"examples": 2, "rows": 1, "context_only": 1, "pairs_written": 2}
+    pairs, _ = formats.load_pairs(out)
+    assert [(len(p["prompt"]), p["chosen"][0]["content"]) for p in pairs] == [(1, "1"), (5, "3")]
+
+
 # ------------------------------------------------------------------ the real thing: SPIN then self-reward
 
 @pytest.mark.integration
