@@ -61,6 +61,7 @@ SCORE_COLUMNS = (("score_chosen", "score_rejected"), ("chosen_score", "rejected_
                  ("chosen_rating", "rejected_rating"))
 SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")  # what a directory of pair files is read for
 ROLES = {"system", "user", "assistant", "tool"}
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a function's name, as OpenAI takes it
 _HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
 GENERAL_MIX = "data/general.jsonl"  # bundled general-purpose pairs: the default co-training source
 RUN_KEY = "_run"  # on a loaded record: its build_pairs meta.run_id (see held_out); `trainable` drops it
@@ -139,13 +140,30 @@ def json_error(e: json.JSONDecodeError) -> str:
     return f"malformed JSON: {e.msg.removesuffix(' at')} at column {e.colno}"
 
 
+NOT_TEXT_PARTS = ("image_url", "input_image", "image", "input_audio", "file", "input_file")  # OpenAI's other parts
+
+
 def _text(content, what: str) -> str:
-    """Message content as text: a string, or OpenAI's list of {"type": "text", "text": ...} parts."""
+    """Message content as text: a string, or OpenAI's list of {"type": "text", "text": ...} parts (an assistant's
+    {"type": "refusal", "refusal": ...} too), joined. The kit trains text models: an image, audio or file part is
+    refused by name."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return "".join(str(p.get("text", "")) for p in content)
-    raise ValueError(f"{what}: content must be a string or a list of text parts")
+    if not isinstance(content, list):
+        raise ValueError(f"{what}: content must be a string or a list of text parts, got {short(content)}")
+    out = []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        key = {"text": "text", "refusal": "refusal"}.get(kind) if isinstance(kind, str) else None
+        if key and isinstance(part.get(key), str):
+            out.append(part[key])
+        elif kind in NOT_TEXT_PARTS:
+            raise ValueError(f"{what}.content[{k}] is a part of type {kind!r}: the kit trains text models, on text "
+                             "parts only")
+        else:
+            raise ValueError(f"{what}: content must be a string or a list of text parts; content[{k}] is not "
+                             f"{{\"type\": \"text\", \"text\": str}}: {short(part)}")
+    return "".join(out)
 
 
 def messages(value, what: str) -> list[dict]:
@@ -231,6 +249,11 @@ def tools_list(value, what: str = "tools") -> list[dict]:
             raise ValueError(f"{what}[{j}] must be {{\"type\": \"function\", \"function\": {{\"name\", ...}}}}")
         if not isinstance(fn.get("name"), str) or not fn["name"].strip():
             raise ValueError(f"{what}[{j}].function.name must be a non-empty string, got {short(fn.get('name'))}")
+        if not TOOL_NAME.fullmatch(fn["name"]):
+            raise ValueError(f"{what}[{j}].function.name {short(fn['name'])} must be letters, digits, _ and -, "
+                             "at most 64 (OpenAI's rule)")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise ValueError(f"{what}[{j}].function.description must be a string, got {short(fn['description'])}")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise ValueError(f"{what}[{j}].function.parameters must be a JSON schema object")
     return [{"type": "function", **{k: v for k, v in tool.items() if k != "type"}} for tool in value]

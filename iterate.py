@@ -10,7 +10,8 @@ names) and a list of `stages`, in any order, each with a `kind`, its `data`, and
   dpo          train on a pairs file as it is
   spin         pairs from `build_pairs.py spin` on an SFT file, answered by the current model
   self_reward  pairs from `build_pairs.py self-reward` on a prompts file, sampled and judged by the current model
-  sft          plain SFT on an SFT file (TRL's SFT loss: the reference answer's NLL)
+  sft          plain SFT on an SFT file, OpenAI's supervised rows (supervised.py): every assistant message of
+               weight 1 trained with TRL's SFT loss (the reference answer's NLL)
   attempts     the current model's own attempts at run logs' training prompts, each run by the checker and
                written as run logs (attempts.py); build_pairs.py makes the pairs from the logs, the earlier
                rounds' attempts and this one's. `pairs:` takes attempts.py's options (samples, temperature, ...)
@@ -141,7 +142,7 @@ def chain(plan: dict, stage_lines: list[int], data_sha256: dict[str, str]) -> li
 
 
 def lineage_entry(stage: Stage, data_sha: str, pairs: str, pairs_sha: str, report: dict | None) -> dict:
-    keep = ("examples", "prompts", "candidates", "judge_mode", "judgements", "judgements_parsed",
+    keep = ("examples", "context_only", "prompts", "candidates", "judge_mode", "judgements", "judgements_parsed",
             "judgements_unparsable", "judgements_out_of_range", "pairs_written", "dropped_same_as_reference",
             "attempts", "outcomes", "pass_rate", "runs_with_a_pass", "logs_used", "pairs_by_rule")
     return {"stage": stage.index, "kind": stage.kind, "data": stage.data, "data_sha256": data_sha,
@@ -150,16 +151,26 @@ def lineage_entry(stage: Stage, data_sha: str, pairs: str, pairs_sha: str, repor
 
 
 def sft_pairs(examples, seed: int) -> list[dict]:
-    """SFT examples as pairs for the sft stage: chosen = the reference answer; rejected = a garbled
-    copy, never trained on (loss_type sft reads only the chosen side) but needed by the pair format."""
+    """SFT examples (supervised.Example) as pairs, for an sft stage and a supervised job: chosen = the assistant
+    message trained on (its words, its tool calls or both), with the prompt before it and the row's tools;
+    rejected = its words garbled (a call written out as text when it has no words), never trained on (loss_type
+    sft reads only the chosen side) but needed by the pair format, and scored by the held-out evaluation."""
     import build_pairs
 
     out = []
-    for line, prompt, answer in examples:
-        rng = build_pairs.rng_for(seed, str(line), answer)
-        out.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": answer}],
-                    "rejected": [{"role": "assistant", "content": build_pairs.garble_text(answer, rng)}]})
+    for ex in examples:
+        text = ex.answer["content"] if ex.answer["content"].strip() else call_text(ex.answer["tool_calls"])
+        rng = build_pairs.rng_for(seed, str(ex.line), text)
+        out.append({"prompt": ex.prompt, "chosen": [ex.answer],
+                    "rejected": [{"role": "assistant", "content": build_pairs.garble_text(text, rng)}]}
+                   | ({"tools": ex.tools} if ex.tools else {}))
     return out
+
+
+def call_text(calls: list[dict]) -> str:
+    """Tool calls written out as text: name(arguments as JSON), one after another."""
+    return " ".join(f"{c['function']['name']}({json.dumps(c['function']['arguments'], ensure_ascii=False)})"
+                    for c in calls)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,11 +252,13 @@ def build_stage_pairs(stage: Stage, policy: str, folder: Path, plan_path: str,
         build_attempts_pairs(stage, list(earlier), policy, folder, plan_path, out, report)
         return str(out), json.loads(report.read_text())
     if stage.kind == "sft":
-        import self_pairs
+        import supervised
 
-        examples = self_pairs.read_examples(stage.data, need_answer=True)
-        records = sft_pairs(examples, 0)
-        kit.atomic_write_text(report, json.dumps({"examples": len(examples), "pairs_written": len(records)}) + "\n")
+        data = supervised.read(stage.data)
+        records = sft_pairs(data.examples, 0)
+        kit.atomic_write_text(report, json.dumps({"examples": len(data.examples), "rows": data.rows,
+                                                  "context_only": data.context_only,
+                                                  "pairs_written": len(records)}) + "\n")
         kit.atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         return str(out), json.loads(report.read_text())
     import self_pairs

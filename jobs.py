@@ -76,7 +76,7 @@ def input_kind(path: str | os.PathLike) -> str:
                     return "pairs"  # formats.load_pairs reports the line
                 if isinstance(first, dict) and "attempts" in first and "strategy" in first:
                     return "run_log"
-                if isinstance(first, dict) and set(first) <= {"messages", "tools", "parallel_tool_calls"}:
+                if isinstance(first, dict) and set(first) <= {"messages", "tools", "parallel_tool_calls", "functions"}:
                     return "sft"
                 return "pairs"
     return "pairs"
@@ -91,9 +91,9 @@ def read_as_training(method: str, path: str) -> int:
 
     kind = input_kind(path)
     if method == "supervised":
-        import self_pairs
+        import supervised
 
-        return len(self_pairs.read_examples(path, need_answer=True))
+        return len(supervised.read(path).examples)
     if kind == "run_log":
         return sum(1 for _ in build_pairs.read_runs(path))
     return formats.load_pairs(path)[1]["pairs"]
@@ -458,15 +458,7 @@ class Scheduler(threading.Thread):
         if job["method"]["type"] == "reinforcement":
             return self.training_prompts(job, f, work, kind)
         if job["method"]["type"] == "supervised":
-            import iterate
-            import self_pairs
-
-            examples = self_pairs.read_examples(f["path"], need_answer=True)
-            records = iterate.sft_pairs(examples, 0)
-            out = work / "train.pairs.jsonl"
-            kit.atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-            self.store.event(job["id"], f"{len(records)} SFT examples read from {f['filename']}")
-            return str(out)
+            return self.sft_pairs(job, f, work)
         if kind == "run_log":
             return self.pairs_from_runs(job, f, work)
         _, stats = formats.load_pairs(f["path"])
@@ -478,6 +470,21 @@ class Scheduler(threading.Thread):
         self.store.event(job["id"], f"{stats['pairs']} pairs in {f['filename']} (format {stats['format']})",
                          data={"pairs": stats["pairs"], "format": stats["format"]})
         return f["path"]
+
+    def sft_pairs(self, job: dict, f: dict, work: Path) -> str:
+        """A supervised job's file (OpenAI's supervised rows, supervised.py) as SFT pairs, one per assistant
+        message of weight 1; what was trained and what stayed context as an event."""
+        import iterate
+        import supervised
+
+        data = supervised.read(f["path"])
+        records = iterate.sft_pairs(data.examples, 0)
+        out = work / "train.pairs.jsonl"
+        kit.atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        self.store.event(job["id"], data.summary(f["filename"]),
+                         data={"examples": len(records), "rows": data.rows, "context_only": data.context_only,
+                               "with_tools": sum(not ex.text_only() for ex in data.examples)})
+        return str(out)
 
     def training_prompts(self, job: dict, f: dict, work: Path, kind: str) -> str:
         """A reinforcement job's prompts (GRPO): run logs' code-asking prompts, or OpenAI's reinforcement rows

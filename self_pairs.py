@@ -25,7 +25,6 @@ was trained (4-bit NF4) with the run's adapter, through the same loading code as
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import sys
@@ -34,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import kit
-from formats import ROLES, Pair, PairWriter, decode_json, json_error
+import supervised
+from formats import BadRow, Pair, PairWriter, jsonl_rows, messages
 
 DEFAULT_TEMPLATE = "data/judge_template.txt"
 REWARD = "{reward}"
@@ -49,8 +49,9 @@ NUMBER = r"([-+]?\d+(?:\.\d+)?)"
 class SpinConfig:
     """Every option of `build_pairs.py spin`."""
 
-    sft: str = kit.field("", 'prompts with reference answers, JSONL: {"messages": [..., assistant answer]} '
-                         'or {"prompt": ..., "completion": ...} (text or messages)')
+    sft: str = kit.field("", 'prompts with reference answers, JSONL: OpenAI\'s supervised rows {"messages": [...]} '
+                         '(each assistant message of weight 1 a reference; supervised.py) or {"prompt": ..., '
+                         '"completion": ...} (text or messages)')
     model: str = kit.field("", "model that answers: model directory, hub id, or a finished run (dir or .tar.gz)")
     output: str = kit.field("pairs.jsonl", "where the pairs go, JSONL; - writes standard output", short="-o")
     report: str | None = kit.field(None, "also write the summary here as JSON")
@@ -202,71 +203,68 @@ def best_and_worst(texts: list[str], scores: list[float | None], min_margin: flo
 
 
 def _messages(value, what: str, bad) -> list[dict]:
+    """A prompt as text messages (a string is one user message), validated as pair files' messages are."""
     if isinstance(value, str):
         if not value.strip():
             raise bad(f"{what} is empty")
         return [{"role": "user", "content": value}]
-    if not isinstance(value, list) or not value:
-        raise bad(f"{what} must be a string or a non-empty list of messages")
-    for i, m in enumerate(value):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise bad(f"{what}[{i}] must be a message {{\"role\": one of {', '.join(sorted(ROLES))}, \"content\": str}}")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+    try:
+        msgs = messages(value, what)
+    except ValueError as e:
+        raise bad(str(e)) from None
+    if any("tool_calls" in m or m["role"] == "tool" for m in msgs):
+        raise bad(f"{what}: the model answers these prompts in text; one with tool calls or tool results is not read")
+    return [{"role": m["role"], "content": m["content"]} for m in msgs]
 
 
-def parse_example(obj, bad, need_answer: bool) -> tuple[list, str | None]:
-    """One JSONL record -> (prompt messages ending with a user turn, reference answer or None).
-
-    {"messages": [...]} (nip's SupervisedDatasetItem, OpenAI's fine-tuning format): the last message
-    is the answer when it is the assistant's; {"prompt": ..., "completion": ...}: text or messages."""
+def parse_prompt(obj, bad) -> list:
+    """One prompts-file record -> the prompt's messages, ending with a user turn: {"prompt": text or messages},
+    or {"messages": [...]} whose trailing assistant answer, if any, is left out."""
     if not isinstance(obj, dict):
         raise bad("expected a JSON object")
     if "messages" in obj:
-        msgs = _messages(obj["messages"], "messages", bad)
-        answer = msgs.pop()["content"] if msgs[-1]["role"] == "assistant" else None
-        prompt = msgs
+        prompt = _messages(obj["messages"], "messages", bad)
+        if prompt[-1]["role"] == "assistant":
+            prompt.pop()
     elif "prompt" in obj:
         prompt = _messages(obj["prompt"], "prompt", bad)
-        completion = obj.get("completion")
-        if isinstance(completion, list):
-            completion = _messages(completion, "completion", bad)[-1]["content"]
-        if completion is not None and not isinstance(completion, str):
-            raise bad("completion must be a string or a list of messages")
-        answer = completion
     else:
         raise bad(f"expected \"messages\" or \"prompt\" (keys: {', '.join(sorted(obj)) or 'none'})")
     if not prompt or prompt[-1]["role"] != "user":
         raise bad("the prompt must end with a user message")
-    if need_answer and not (answer or "").strip():
-        raise bad("no reference answer (a final assistant message, or completion)")
-    return prompt, answer
+    return prompt
 
 
-def read_examples(path: str, need_answer: bool, limit: int = 0) -> list[tuple[int, list, str | None]]:
-    """(line, prompt, answer) for every record; a bad line stops with FILE:LINE."""
+def read_prompts(path: str, limit: int = 0) -> list[tuple[int, list]]:
+    """(line, prompt) for every record of a prompts file; a bad line stops with FILE:LINE."""
     try:
-        lines = Path(path).read_bytes().split(b"\n")
+        raw = Path(path).read_bytes()
     except OSError as e:
         raise kit.UserError(f"cannot read: {e.strerror}", path) from None
     out = []
-    for n, raw in enumerate(lines, 1):
+    for n, obj in jsonl_rows(raw):
         def bad(message, n=n):
             return kit.UserError(message, path, n)
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise bad(f"not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
-        if not text.strip():
-            continue
-        try:
-            obj = decode_json(text)  # nesting past the parser's depth is malformed JSON too
-        except json.JSONDecodeError as e:
-            raise bad(json_error(e)) from None
-        out.append((n, *parse_example(obj, bad, need_answer)))
+        if isinstance(obj, BadRow):
+            raise bad(str(obj))
+        out.append((n, parse_prompt(obj, bad)))
         if limit and len(out) == limit:
             break
     if not out:
         raise kit.UserError("no examples in the file", path)
+    return out
+
+
+def read_examples(path: str, limit: int = 0) -> list[tuple[int, list, str]]:
+    """(line, prompt, reference answer) for each example of an SFT file, read as a supervised job reads it
+    (supervised.py: one example per assistant message of weight 1). SPIN compares text answers, so an example with
+    tools (a tools list, a call or a tool result) stops the read with its FILE:LINE."""
+    out = []
+    for ex in supervised.read(path, limit).examples:
+        if not ex.text_only():
+            raise kit.UserError("SPIN compares the model's text answer with the reference, and this row uses tools "
+                                "(train on it with an sft stage or a supervised job)", path, ex.line)
+        out.append((ex.line, ex.prompt, ex.answer["content"]))
     return out
 
 
@@ -387,7 +385,7 @@ def judge_generate(model, tok, judge_prompts: list[str], cfg: SelfRewardConfig):
 # ---------------------------------------------------------------------------------------------
 
 def spin(cfg: SpinConfig) -> dict:
-    examples = read_examples(cfg.sft, need_answer=True, limit=cfg.max_examples)
+    examples = read_examples(cfg.sft, limit=cfg.max_examples)
     model, tok, what = load_generator(cfg.model)
     print(f"spin: {len(examples)} examples from {cfg.sft}; answers by {what}", file=sys.stderr, flush=True)
     answers = sample(model, tok, [p for _, p, _ in examples], 1, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
@@ -413,12 +411,12 @@ def spin(cfg: SpinConfig) -> dict:
 
 
 def self_reward(cfg: SelfRewardConfig) -> dict:
-    examples = read_examples(cfg.prompts, need_answer=False, limit=cfg.max_examples)
+    examples = read_prompts(cfg.prompts, limit=cfg.max_examples)
     template = read_template(cfg.judge_template)
     model, tok, what = load_generator(cfg.model)
     judge, judge_tok, judge_what = (model, tok, what) if cfg.judge_model in ("", cfg.model) else \
         load_generator(cfg.judge_model)
-    prompts = [p for _, p, _ in examples]
+    prompts = [p for _, p in examples]
     print(f"self-reward: {len(prompts)} prompts x {cfg.candidates} candidates by {what}; judge {judge_what} "
           f"({cfg.judge})", file=sys.stderr, flush=True)
     candidates = sample(model, tok, prompts, cfg.candidates, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
@@ -445,7 +443,7 @@ def self_reward(cfg: SelfRewardConfig) -> dict:
         mean_mass = None
         examples_of_judgements = [row[0][2] for row in results[:3]]
     with PairWriter(cfg.output, cfg.format) as writer:
-        for (line, prompt, _), texts, row in zip(examples, candidates, scores):
+        for (line, prompt), texts, row in zip(examples, candidates, scores):
             best, worst = best_and_worst(texts, row, cfg.min_margin)
             if best is None:
                 stats["no_pair_" + worst] += 1

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import evaluate
+import formats
 import iterate
 import kit
 import models
@@ -104,9 +105,34 @@ def test_each_stage_starts_from_the_previous_one_and_names_follow_content(tmp_pa
 
 
 def test_sft_pairs():
-    [pair] = iterate.sft_pairs([(1, [{"role": "user", "content": "Q"}], "the answer is four")], 0)
-    assert pair["chosen"] == [{"role": "assistant", "content": "the answer is four"}]
-    assert pair["rejected"][0]["content"] != "the answer is four"
+    import supervised
+
+    ask = [{"role": "user", "content": "Q"}]
+    call = {"id": "c1", "type": "function", "function": {"name": "du", "arguments": {"path": "/"}}}
+    tools = [{"type": "function", "function": {"name": "du"}}]
+    words, calls = iterate.sft_pairs([supervised.Example(1, ask, {"role": "assistant", "content": "the answer is four"}),
+                                      supervised.Example(2, ask, {"role": "assistant", "content": "",
+                                                                  "tool_calls": [call]}, tools)], 0)
+    assert words["chosen"] == [{"role": "assistant", "content": "the answer is four"}] and "tools" not in words
+    assert words["rejected"][0]["content"] != "the answer is four"
+    # a call alone: chosen is the call, rejected the call garbled as text (never trained on, but it differs)
+    assert calls["prompt"] == ask and calls["chosen"][0]["tool_calls"] == [call] and calls["tools"] == tools
+    assert calls["rejected"][0]["content"] not in ("", 'du({"path": "/"})') and "tool_calls" not in calls["rejected"][0]
+    assert formats.normalise(calls, "trl_conversational") == calls  # the pairs file reads back as it was written
+
+
+def test_an_sft_stage_trains_every_weighted_answer_of_openais_rows(tmp_path):
+    data = tmp_path / "sft.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "1"},
+                                             {"role": "user", "content": "b"},
+                                             {"role": "assistant", "content": "2", "weight": 0},
+                                             {"role": "user", "content": "c"},
+                                             {"role": "assistant", "content": "3"}]}) + "\n")
+    stage = iterate.Stage(1, "sft", str(data), {}, {}, 4, run_name="t-1-sft-x")
+    out, report = iterate.build_stage_pairs(stage, "unused", tmp_path, "plan.yaml")
+    assert report == {"examples": 2, "rows": 1, "context_only": 1, "pairs_written": 2}
+    pairs, _ = formats.load_pairs(out)
+    assert [(len(p["prompt"]), p["chosen"][0]["content"]) for p in pairs] == [(1, "1"), (5, "3")]
 
 
 # ------------------------------------------------------------------ the real thing: SPIN then self-reward

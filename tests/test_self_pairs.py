@@ -99,24 +99,40 @@ def test_examples_in_messages_and_prompt_completion_form(tmp_path):
         + json.dumps({"prompt": "Q2", "completion": "A2"}) + "\n"
         + json.dumps({"prompt": [{"role": "user", "content": "Q3"}],
                       "completion": [{"role": "assistant", "content": "A3"}]}) + "\n")
-    got = sp.read_examples(str(f), need_answer=True)
+    got = sp.read_examples(str(f))
     assert got == [(1, [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"}], "A1"),
                    (3, [{"role": "user", "content": "Q2"}], "A2"), (4, [{"role": "user", "content": "Q3"}], "A3")]
 
 
 @pytest.mark.parametrize("line, message", [
-    ('{"messages": [{"role": "user", "content": "Q"}]}', "no reference answer"),
+    ('{"messages": [{"role": "user", "content": "Q"}]}', "no assistant message to train on"),
     ('{"prompt": "Q", "completion": 3}', "completion must be"),
-    ('{"text": "Q"}', 'expected "messages" or "prompt"'),
-    ('{"messages": [{"role": "bot", "content": "Q"}]}', "messages[0] must be a message"),
+    ('{"text": "Q"}', 'expected "messages"'),
+    ('{"messages": [{"role": "bot", "content": "Q"}]}', "messages[0]: unknown role 'bot'"),
     ('not json', "malformed JSON"),
+    ('{"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "tool_calls": [{"id": "c", "function": '
+     '{"name": "f", "arguments": "{}"}}]}]}', "SPIN compares the model's text answer"),
 ])
 def test_bad_sft_lines_name_file_and_line(tmp_path, line, message):
+    """SPIN reads SFT files as a supervised job does (supervised.py), and refuses what it cannot compare: tools."""
     f = tmp_path / "sft.jsonl"
     f.write_text('{"prompt": "ok", "completion": "fine"}\n' + line + "\n")
     with pytest.raises(kit.UserError) as e:
-        sp.read_examples(str(f), need_answer=True)
+        sp.read_examples(str(f))
     assert str(e.value).startswith(f"{f}:2:") and message in str(e.value)
+
+
+def test_prompts_files_keep_the_prompt_and_refuse_tool_use_naming_the_line(tmp_path):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text(json.dumps({"prompt": "Q1"}) + "\n" + json.dumps({"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Q"}, {"type": "text", "text": "2"}]},
+        {"role": "assistant", "content": "dropped"}]}) + "\n")
+    assert sp.read_prompts(str(f)) == [(1, [{"role": "user", "content": "Q1"}]),
+                                       (2, [{"role": "user", "content": "Q2"}])]
+    f.write_text(json.dumps({"prompt": [{"role": "user", "content": "Q"}, {"role": "tool", "tool_call_id": "c",
+                                                                          "content": "r"}]}) + "\n")
+    with pytest.raises(kit.UserError, match=r"prompts.jsonl:1: prompt: the model answers these prompts in text"):
+        sp.read_prompts(str(f))
 
 
 def test_bundled_template_fills_and_a_template_without_placeholders_is_refused(tmp_path):

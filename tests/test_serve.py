@@ -767,6 +767,93 @@ def test_raw_run_logs_become_pairs_by_the_rules_and_sft_files_become_a_supervise
     assert done["sft.jsonl"].id not in {j.id for j in without} and all(not j.metadata for j in without)
 
 
+DU = {"type": "function", "function": {"name": "du", "description": "Disk use of a path",
+                                      "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}
+
+
+def supervised_rows() -> str:
+    """OpenAI's supervised rows: a weight-0 answer kept as context, a call with no content (the cookbook's shape,
+    one call per message promised), and a call, its result and the answer after it (null content): 4 examples."""
+    def call(i, path):
+        return {"id": f"c{i}", "type": "function", "function": {"name": "du", "arguments": json.dumps({"path": path})}}
+
+    rows = [{"messages": [{"role": "user", "content": "Capital of France?"},
+                          {"role": "assistant", "content": "Paris.", "weight": 0},
+                          {"role": "user", "content": "Say it with a smile."},
+                          {"role": "assistant", "content": "Paris, of course!"}]},
+            {"messages": [{"role": "user", "content": "How full is /var?"},
+                          {"role": "assistant", "tool_calls": [call(1, "/var")]}],
+             "tools": [DU], "parallel_tool_calls": False},
+            {"messages": [{"role": "user", "content": "How big is /tmp?"},
+                          {"role": "assistant", "content": None, "tool_calls": [call(2, "/tmp")]},
+                          {"role": "tool", "tool_call_id": "c2", "content": "1.2G"},
+                          {"role": "assistant", "content": "/tmp holds 1.2 GB."}], "tools": [DU]}]
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def test_a_supervised_job_trains_every_weighted_answer_with_its_tools_and_says_what_stayed_context(tmp_path):
+    import formats
+
+    store = jobs.Store(tmp_path / "serve")
+    scheduler = jobs.Scheduler(serve.ServeConfig(output_dir=str(tmp_path)), store)
+    path = tmp_path / "sft.jsonl"
+    path.write_text(supervised_rows())
+    job_id = add_job(store, path, METHODS["supervised"])
+    with runs.RunLock(tmp_path, job_id):  # validated, then waits in the queue instead of training
+        scheduler.tick()
+    job = store.job(job_id)
+    assert job["status"] == "queued", job["error"]
+    (event,) = [e for e in store.query("SELECT * FROM events WHERE job_id = ?", job_id) if "SFT" in e["message"]]
+    assert event["message"].startswith("4 SFT examples read from sft.jsonl") and "1 assistant message" in event[
+        "message"] and "weight 0" in event["message"]
+    assert json.loads(event["data"]) == {"examples": 4, "rows": 3, "context_only": 1, "with_tools": 3}
+    pairs, stats = formats.load_pairs(job["data"])  # what train_dpo.py reads: the tools ride with each pair
+    assert stats["format"] == "trl_conversational" and len(pairs) == 4
+    assert [bool(p.get("tools")) for p in pairs] == [False, True, True, True]
+    assert [m["content"] for m in pairs[0]["prompt"]] == ["Capital of France?", "Paris.", "Say it with a smile."]
+    assert pairs[1]["chosen"] == [{"role": "assistant", "content": "", "tool_calls": [{
+        "id": "c1", "type": "function", "function": {"name": "du", "arguments": {"path": "/var"}}}]}]
+    assert all(formats.uses_tools(p) for p in pairs[1:]) and pairs[3]["prompt"][-1]["role"] == "tool"
+    assert jobs.read_as_training("supervised", str(path)) == 4  # a validation file: the same reader
+
+
+@needs_model
+@pytest.mark.integration
+def test_openai_sdk_trains_a_supervised_job_with_weights_and_tool_calls_to_succeeded(service, client, tmp_path):
+    """A supervised file of tool calls without content and weight-0 answers trains on a service whose jobs render
+    tools (--train_args with --chat_template chatml-tools); a service on the base's own template refuses the same
+    file as train_dpo.py refuses tool-calling pairs, naming the way out."""
+    path = tmp_path / "tools_sft.jsonl"
+    path.write_text(supervised_rows())
+    f = client.files.create(file=open(path, "rb"), purpose="fine-tune")
+    plain = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f.id,
+                                           method={"type": "supervised"})
+    plain = wait_for(lambda: client.fine_tuning.jobs.retrieve(plain.id), lambda j: j.status in jobs.TERMINAL)
+    assert plain.status == "failed" and "--chat_template chatml-tools" in plain.error.message, plain.error
+
+    tools = Service(tmp_path / "art", None, f"--train_args={TRAIN_ARGS} --max_length 256 --chat_template chatml-tools")
+    try:
+        from openai import OpenAI
+
+        sdk = OpenAI(base_url=f"{tools.url}/v1", api_key="unused", max_retries=0)
+        f = sdk.files.create(file=open(path, "rb"), purpose="fine-tune")
+        job = sdk.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f.id, validation_file=f.id,
+                                          method={"type": "supervised", "supervised": {"hyperparameters": {
+                                              "batch_size": 2, "n_epochs": 1}}})
+        job = wait_for(lambda: sdk.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in jobs.TERMINAL)
+        assert job.status == "succeeded", (job.error, job_log(tools.out, job.id)[-2000:])
+        messages = [e.message for e in sdk.fine_tuning.jobs.list_events(job.id, limit=100)]
+        (read,) = [m for m in messages if " SFT examples read from " in m]
+        assert read.startswith("4 SFT examples read from tools_sft.jsonl") and "1 assistant message" in read
+        assert "weight 0 kept as context, not trained on" in read
+        assert [e.data["step"] for e in sdk.fine_tuning.jobs.list_events(job.id) if e.type == "metrics"] == [2, 1]
+        run = tools.out / job.id
+        assert json.loads((run / "data.json").read_text())["pairs_trained"] == 4  # none dropped for its length
+        assert json.loads((run / "config.json").read_text())["loss_type"] == "sft"
+    finally:
+        tools.stop()
+
+
 def test_the_metadata_filter_reads_openais_query_shape():
     import api_openai
 
