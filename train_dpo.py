@@ -455,6 +455,15 @@ def load_tokenizer(cfg: TrainConfig, model_path: str, records: list[dict], inter
     if not any(formats.uses_tools(r) for r in records):
         return tokenizer
     problem = models.tool_template_problem(tokenizer)
+    if problem and not cfg.chat_template and "<|im_start|>" in (tokenizer.chat_template or ""):
+        # A ChatML model whose own template leaves tool use out: the kit's ChatML template with tool calls renders
+        # the same turns with it. Said, and recorded in the run's config and tokenizer, as if given.
+        tokenizer.chat_template = models.chat_template_text("chatml-tools")
+        if models.tool_template_problem(tokenizer) is None:
+            print(f"[data] the data uses tools and {model_path}'s own chat template cannot render them ({problem}): "
+                  "training with the kit's chatml-tools template (ChatML with tool calls), saved with the run's "
+                  "tokenizer (--chat_template FILE.jinja to choose another)", flush=True)
+            cfg.chat_template, problem = "chatml-tools", None
     if problem:
         which = f"--chat_template {cfg.chat_template}" if cfg.chat_template else f"{model_path}'s own chat template"
         way_out = ("--chat_template chatml-tools (the kit's ChatML template with tool calls)"

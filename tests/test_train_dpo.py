@@ -1093,11 +1093,14 @@ TOOL_PAIRS = ROOT / "data" / "tool_pairs.jsonl"
 
 
 def test_tool_use_needs_a_template_that_shows_it_and_the_run_stops_before_any_model_loads(tmp_path):
-    out = run_train("--data", TOOL_PAIRS, "--output_dir", tmp_path / "art", "--run_name", "t")
+    plain = tmp_path / "plain.jinja"  # not ChatML, and blind to tools: nothing the kit ships stands in for it
+    plain.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    out = run_train("--data", TOOL_PAIRS, "--output_dir", tmp_path / "art", "--run_name", "t",
+                    "--chat_template", plain)
     assert out.returncode == 2, out.stderr[-2000:]
     message = out.stderr.strip().splitlines()[-1]
-    assert message.startswith(f"{TOOL_PAIRS}: the data holds tool calls") and "own chat template" in message
-    assert "--chat_template chatml-tools" in message and "loaded" not in out.stdout  # no model was loaded
+    assert message.startswith(f"{TOOL_PAIRS}: the data holds tool calls") and f"--chat_template {plain}" in message
+    assert "--chat_template FILE.jinja" in message and "loaded" not in out.stdout  # no model was loaded
     assert not (tmp_path / "art").exists()
     missing = run_train("--data", TOOL_PAIRS, "--chat_template", "nope", "--output_dir", tmp_path / "art")
     assert missing.returncode == 2 and "neither a template the kit ships (chatml-tools) nor a file" in missing.stderr
@@ -1109,8 +1112,10 @@ def test_tool_calling_conversations_train_with_the_shipped_template_to_a_tarball
     import tokenization
     from transformers import AutoTokenizer
 
-    run_dir, out = small_run(tmp_path, "openai", "tools", "--chat_template", "chatml-tools", "--max_length", 512,
-                             data=TOOL_PAIRS)
+    # No --chat_template: the bundled model's own ChatML template leaves tool use out, so the kit's chatml-tools
+    # is chosen, said, and recorded as if given
+    run_dir, out = small_run(tmp_path, "openai", "tools", "--max_length", 512, data=TOOL_PAIRS)
+    assert "own chat template cannot render them" in out and "training with the kit's chatml-tools template" in out
     check_complete_run(run_dir, steps=2)
     verified = runs.verify_tarball(run_dir.with_name("tools.tar.gz"), tmp_path / "unpacked")
     assert verified["files"]
