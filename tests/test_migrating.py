@@ -11,7 +11,7 @@ import re
 import pytest
 
 import serve
-from test_serve import ROOT, Service, needs_model
+from test_serve import ROOT, TRAIN_ARGS, Service, needs_model
 
 DOC = ROOT / "docs" / "migrating-from-openai.md"
 
@@ -44,7 +44,8 @@ def test_the_pages_code_compiles_and_its_service_arguments_are_the_services():
 @pytest.mark.integration
 def test_the_migration_page_runs_as_written_against_the_service(tmp_path, monkeypatch):
     text = DOC.read_text(encoding="utf-8")
-    svc = Service(tmp_path / "art", None, *serve_args(text))
+    # the tests' small training (test_serve.TRAIN_ARGS), with room for the supervised rows' tool schema
+    svc = Service(tmp_path / "art", None, f"--train_args={TRAIN_ARGS} --max_length 256", *serve_args(text))
     monkeypatch.chdir(tmp_path)  # the page writes its data files where it runs
     namespace, printed = {}, io.StringIO()
     try:
@@ -62,3 +63,6 @@ def test_the_migration_page_runs_as_written_against_the_service(tmp_path, monkey
     assert f"succeeded {job.fine_tuned_model} {job.trained_tokens}" in out
     assert ":ckpt-step-" in out and namespace["steps"] and namespace["reply"].choices[0].message.content
     assert namespace["more"].status == "cancelled"
+    sft = namespace["sft_job"]
+    assert sft.status == "succeeded", sft.error
+    assert f"succeeded {sft.fine_tuned_model}" in out
