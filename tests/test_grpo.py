@@ -261,3 +261,14 @@ def test_reinforcement_rows_become_prompt_rows_with_their_item_and_a_bad_line_is
         with pytest.raises(UserError, match="messages must be a non-empty list") as e:
             jobs.rft_rows(str(rft))
         assert (e.value.path, e.value.line) == (str(rft), 2)
+
+
+def test_a_step_whose_answers_all_went_unscored_leaves_a_gap_in_the_reward_plot(tmp_path):
+    """A grader that failed on every answer of a step (a judge whose replies did not parse) logs its reward as
+    null: the report's plot skips that step instead of failing the finished run."""
+    import evaluate
+
+    metrics = [{"step": 1, "loss": 0.1, "reward": None, "reward_std": None},
+               {"step": 2, "loss": 0.2, "reward": 0.5, "reward_std": 0.1}]
+    assert evaluate.plot_metrics(metrics, tmp_path) == ["loss.png", "reward.png"]
+    assert (tmp_path / "reward.png").stat().st_size > 0
