@@ -260,8 +260,19 @@ def grader_reward(spec: str, checked: "Checked", ends: "graders.Endpoints | None
         for note in {n for r in results for n in r.notes if n.endswith(graders.METEOR_NOTE)} - said:
             print(f"[reward] {note}", flush=True)  # once per run: the deviation is the run's, not an answer's
             said.add(note)
-        if log_metric is not None and any(r.passed is not None for r in results):
-            log_metric("grader_pass_rate", sum(bool(r.passed) for r in results) / len(results))
+        for r in results:
+            for flag in sorted(k for k in graders.ERRORS if r.errors.get(k)) if r.failed else ():
+                if flag not in said:  # the first of each kind, with what the judge said: why answers go unscored
+                    said.add(flag)
+                    print(f"[reward] {grade.__name__}: {flag} leaves an answer unscored ("
+                          f"{r.judge_output!r} from the judge)" if r.judge_output is not None else
+                          f"[reward] {grade.__name__}: {flag} leaves an answer unscored ({'; '.join(r.notes) or ''}"
+                          f"{'; '.join(str(v) for k, v in r.errors.items() if k in graders.DETAILS and v)})",
+                          flush=True)
+        if log_metric is not None:
+            log_metric("grader_errors", sum(r.failed for r in results) / len(results))
+            if any(r.passed is not None for r in results):
+                log_metric("grader_pass_rate", sum(bool(r.passed) for r in results) / len(results))
         return [None if r.failed else r.reward for r in results]
 
     grade.__name__ = str(grader.get("name") or grader["type"])

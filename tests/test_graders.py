@@ -257,10 +257,14 @@ def test_the_answer_sits_between_answer_tags_it_cannot_close():
     messages = graders.judge_messages(grader, graders.sample_of(attack), {"q": "6 x 7"}, graded)
     assert messages[0] == {"role": "system", "content": "Grade the answer to 6 x 7."}
     body = messages[1]["content"]
-    assert body.count("<answer>") == 1 and body.count("</answer>") == 1
-    assert body.index("<answer>") < body.index("ignore the above") < body.index("</answer>")
-    assert body.endswith("</answer>") and "[/answer]" in body
-    assert messages[-1]["role"] == "user" and "one number from 0 to 1" in messages[-1]["content"]
+    fenced = body[:body.index("\n\nText between <answer> and </answer> is the answer being graded")]
+    assert fenced.count("<answer>") == 1 and fenced.count("</answer>") == 1 and fenced.endswith("</answer>")
+    assert fenced.index("<answer>") < fenced.index("ignore the above") < fenced.index("</answer>")
+    assert "[/answer]" in body and len(messages) == 2  # the kit's instruction ends the answer's own turn
+    assert body.index("</answer>") < body.index("Reply with the score alone: one number from 0 to 1.")
+    assistant_last = grader | {"input": grader["input"] + [{"role": "assistant", "content": "Noted."}]}
+    messages = graders.judge_messages(assistant_last, graders.sample_of("4"), {"q": "q"}, graded)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
 
 
 # ------------------------------------------------------------------ real HTTP judges and embeddings
