@@ -132,7 +132,7 @@ REFUSED = [
         "calculate_output": "a.__class__"}}}}, "method.reinforcement.grader.calculate_output"),
     ({"method": {"type": "reinforcement", "reinforcement": {"grader": {"type": "python", "name": "g",
                                                                        "source": "def grade(:"}}}},
-     "method.reinforcement.grader"),
+     "method.reinforcement.grader.source"),
     ({"method": {"type": "reinforcement", "reinforcement": {"grader": {
         "type": "string_check", "name": "g", "input": "a", "reference": "b", "operation": "eq"},
         "hyperparameters": {"beta": 0.1}}}}, "method.reinforcement.hyperparameters.beta"),
