@@ -62,9 +62,6 @@ def default_weights(spec: str, cmd: str = "", grader: str = "") -> list[float]:
     return [RAN_WEIGHT if n == "ran" else 1.0 for n in names(spec)] + [1.0] * (bool(cmd.strip()) + bool(grader))
 
 
-GRADER_TYPES = graders.TYPES
-
-
 def parse_grader(spec: str, ends: "graders.Endpoints | None" = None) -> dict:
     """--reward_grader: JSON text or a .json file -> the grader (ValueError saying what is wrong)."""
     text = spec
@@ -231,15 +228,6 @@ def command_reward(cmd: str):
         return out
 
     return reward_cmd
-
-
-render, sample_of = graders.render, graders.sample_of
-
-
-def python_grade(source: str, sample: dict, item: dict, wall_seconds: float = 20.0) -> float | None:
-    """The grader's grade(sample, item), run in the sandbox; None when it fails or is not a finite number (TRL
-    leaves the answer unscored, and the step's log counts it)."""
-    return graders.python_run(source, sample, item, wall_seconds)[0]
 
 
 def grader_reward(spec: str, checked: "Checked", ends: "graders.Endpoints | None" = None):

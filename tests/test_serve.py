@@ -222,6 +222,17 @@ def test_service_refuses_bad_options_and_an_open_host_without_a_key(monkeypatch)
     assert serve.ServeConfig(host="0.0.0.0", train_args=TRAIN_ARGS).problems() == []
 
 
+def test_the_services_judge_and_embeddings_options_are_checked_together(monkeypatch):
+    monkeypatch.delenv("DPO_KIT_JUDGE_API_KEY", raising=False)
+    assert serve.ServeConfig(judge_base_url="http://judge:8000/v1", embeddings_base_url="https://emb/v1",
+                             embeddings_model="e5").problems() == []
+    problems = serve.ServeConfig(judge_base_url="judge:8000", embeddings_base_url="http://emb/v1").problems()
+    assert any("--embeddings_base_url and --embeddings_model go together" in p for p in problems)
+    assert any("--judge_base_url is an http(s) URL" in p for p in problems)
+    monkeypatch.setenv("DPO_KIT_JUDGE_API_KEY", "k")
+    assert any("DPO_KIT_JUDGE_API_KEY is set but --judge_base_url is not" in p for p in serve.ServeConfig().problems())
+
+
 def test_lock_holder_names_the_pid_that_trains_a_run(tmp_path):
     assert runs.lock_holder(tmp_path, "r") is None
     with runs.RunLock(tmp_path, "r"):
