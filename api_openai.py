@@ -52,11 +52,17 @@ class SupervisedBody(Strict):
     hyperparameters: Optional[SupervisedHyper] = None
 
 
+# The graders as the openai SDK types them (openai.types.graders), pass_threshold as its evals take it; the
+# checks the types cannot make (a formula, labels, a judge to ask) are graders.check's, through checked_grader.
+Threshold = Optional[Annotated[float, Field(allow_inf_nan=False)]]
+
+
 class PythonGrader(Strict):
     type: Literal["python"]
     name: str
     source: str
     image_tag: Optional[str] = None
+    pass_threshold: Threshold = None
 
 
 class StringCheckGrader(Strict):
@@ -67,13 +73,85 @@ class StringCheckGrader(Strict):
     reference: str
 
 
-class OtherGrader(BaseModel):  # shapes the SDK allows that the kit does not evaluate: refused naming the type
-    model_config = ConfigDict(extra="allow")
-    type: Literal["text_similarity", "score_model", "multi", "label_model"]
+class TextSimilarityGrader(Strict):
+    type: Literal["text_similarity"]
+    name: str
+    input: str
+    reference: str
+    evaluation_metric: Literal["cosine", "fuzzy_match", "bleu", "gleu", "meteor", "rouge_1", "rouge_2", "rouge_3",
+                               "rouge_4", "rouge_5", "rouge_l"]
+    pass_threshold: Threshold = None
+
+
+class TextPart(Strict):
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class ImagePart(Strict):  # allowed by the SDK's types; graders.check refuses it, naming it (judges read text)
+    type: Literal["input_image"]
+    image_url: str
+    detail: Optional[str] = None
+
+
+class AudioPart(Strict):  # likewise
+    type: Literal["input_audio"]
+    input_audio: dict
+
+
+Part = Annotated[Union[TextPart, ImagePart, AudioPart], Field(discriminator="type")]
+
+
+class JudgeMessage(Strict):
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Union[str, Part, list[Part]]
+    type: Optional[Literal["message"]] = None
+
+
+class SamplingParams(Strict):
+    max_completions_tokens: Optional[Annotated[int, Field(ge=1, le=4096)]] = None
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None  # recorded, not used
+    seed: Optional[Annotated[int, Field(ge=-2 ** 63, lt=2 ** 64)]] = None
+    temperature: Optional[Annotated[float, Field(ge=0, le=2)]] = None
+    top_p: Optional[Annotated[float, Field(gt=0, le=1)]] = None
+
+
+class ScoreModelGrader(Strict):
+    type: Literal["score_model"]
+    name: str
+    model: str
+    input: list[JudgeMessage] = Field(min_length=1)
+    range: Optional[list[Annotated[float, Field(allow_inf_nan=False)]]] = Field(None, min_length=2, max_length=2)
+    sampling_params: Optional[SamplingParams] = None
+    pass_threshold: Threshold = None
+
+
+class LabelModelGrader(Strict):
+    type: Literal["label_model"]
+    name: str
+    model: str
+    input: list[JudgeMessage] = Field(min_length=1)
+    labels: list[str] = Field(min_length=1)
+    passing_labels: list[str] = Field(min_length=1)
+
+
+SubGrader = Annotated[Union[StringCheckGrader, TextSimilarityGrader, PythonGrader, ScoreModelGrader,
+                            LabelModelGrader], Field(discriminator="type")]
+
+
+class MultiGrader(Strict):
+    type: Literal["multi"]
+    name: str
+    graders: Union[SubGrader, dict[str, SubGrader]]  # one (the SDK's type) or {name: grader} (OpenAI's guide)
+    calculate_output: str
+
+
+Grader = Annotated[Union[StringCheckGrader, TextSimilarityGrader, PythonGrader, ScoreModelGrader, LabelModelGrader,
+                         MultiGrader], Field(discriminator="type")]
 
 
 class ReinforcementBody(Strict):
-    grader: Annotated[Union[PythonGrader, StringCheckGrader, OtherGrader], Field(discriminator="type")]
+    grader: Grader
     hyperparameters: Optional[ReinforcementHyper] = None
 
 
@@ -121,35 +199,62 @@ def kit_defaults() -> dict:
 GRPO_GENERATIONS = 4  # answers per prompt at compute_multiplier 1 (train_dpo.py's --num_generations default)
 
 
-def grader_flags(grader: dict) -> list[str]:
-    """A reinforcement job's grader as train_dpo.py flags: GRPO, rewarded by the grader alone (rewards.py runs a
-    python grader's source in the sandbox; a python grader named checker or ran with no source is the kit's own)."""
-    import rewards
+def checked_grader(grader: dict, svc, param: str) -> None:
+    """A grader the kit can evaluate here, or a 400 naming the field under param: graders.check against the
+    service's judge and embeddings, then each judge model against what the service's own chat serves (when it
+    is the judge)."""
+    import graders
 
-    if grader["type"] not in rewards.GRADER_TYPES:
-        raise ApiError(400, f"grader type {grader['type']!r} is not evaluated by this service: use python (its "
-                       "grade(sample, item) runs in the kit's sandbox), string_check, or the kit's checker (a python "
-                       "grader named 'checker' with an empty source)", "method.reinforcement.grader.type",
-                       "unsupported_grader")
+    ends = svc.grader_endpoints() if svc is not None else graders.Endpoints()
     try:
-        rewards.grader_problem(grader)
-    except ValueError as e:
-        raise ApiError(400, str(e), "method.reinforcement.grader") from None
-    return ["--method", "grpo", "--reward", "", "--reward_grader", json.dumps(grader, ensure_ascii=False)]
+        graders.check(grader, ends)
+    except graders.GraderError as e:
+        raise ApiError(400, str(e), f"{param}.{e.field}" if e.field else param,
+                       "unsupported_grader" if e.field.endswith("type") else None) from None
+    if svc is None or svc.cfg.judge_base_url:
+        return
+    for where, g in graders.walk(grader):
+        if g["type"] in ("score_model", "label_model") and not svc.serves(g["model"]):
+            raise ApiError(400, f"judge model {g['model']!r} is not served here: name a model GET /v1/models lists "
+                           "(the service's own chat judges), or start serve.py with --judge_base_url",
+                           f"{param}.{where}model", "model_not_found")
 
 
-def sandbox_problem(grader: dict, cfg) -> None:
-    """A user's python grader runs only where the sandbox has namespaces (bwrap or unshare), unless the operator
-    allowed the `limits` mode (serve.py --limits_graders): there the grader's code runs as the service's user, kept in
-    by Landlock and limits alone. Checked on this machine, where a local job trains."""
+def grader_flags(grader: dict, svc=None) -> list[str]:
+    """A reinforcement job's grader as train_dpo.py flags: GRPO, rewarded by the grader alone (graders.py evaluates
+    it; a python grader's source runs in the sandbox; one named checker or ran with no source is the kit's own),
+    with the judge and embeddings endpoints its training asks (svc: the service; None checks the grader alone)."""
+    import graders
+
+    checked_grader(grader, svc, "method.reinforcement.grader")
+    flags = ["--method", "grpo", "--reward", "", "--reward_grader", json.dumps(grader, ensure_ascii=False)]
+    kinds = {g["type"] for _, g in graders.walk(grader)}
+    if kinds & {"score_model", "label_model"}:
+        if svc.cfg.runner != "local" and not svc.cfg.judge_base_url:
+            raise ApiError(400, f"a {svc.cfg.runner} job's training cannot reach this service's own chat at "
+                           f"{svc.own_url()} to judge: start serve.py with --judge_base_url at an address the "
+                           "training reaches", "method.reinforcement.grader", "judge_unreachable")
+        flags += ["--judge_base_url", svc.grader_endpoints().judge_base_url]
+    if any(g.get("evaluation_metric") == "cosine" for _, g in graders.walk(grader)):
+        flags += ["--embeddings_base_url", svc.cfg.embeddings_base_url, "--embeddings_model", svc.cfg.embeddings_model]
+    return flags
+
+
+def sandbox_problem(grader: dict, cfg, param: str = "method.reinforcement.grader") -> None:
+    """A user's python grader (or one inside a multi grader) runs only where the sandbox has namespaces (bwrap or
+    unshare), unless the operator allowed the `limits` mode (serve.py --limits_graders): there the grader's code
+    runs as the service's user, kept in by Landlock and limits alone. Checked on this machine, where a local job
+    trains and /graders/run runs it."""
+    import graders
     import sandbox
 
-    if grader["type"] != "python" or not str(grader.get("source", "")).strip() or cfg.limits_graders:
+    users = [g for _, g in graders.walk(grader) if g["type"] == "python" and str(g.get("source", "")).strip()]
+    if not users or cfg.limits_graders:
         return
     if cfg.runner == "local" and sandbox.isolation() == "limits":
         raise ApiError(400, "this service's sandbox has only its `limits` mode (no bubblewrap, no namespaces), and a "
                        "python grader's code would run as the service's user: its operator can install bubblewrap, "
-                       "or allow it with serve.py --limits_graders", "method.reinforcement.grader", "sandbox_too_weak")
+                       "or allow it with serve.py --limits_graders", param, "sandbox_too_weak")
 
 
 def hyperparameter_flags(method_type: str, hyper: dict) -> list[str]:
@@ -325,7 +430,7 @@ def router(svc, limit_bytes: int):
         method = {"type": t}
         if t == "reinforcement":
             grader = body.method.reinforcement.grader.model_dump(exclude_none=True)
-            flags = grader_flags(grader) + flags
+            flags = grader_flags(grader, svc) + flags
             sandbox_problem(grader, svc.cfg)
             method["grader"] = grader
         seed = body.seed if body.seed is not None else 42

@@ -360,11 +360,11 @@ def plot_metrics(metrics: list[dict], out_dir: Path) -> list[str]:
             continue
         fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
         for prefix, label in (("", "train"), ("eval_", "held-out")):
-            pts = [(m["step"], m[prefix + key]) for m in metrics if prefix + key in m]
+            pts = [(m["step"], m[prefix + key]) for m in metrics if m.get(prefix + key) is not None]
             if pts:
                 ax.plot(*zip(*pts), marker="o" if prefix else None, label=label)
-            spread = [(m["step"], m[prefix + key], m[prefix + key + "_std"]) for m in metrics
-                      if prefix + key + "_std" in m and prefix + key in m]
+            spread = [(m["step"], m[prefix + key], m[prefix + key + "_std"]) for m in metrics  # None: no answer scored
+                      if m.get(prefix + key + "_std") is not None and m.get(prefix + key) is not None]
             if spread:
                 steps, mean, std = zip(*spread)
                 ax.fill_between(steps, [a - b for a, b in zip(mean, std)], [a + b for a, b in zip(mean, std)],

@@ -50,9 +50,16 @@ class GRPOOptions:
                         "an error; MODULE:FUNCTION = your own, TRL's reward signature")
     reward_cmd: str = field("", "GRPO: a program that reads a completion on stdin and prints its reward "
                             "($KIT_PROMPT, $KIT_HOST: the prompt and host), added to --reward")
-    reward_grader: str = field("", "GRPO: one of OpenAI's reinforcement graders (JSON or a .json file): python "
-                               "(grade(sample, item), run in the sandbox), string_check, or a kit reward by name "
-                               "(a python grader named checker, empty source), added to --reward")
+    reward_grader: str = field("", "GRPO: one of OpenAI's reinforcement graders (JSON or a .json file, graders.py): "
+                               "string_check, text_similarity, python (grade(sample, item), run in the sandbox), "
+                               "score_model, label_model, multi, or a kit reward by name (a python grader named "
+                               "checker, empty source), added to --reward")
+    judge_base_url: str = field("", "GRPO: an OpenAI-compatible /v1 whose chat completions judge for score_model and "
+                                "label_model graders (the jobs service passes its own); key: $DPO_KIT_JUDGE_API_KEY, "
+                                "else $DPO_KIT_API_KEY")
+    embeddings_base_url: str = field("", "GRPO: an OpenAI-compatible /v1 serving /embeddings, for text_similarity's "
+                                     "cosine (key: $DPO_KIT_EMBEDDINGS_API_KEY, else the judge's)")
+    embeddings_model: str = field("", "GRPO: the embeddings model cosine asks --embeddings_base_url for")
     reward_weights: str = field("", "GRPO: one weight per reward function (--reward, --reward_cmd, --reward_grader), "
                                 f"comma-separated; '' = 1 each, but ran {rewards.RAN_WEIGHT} (a nudge towards "
                                 "running code, below what freeing space scores)")
@@ -109,7 +116,14 @@ def grpo_problems(cfg) -> list[str]:
 
         if not importlib.util.find_spec("vllm"):
             p.append("--use_vllm needs the vllm package and a GPU (pip install vllm)")
-    return p + rewards.problems(cfg.reward, cfg.reward_cmd, cfg.reward_weights, cfg.reward_grader)
+    return p + rewards.problems(cfg.reward, cfg.reward_cmd, cfg.reward_weights, cfg.reward_grader, endpoints(cfg))
+
+
+def endpoints(cfg) -> "graders.Endpoints":
+    """Where the --reward_grader's judge and embeddings are (the keys come from the environment)."""
+    import graders
+
+    return graders.Endpoints.from_env(cfg.judge_base_url, cfg.embeddings_base_url, cfg.embeddings_model)
 
 
 def method_problems(cfg, method: str) -> list[str]:
@@ -321,8 +335,8 @@ def make_trainer(cls, cfg, method: str, model, ref_model, args, train: list[dict
     common = dict(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                   peft_config=peft_config, callbacks=callbacks)
     if method == "grpo":
-        trainer = cls(reward_funcs=rewards.reward_functions(cfg.reward, cfg.reward_cmd, grader=cfg.reward_grader),
-                      **common)
+        trainer = cls(reward_funcs=rewards.reward_functions(cfg.reward, cfg.reward_cmd, grader=cfg.reward_grader,
+                                                            ends=endpoints(cfg)), **common)
         if hasattr(trainer, "kit_skip_alike"):  # the kit's subclass (fastpath.grpo_trainer_class)
             trainer.kit_skip_alike = cfg.skip_alike
         return trainer

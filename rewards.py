@@ -13,11 +13,12 @@
   MODULE:FUNCTION  a Python function with TRL's signature, `f(prompts, completions, **kwargs) -> list[float]`
                    (kwargs: the prompt file's other columns, e.g. `host`); MODULE is importable or a .py path
 
-`--reward_grader GRADER` adds one of OpenAI's reinforcement fine-tuning graders (JSON, or a .json file): `python`
-(`def grade(sample, item) -> float`, run in the sandbox like the checker's code: the grader's source is data
-the kit was sent, not code the user wrote here), `string_check` (eq, ne, like, ilike over `{{sample.output_text}}`
-and `{{item.FIELD}}` templates), or the kit's own checker by name (a python grader named checker or ran with an
-empty source). `item` is the prompt row's other fields (the jobs service keeps them).
+`--reward_grader GRADER` adds one of OpenAI's reinforcement fine-tuning graders (JSON, or a .json file), evaluated
+by graders.py as the service's /graders/run evaluates it: string_check, text_similarity, python (`def grade(sample,
+item) -> float`, run in the sandbox like the checker's code: the grader's source is data the kit was sent, not
+code the user wrote here), score_model and label_model (a judge at --judge_base_url), multi; or the kit's own
+checker by name (a python grader named checker or ran with an empty source). `item` is the prompt row's other
+fields (the jobs service keeps them).
 
 `--reward_cmd CMD` adds a program: it reads one completion on stdin (the prompt as JSON in $KIT_PROMPT, the host
 in $KIT_HOST) and prints a number; a non-zero exit or no number stops the run (failed, resumable), saying so. It is the user's own
@@ -27,6 +28,7 @@ the checker (or through what the grader itself does).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -37,9 +39,10 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import graders
 from kit import UserError
 
-BUILT_IN = ("checker", "ran")
+BUILT_IN = graders.KIT_GRADERS
 RAN_WEIGHT = 0.1  # ran's default weight: running code is worth less than freeing space (checker: up to 1)
 CMD_TIMEOUT = 120  # seconds for one --reward_cmd call
 
@@ -59,11 +62,7 @@ def default_weights(spec: str, cmd: str = "", grader: str = "") -> list[float]:
     return [RAN_WEIGHT if n == "ran" else 1.0 for n in names(spec)] + [1.0] * (bool(cmd.strip()) + bool(grader))
 
 
-GRADER_TYPES = ("python", "string_check")
-STRING_OPS = ("eq", "ne", "like", "ilike")
-
-
-def parse_grader(spec: str) -> dict:
+def parse_grader(spec: str, ends: "graders.Endpoints | None" = None) -> dict:
     """--reward_grader: JSON text or a .json file -> the grader (ValueError saying what is wrong)."""
     text = spec
     if not spec.lstrip().startswith("{"):
@@ -75,45 +74,30 @@ def parse_grader(spec: str) -> dict:
         grader = json.loads(text)
     except ValueError as e:
         raise ValueError(f"not JSON: {e}") from None
-    return grader_problem(grader) or grader
+    return grader_problem(grader, ends) or grader
 
 
-def grader_problem(grader) -> dict:
-    """Raise ValueError for a grader the kit cannot evaluate; returns {} (so parse_grader can `or` it)."""
-    if not isinstance(grader, dict):
-        raise ValueError("a grader is a JSON object")
-    kind = grader.get("type")
-    if kind not in GRADER_TYPES:
-        raise ValueError(f"grader type {kind!r} is not evaluated by the kit: use python, string_check, or the "
-                         "kit's checker (a python grader named checker, empty source)")
-    if kind == "python":
-        if not isinstance(grader.get("source"), str):
-            raise ValueError("a python grader needs its source (def grade(sample, item) -> float)")
-        if not grader["source"].strip() and grader.get("name") not in BUILT_IN:
-            raise ValueError(f"a python grader with no source selects a kit grader by name: {', '.join(BUILT_IN)}")
-        if grader["source"].strip():
-            try:
-                compile(grader["source"], "grader.py", "exec")
-            except SyntaxError as e:
-                raise ValueError(f"the python grader's source does not compile: {e}") from None
-    else:
-        for key in ("input", "reference"):
-            if not isinstance(grader.get(key), str):
-                raise ValueError(f"a string_check grader needs {key} (a string, templates allowed)")
-        if grader.get("operation") not in STRING_OPS:
-            raise ValueError(f"string_check operation must be one of {', '.join(STRING_OPS)}")
+def grader_problem(grader, ends: "graders.Endpoints | None" = None) -> dict:
+    """Raise ValueError (graders.GraderError, naming the field) for a grader the kit cannot evaluate with these
+    endpoints; returns {} (so parse_grader can `or` it)."""
+    try:
+        graders.check(grader, ends)
+    except graders.GraderError as e:
+        raise graders.GraderError(f"{e.field}: {e}" if e.field else str(e), e.field) from None
     return {}
 
 
-def problems(spec: str, cmd: str, weights_spec: str, grader: str = "") -> list[str]:
-    """What is wrong with --reward / --reward_cmd / --reward_grader / --reward_weights, before any model loads."""
+def problems(spec: str, cmd: str, weights_spec: str, grader: str = "", ends: "graders.Endpoints | None" = None
+             ) -> list[str]:
+    """What is wrong with --reward / --reward_cmd / --reward_grader / --reward_weights, before any model loads
+    (ends: where the grader's judge and embeddings are)."""
     p = []
     funcs = names(spec)
     if not funcs and not cmd.strip() and not grader:
         p.append("--reward names no reward function and there is no --reward_cmd or --reward_grader")
     if grader:
         try:
-            parse_grader(grader)
+            parse_grader(grader, ends)
         except ValueError as e:
             p.append(f"--reward_grader: {e}")
     for name in funcs:
@@ -246,93 +230,47 @@ def command_reward(cmd: str):
     return reward_cmd
 
 
-def render(template: str, sample: dict, item: dict) -> str:
-    """OpenAI's grader templates: {{sample.output_text}}, {{item.a.b}} (a missing field renders as '')."""
-    import re
-
-    def value(match):
-        root, *path = match.group(1).split(".")
-        node = {"sample": sample, "item": item}.get(root)
-        for key in path:
-            node = node.get(key) if isinstance(node, dict) else None
-        return "" if node is None else node if isinstance(node, str) else json.dumps(node)
-
-    return re.sub(r"\{\{\s*([\w.]+)\s*\}\}", value, template)
-
-
-def sample_of(completion) -> dict:
-    """A completion as OpenAI's graders see it: output_text, output_json (when it parses), choices."""
-    text = _text(completion)
-    try:
-        parsed = json.loads(text)
-    except ValueError:
-        parsed = None
-    return {"output_text": text, "output_json": parsed,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]}
-
-
-# The score goes to a file of the sandbox's workspace, not stdout: a grader may print more than the result keeps.
-GRADE_HARNESS = """
-
-import json as _kit_json, os as _kit_os
-_kit_sample = _kit_json.loads({sample!r})
-_kit_item = _kit_json.loads({item!r})
-_kit_score = repr(float(grade(_kit_sample, _kit_item)))
-with open(_kit_os.path.join(_kit_os.environ["TMPDIR"], {name!r}), "w") as _kit_f:
-    _kit_f.write(_kit_score)
-"""
-GRADE_FILE = ".kit_grade"
-
-
-def python_grade(source: str, sample: dict, item: dict, wall_seconds: float = 20.0) -> float | None:
-    """The grader's grade(sample, item), run in the sandbox; None when it fails or is not a finite number (TRL
-    leaves the answer unscored, and the step's log counts it)."""
-    import math
-
-    import sandbox
-
-    code = source + GRADE_HARNESS.format(sample=json.dumps(sample), item=json.dumps(item), name=GRADE_FILE)
-    workspace = Path(tempfile.mkdtemp(prefix="dpo-kit-grade-"))
-    try:
-        result = sandbox.run_code(code, workspace, limits=sandbox.Limits(wall_seconds=wall_seconds))
-        try:
-            value = float((workspace / "root" / "tmp" / GRADE_FILE).read_text()[:64])
-        except (OSError, ValueError):
-            return None
-    finally:
-        sandbox.remove_tree(workspace)
-    return value if result.returncode == 0 and math.isfinite(value) else None
-
-
-def grader_reward(spec: str, checked: "Checked"):
-    """--reward_grader as a TRL reward function (named after the grader)."""
-    grader = parse_grader(spec)
+def grader_reward(spec: str, checked: "Checked", ends: "graders.Endpoints | None" = None):
+    """--reward_grader as a TRL reward function (named after the grader): graders.run on each answer, as the
+    service's /graders/run scores it; an answer whose grading failed (a python grader's error, a judge's reply
+    that does not parse) is left unscored (None), and the step's log counts it."""
+    ends = dataclasses.replace(ends or graders.Endpoints(), wall_seconds=checked.wall_seconds)
+    grader = parse_grader(spec, ends)
     if grader["type"] == "python" and not grader["source"].strip():  # the kit's own, by name
         return dict(zip(BUILT_IN, checker_rewards(checked)))[grader["name"]]
+    said = set()
 
-    def grade(prompts, completions, item=None, **kwargs):
+    def grade(prompts, completions, item=None, log_metric=None, **kwargs):
         items = [json.loads(x) if isinstance(x, str) and x else (x or {}) for x in (item or [None] * len(prompts))]
-        samples = [sample_of(c) for c in completions]
-        if grader["type"] == "python":
-            with ThreadPoolExecutor(checked.workers) as pool:
-                return list(pool.map(lambda si: python_grade(grader["source"], *si, checked.wall_seconds),
-                                     zip(samples, items)))
-        out = []
-        for sample, it in zip(samples, items):
-            got, want = render(grader["input"], sample, it), render(grader["reference"], sample, it)
-            op = grader["operation"]
-            hit = got == want if op == "eq" else got != want if op == "ne" else want in got if op == "like" \
-                else want.lower() in got.lower()
-            out.append(1.0 if hit else 0.0)
-        return out
+        samples = [graders.sample_of(c) for c in completions]
+        with ThreadPoolExecutor(checked.workers) as pool:  # sandboxed graders and judges mostly wait
+            results = list(pool.map(lambda si: graders.run(grader, *si, ends), zip(samples, items)))
+        for note in {n for r in results for n in r.notes if n.endswith(graders.METEOR_NOTE)} - said:
+            print(f"[reward] {note}", flush=True)  # once per run: the deviation is the run's, not an answer's
+            said.add(note)
+        for r in results:
+            for flag in sorted(k for k in graders.ERRORS if r.errors.get(k)) if r.failed else ():
+                if flag not in said:  # the first of each kind, with what the judge said: why answers go unscored
+                    said.add(flag)
+                    print(f"[reward] {grade.__name__}: {flag} leaves an answer unscored ("
+                          f"{r.judge_output!r} from the judge)" if r.judge_output is not None else
+                          f"[reward] {grade.__name__}: {flag} leaves an answer unscored ({'; '.join(r.notes) or ''}"
+                          f"{'; '.join(str(v) for k, v in r.errors.items() if k in graders.DETAILS and v)})",
+                          flush=True)
+        if log_metric is not None:
+            log_metric("grader_errors", sum(r.failed for r in results) / len(results))
+            if any(r.passed is not None for r in results):
+                log_metric("grader_pass_rate", sum(bool(r.passed) for r in results) / len(results))
+        return [None if r.failed else r.reward for r in results]
 
     grade.__name__ = str(grader.get("name") or grader["type"])
     return grade
 
 
-def reward_functions(spec: str, cmd: str = "", wall_seconds: float = 20.0, grader: str = "") -> list:
+def reward_functions(spec: str, cmd: str = "", wall_seconds: float = 20.0, grader: str = "",
+                     ends: "graders.Endpoints | None" = None) -> list:
     """--reward, --reward_cmd and --reward_grader as TRL's reward_funcs, in that order (--reward_weights follows)."""
     checked = Checked(wall_seconds=wall_seconds)
     built = dict(zip(BUILT_IN, checker_rewards(checked)))
     funcs = [built[n] if n in built else load_function(n) for n in names(spec)]
-    return funcs + ([command_reward(cmd)] if cmd.strip() else []) + ([grader_reward(grader, checked)] if grader else [])
+    return funcs + ([command_reward(cmd)] if cmd.strip() else []) + ([grader_reward(grader, checked, ends)] if grader else [])

@@ -16,8 +16,9 @@ with the result, through the official `openai` SDK (only `base_url` changed) or 
 
 Endpoints (docs/service.md has the table; the running service describes them at /openapi.json and /docs):
 /v1/files, /v1/fine_tuning/jobs (create, list, get, cancel, pause, resume, events, checkpoints), /v1/models,
-/v1/chat/completions (api_openai.py, api_chat.py); nip's /version, /training/jobs and /vllm/* (api_nip.py);
-service.py holds what they share. This file is the command line and `create_app`, which assembles them.
+/v1/chat/completions, /v1/fine_tuning/alpha/graders/run and /validate (api_openai.py, api_chat.py,
+api_graders.py: graders' judges are this service's own chat unless --judge_base_url names another); nip's
+/version, /training/jobs and /vllm/* (api_nip.py); service.py holds what they share. This file is the command line and `create_app`, which assembles them.
 
 Each job is a separate `train_dpo.py` process (or scaleout.py / launcher.py with --gpus / --runner docker; with
 --runner slurm, a SLURM job: slurm.py and docs/slurm.md), one at a time by default, so a crashed training never takes the service down and status requests never wait on it.
@@ -70,6 +71,12 @@ class ServeConfig:
                              "major version differs from its own: '1' matches any nip 1.x.y (nip is 1.0.0 on)")
     limits_graders: bool = field(False, "run users' python graders where the sandbox has only its `limits` mode (no "
                                  "bubblewrap, no namespaces: Landlock and limits alone); off, such a job is refused")
+    judge_base_url: str = field("", "graders' judge (score_model, label_model): an OpenAI-compatible /v1 whose chat "
+                                "completions grade, for /graders/run and the jobs' training ('' = this service's own "
+                                "chat, on its models; key: $DPO_KIT_JUDGE_API_KEY)")
+    embeddings_base_url: str = field("", "text_similarity's cosine: an OpenAI-compatible /v1 serving /embeddings ('' = "
+                                     "cosine is refused; key: $DPO_KIT_EMBEDDINGS_API_KEY, else the judge's)")
+    embeddings_model: str = field("", "the embeddings model cosine asks --embeddings_base_url for")
     vllm_port: int = field(8001, "where /vllm/start runs `vllm serve` when vLLM and a GPU are here (0: never; "
                            "the service's own chat completions serve the model instead)")
 
@@ -97,6 +104,15 @@ class ServeConfig:
         if self.runner == "slurm" and not shutil.which("sbatch"):
             p.append("--runner slurm: sbatch is not on the PATH (run the service on a machine of the cluster, such "
                      "as a login node)")
+        if bool(self.embeddings_base_url) != bool(self.embeddings_model):
+            p.append("--embeddings_base_url and --embeddings_model go together (cosine asks that endpoint for that "
+                     "model's embeddings)")
+        if os.environ.get("DPO_KIT_JUDGE_API_KEY") and not self.judge_base_url:
+            p.append("DPO_KIT_JUDGE_API_KEY is set but --judge_base_url is not (the judge is this service's own chat, "
+                     "reached with DPO_KIT_API_KEY): give the judge's URL, or unset the key")
+        for name in ("judge_base_url", "embeddings_base_url"):
+            if getattr(self, name) and not getattr(self, name).startswith(("http://", "https://")):
+                p.append(f"--{name} is an http(s) URL of an OpenAI-compatible /v1 (got {getattr(self, name)!r})")
         if self.runner == "slurm" and self.gpus:
             p.append("--runner slurm: give GPUs per node as --slurm_args='--gpus_per_node N' (make: GPUS=N)")
         return p
@@ -168,6 +184,7 @@ def create_app(cfg):
     from starlette.exceptions import HTTPException
 
     import api_chat
+    import api_graders
     import api_nip
     import api_openai
     from jobs import Scheduler
@@ -238,6 +255,7 @@ def create_app(cfg):
 
     app.include_router(api_openai.router(svc, limit_bytes))
     app.include_router(api_chat.router(svc))
+    app.include_router(api_graders.router)  # reads the service from app.state.service
     app.include_router(api_nip.router(svc))  # after api_chat's: nip's serving loads models into its chat
     app.state.service = svc
     return app

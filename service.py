@@ -5,10 +5,12 @@ them here), the lookups and job records both the OpenAI and the nip API make, an
     api_openai.py   /v1/files, /v1/fine_tuning/jobs (the openai SDK's files and fine-tuning jobs)
     api_chat.py     /v1/models, /v1/chat/completions (base and fine-tuned models, loaded on first use)
     api_nip.py      /version, /training/jobs, /vllm/start|stop|status (nip's language-model-server client)
+    api_graders.py  /v1/fine_tuning/alpha/graders/run|validate (OpenAI's graders, evaluated by graders.py)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path
@@ -119,6 +121,26 @@ class Service:
             return bases[name]
         target = self.mapped(name)
         return bases.get(target) if target else None
+
+    def serves(self, name: str) -> bool:
+        """Whether the service's own chat answers as model name (a base, or a succeeded job's model)."""
+        return self.base_path(name) is not None or self.tuned_job(name) is not None
+
+    def own_url(self) -> str:
+        """The service's own /v1, as a process on this machine reaches it (a wildcard address: loopback)."""
+        host = self.cfg.host
+        host = "127.0.0.1" if host in ("0.0.0.0", "", "localhost") else "::1" if host == "::" else host
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.cfg.port}/v1"
+
+    def grader_endpoints(self):
+        """Where graders' judges and cosine's embeddings are: --judge_base_url, else this service's own chat
+        (its key: DPO_KIT_API_KEY); --embeddings_base_url and --embeddings_model."""
+        import graders
+
+        own = not self.cfg.judge_base_url
+        ends = graders.Endpoints.from_env(self.cfg.judge_base_url or self.own_url(), self.cfg.embeddings_base_url,
+                                          self.cfg.embeddings_model)
+        return dataclasses.replace(ends, judge_api_key=self.api_key) if own else ends
 
     def tuned_job(self, name: str) -> dict | None:
         """The succeeded job whose fine-tuned model is name, or None."""

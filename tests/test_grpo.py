@@ -57,12 +57,16 @@ def test_the_reward_cache_never_loses_a_steps_results_past_its_size(monkeypatch)
         assert len(checked.cache) <= rewards.CACHE_SIZE
 
 
-def test_a_python_grader_that_prints_a_lot_keeps_its_score_and_a_nan_is_no_score():
+def test_a_python_grader_that_prints_a_lot_keeps_its_score_and_a_nan_or_an_error_is_no_score_and_says_why():
+    import graders
+
+    hi = graders.sample_of("hi")
     chatty = "def grade(sample, item):\n    print('x' * (1 << 20))\n    return 0.75\n"
-    assert rewards.python_grade(chatty, rewards.sample_of("hi"), {}) == 0.75
-    assert rewards.python_grade("def grade(sample, item):\n    return float('nan')\n", rewards.sample_of("hi"), {}) \
-        is None
-    assert rewards.python_grade("def grade(sample, item):\n    raise ValueError\n", rewards.sample_of("hi"), {}) is None
+    assert graders.python_run(chatty, hi, {}) == (0.75, None)
+    value, why = graders.python_run("def grade(sample, item):\n    return float('nan')\n", hi, {})
+    assert value is None and "not a finite number" in why
+    value, why = graders.python_run("def grade(sample, item):\n    raise ValueError('no answer here')\n", hi, {})
+    assert value is None and "ValueError: no answer here" in why
 
 
 def test_reward_specs_are_checked_before_anything_loads(tmp_path):
@@ -261,3 +265,14 @@ def test_reinforcement_rows_become_prompt_rows_with_their_item_and_a_bad_line_is
         with pytest.raises(UserError, match="messages must be a non-empty list") as e:
             jobs.rft_rows(str(rft))
         assert (e.value.path, e.value.line) == (str(rft), 2)
+
+
+def test_a_step_whose_answers_all_went_unscored_leaves_a_gap_in_the_reward_plot(tmp_path):
+    """A grader that failed on every answer of a step (a judge whose replies did not parse) logs its reward as
+    null: the report's plot skips that step instead of failing the finished run."""
+    import evaluate
+
+    metrics = [{"step": 1, "loss": 0.1, "reward": None, "reward_std": None},
+               {"step": 2, "loss": 0.2, "reward": 0.5, "reward_std": 0.1}]
+    assert evaluate.plot_metrics(metrics, tmp_path) == ["loss.png", "reward.png"]
+    assert (tmp_path / "reward.png").stat().st_size > 0

@@ -125,10 +125,14 @@ def test_every_hyperparameter_auto_as_the_sdk_types_allow_creates_the_job_with_t
 REFUSED = [
     ({"method": {"type": "reinforcement", "reinforcement": {"grader": {
         "type": "text_similarity", "name": "g", "input": "{{sample.output_text}}", "reference": "x",
-        "evaluation_metric": "bleu"}}}}, "method.reinforcement.grader.type"),
+        "evaluation_metric": "cosine"}}}}, "method.reinforcement.grader.evaluation_metric"),
+    ({"method": {"type": "reinforcement", "reinforcement": {"grader": {
+        "type": "multi", "name": "g", "graders": {"a": {"type": "string_check", "name": "a", "input": "x",
+                                                        "reference": "x", "operation": "eq"}},
+        "calculate_output": "a.__class__"}}}}, "method.reinforcement.grader.calculate_output"),
     ({"method": {"type": "reinforcement", "reinforcement": {"grader": {"type": "python", "name": "g",
                                                                        "source": "def grade(:"}}}},
-     "method.reinforcement.grader"),
+     "method.reinforcement.grader.source"),
     ({"method": {"type": "reinforcement", "reinforcement": {"grader": {
         "type": "string_check", "name": "g", "input": "a", "reference": "b", "operation": "eq"},
         "hyperparameters": {"beta": 0.1}}}}, "method.reinforcement.hyperparameters.beta"),
