@@ -63,6 +63,9 @@ def test_the_migration_page_runs_as_written_against_the_service(tmp_path, monkey
     assert f"succeeded {job.fine_tuned_model} {job.trained_tokens}" in out
     assert ":ckpt-step-" in out and namespace["steps"] and namespace["reply"].choices[0].message.content
     assert namespace["more"].status == "cancelled"
+    rft = namespace["rft_job"]
+    assert rft.status == "succeeded" and rft.fine_tuned_model.startswith("ft:o4-mini-2025-04-16:dpo-kit::"), rft.error
+    assert "\n8 1.0 {" in out and "\n9 0.0 {" in out  # the grader's answers, as it scores them in training
     sft = namespace["sft_job"]
     assert sft.status == "succeeded", sft.error
     assert f"succeeded {sft.fine_tuned_model}" in out

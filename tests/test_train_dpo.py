@@ -23,7 +23,7 @@ import train_dpo
 from kit import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
-RECIPE_KEYS = {"loss_type", "learning_rate", "num_train_epochs", "eval_steps"}  # configs/demo.yaml's measured keys
+RECIPE_KEYS = {"loss_type", "learning_rate", "num_train_epochs", "eval_steps", "mix"}  # configs/demo.yaml's measured keys
 MODEL = ROOT / models.BUNDLED_MODEL_DIR
 
 
