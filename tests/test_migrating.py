@@ -36,7 +36,7 @@ def test_the_pages_code_compiles_and_its_service_arguments_are_the_services():
         compile(block, str(DOC), "exec")
     args = serve_args(text)
     parsed = serve.parse_model_map(args[args.index("--model_map") + 1])
-    assert parsed and all(name.startswith("gpt-") for name, _ in parsed)
+    assert parsed and all(name.startswith(("gpt-", "o4-")) for name, _ in parsed)  # OpenAI's names
     assert "http://127.0.0.1:8000/v1" in code[0]  # the one line the test changes, as a user changes it
 
 
