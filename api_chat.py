@@ -212,9 +212,9 @@ def router(svc):
 
     @api.get("/models")
     def list_models():
-        import serve
+        from service import parse_model_map
 
-        names = [*svc.base_models(), *(n for n, _ in serve.parse_model_map(getattr(svc.cfg, "model_map", ""))
+        names = [*svc.base_models(), *(n for n, _ in parse_model_map(getattr(svc.cfg, "model_map", ""))
                                        if not n.endswith("*") and svc.base_path(n))]  # a pattern is not a model
         bases = [{"object": "model", "id": name, "created": 0, "owned_by": "dpo-kit"} for name in dict.fromkeys(names)]
         tuned = [{"object": "model", "id": j["fine_tuned_model"], "created": j["finished_at"], "owned_by": "user"}

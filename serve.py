@@ -91,6 +91,8 @@ class ServeConfig:
         if self.host not in LOOPBACK and not os.environ.get("DPO_KIT_API_KEY"):
             p.append(f"--host {self.host} reaches beyond this machine: set DPO_KIT_API_KEY (clients send it as "
                      "'Authorization: Bearer <key>', the openai SDK's api_key)")
+        from service import parse_model_map
+
         try:
             parse_model_map(self.model_map)
         except ValueError as e:
@@ -116,24 +118,6 @@ class ServeConfig:
         if self.runner == "slurm" and self.gpus:
             p.append("--runner slurm: give GPUs per node as --slurm_args='--gpus_per_node N' (make: GPUS=N)")
         return p
-
-
-def parse_model_map(spec: str) -> list[tuple[str, str]]:
-    """--model_map 'NAME=BASE,PREFIX*=BASE' -> [(name or prefix*, base)], in order; ValueError saying what is wrong.
-    A base is a name the service has (checked when a job or a chat asks for it: models_dir may gain one later)."""
-    out = []
-    for part in (x.strip() for x in spec.split(",")):
-        if not part:
-            continue
-        name, sep, base = (x.strip() for x in part.partition("="))
-        if not sep or not name or not base:
-            raise ValueError(f"{part!r} is not NAME=BASE (e.g. gpt-4o-mini*=Qwen2.5-7B-Instruct)")
-        if "*" in name[:-1] or name == "*":
-            raise ValueError(f"{name!r}: a * may only end a name that starts with something")
-        if name.startswith("ft:") or base.startswith("ft:"):
-            raise ValueError(f"{part!r}: fine-tuned models keep their own names (ft:...), they are not mapped")
-        out.append((name, base))
-    return out
 
 
 def flags_problem(cfg_cls, flags: str, given: tuple = ()) -> str | None:

@@ -25,6 +25,24 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 SUFFIX = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
+def parse_model_map(spec: str) -> list[tuple[str, str]]:
+    """--model_map 'NAME=BASE,PREFIX*=BASE' -> [(name or prefix*, base)], in order; ValueError saying what is wrong.
+    A base is a name the service has (checked when a job or a chat asks for it: models_dir may gain one later)."""
+    out = []
+    for part in (x.strip() for x in spec.split(",")):
+        if not part:
+            continue
+        name, sep, base = (x.strip() for x in part.partition("="))
+        if not sep or not name or not base:
+            raise ValueError(f"{part!r} is not NAME=BASE (e.g. gpt-4o-mini*=Qwen2.5-7B-Instruct)")
+        if "*" in name[:-1] or name == "*":
+            raise ValueError(f"{name!r}: a * may only end a name that starts with something")
+        if name.startswith("ft:") or base.startswith("ft:"):
+            raise ValueError(f"{part!r}: fine-tuned models keep their own names (ft:...), they are not mapped")
+        out.append((name, base))
+    return out
+
+
 class ApiError(Exception):
     """A request the service refuses: an OpenAI-style error body with this HTTP status."""
 
@@ -106,9 +124,7 @@ class Service:
     def mapped(self, name: str) -> str | None:
         """The base --model_map sends a client's model name to (OpenAI's names: gpt-4o-mini-2024-07-18 ->
         Qwen2.5-7B-Instruct), or None."""
-        import serve
-
-        for pattern, base in serve.parse_model_map(getattr(self.cfg, "model_map", "")):
+        for pattern, base in parse_model_map(getattr(self.cfg, "model_map", "")):
             if name == pattern or (pattern.endswith("*") and name.startswith(pattern[:-1])):
                 return base
         return None

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-import serve
+import service
 from test_serve import ROOT, TRAIN_ARGS, Service, needs_model
 
 DOC = ROOT / "docs" / "migrating-from-openai.md"
@@ -35,7 +35,7 @@ def test_the_pages_code_compiles_and_its_service_arguments_are_the_services():
     for block in code:
         compile(block, str(DOC), "exec")
     args = serve_args(text)
-    parsed = serve.parse_model_map(args[args.index("--model_map") + 1])
+    parsed = service.parse_model_map(args[args.index("--model_map") + 1])
     assert parsed and all(name.startswith(("gpt-", "o4-")) for name, _ in parsed)  # OpenAI's names
     assert "http://127.0.0.1:8000/v1" in code[0]  # the one line the test changes, as a user changes it
 

@@ -72,11 +72,11 @@ def test_vllm_command_serves_a_base_by_the_started_name_and_a_tuned_model_as_its
 
 def test_model_map_sends_openais_names_to_bases_and_refuses_what_it_cannot_read(tmp_path):
     spec = "gpt-4o-mini*=Qwen2.5-7B-Instruct, gpt-4.1-nano = SmolLM2-135M-Instruct,"
-    assert serve.parse_model_map(spec) == [("gpt-4o-mini*", "Qwen2.5-7B-Instruct"),
+    assert service_app.parse_model_map(spec) == [("gpt-4o-mini*", "Qwen2.5-7B-Instruct"),
                                            ("gpt-4.1-nano", "SmolLM2-135M-Instruct")]
     for bad in ("gpt-4o", "=x", "gpt*4o=x", "*=x", "ft:gpt-4o:org::1=x"):
         with pytest.raises(ValueError):
-            serve.parse_model_map(bad)
+            service_app.parse_model_map(bad)
     assert any("--model_map" in p for p in serve.ServeConfig(model_map="gpt-4o").problems())
     svc = service_app.Service(serve.ServeConfig(output_dir=str(tmp_path),
                                                 model_map="gpt-4o-mini*=SmolLM2-135M-Instruct,gpt-4o=nowhere"))
