@@ -14,6 +14,9 @@ import dataclasses
 import os
 import re
 from pathlib import Path
+from typing import Annotated
+
+from fastapi import Depends, Request
 
 import models
 from jobs import Store, new_id, now
@@ -23,6 +26,19 @@ VERSION = "1.1.0"  # the OpenAI-shaped API's version (openapi.json); nip's /vers
 BUNDLED_NAMES = (Path(models.BUNDLED_MODEL_DIR).name, "HuggingFaceTB/SmolLM2-135M-Instruct")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 SUFFIX = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+@dataclasses.dataclass(frozen=True)
+class JobDefaults:
+    """What a job trains with, and reports, for OpenAI's "auto" hyperparameters (and nip's unset ones): train_dpo.py's
+    own defaults, kept here so the service never imports the training script (tests/test_serve.py checks that the
+    two agree). The service's --train_args still apply beneath a job's own values."""
+    beta: float = 0.1
+    batch_size: int = 2  # --per_device_train_batch_size
+    n_epochs: float = 1.0  # --num_train_epochs
+    learning_rate: float = 2e-4
+    learning_rate_multiplier: float = 1.0
+    eval_samples: int = 4
 
 
 class ApiError(Exception):
@@ -79,7 +95,7 @@ class Service:
     def __init__(self, cfg):
         self.cfg, self.out = cfg, Path(cfg.output_dir)
         self.store = Store(self.out / "serve")
-        self.chat = self.nip_serving = None  # set by api_chat.router and api_nip.router
+        self.chat = self.nip_serving = None  # api_chat.Chat and api_nip.Serving: set by serve.create_app
         self.api_key = os.environ.get("DPO_KIT_API_KEY", "")
 
     def job_or_404(self, job_id: str) -> dict:
@@ -204,3 +220,11 @@ class Service:
             job = store.job(job["id"])
             raise ApiError(400, f"cannot {kind} a job that is {job['status']}", "fine_tuning_job_id")
         return store.job(job["id"])
+
+
+def current(request: Request) -> Service:
+    """FastAPI's dependency for a route that needs the service: the one serve.create_app keeps in app.state."""
+    return request.app.state.service
+
+
+Svc = Annotated[Service, Depends(current)]  # a route's `svc: Svc` parameter: the service, given by Depends
