@@ -13,12 +13,14 @@ import threading
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
 
+from fastapi import APIRouter
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 import models
 import runs
 from jobs import new_id, now
-from service import ApiError
+from service import ApiError, Svc, parse_model_map
 
 GREEDY_BELOW = 1e-4  # a chat temperature under this samples greedily (see Models.generate)
 
@@ -202,100 +204,96 @@ def tool_calls_in(answer: str) -> tuple[str | None, list[dict]]:
     return (words or None) if calls else answer, calls
 
 
-def router(svc):
-    """/v1/models and /v1/chat/completions over svc (service.Service)."""
-    from fastapi import APIRouter
-    from fastapi.responses import StreamingResponse
+# ---------------------------------------------------------------------------------------------
+# The routes: /v1/models and /v1/chat/completions, each given the service by FastAPI's Depends (its Chat: svc.chat,
+# made by serve.create_app).
+# ---------------------------------------------------------------------------------------------
 
-    api = APIRouter(prefix="/v1", tags=["models and chat"])
-    svc.chat = chat = Chat(svc.cfg)
+router = APIRouter(prefix="/v1", tags=["models and chat"])
 
-    @api.get("/models")
-    def list_models():
-        from service import parse_model_map
 
-        names = [*svc.base_models(), *(n for n, _ in parse_model_map(getattr(svc.cfg, "model_map", ""))
-                                       if not n.endswith("*") and svc.base_path(n))]  # a pattern is not a model
-        bases = [{"object": "model", "id": name, "created": 0, "owned_by": "dpo-kit"} for name in dict.fromkeys(names)]
-        tuned = [{"object": "model", "id": j["fine_tuned_model"], "created": j["finished_at"], "owned_by": "user"}
-                 for j in svc.store.query("SELECT * FROM jobs WHERE status = 'succeeded' ORDER BY seq")]
-        return {"object": "list", "data": bases + tuned}
+@router.get("/models")
+def list_models(svc: Svc):
+    names = [*svc.base_models(), *(n for n, _ in parse_model_map(getattr(svc.cfg, "model_map", ""))
+                                   if not n.endswith("*") and svc.base_path(n))]  # a pattern is not a model
+    bases = [{"object": "model", "id": name, "created": 0, "owned_by": "dpo-kit"} for name in dict.fromkeys(names)]
+    tuned = [{"object": "model", "id": j["fine_tuned_model"], "created": j["finished_at"], "owned_by": "user"}
+             for j in svc.store.query("SELECT * FROM jobs WHERE status = 'succeeded' ORDER BY seq")]
+    return {"object": "list", "data": bases + tuned}
 
-    @api.post("/chat/completions")
-    def chat_completions(body: ChatRequest):
-        messages = plain_messages(body.messages)
-        if body.tool_choice not in (None, "auto", "none"):
-            raise ApiError(400, "tool_choice: 'auto' or 'none' (the model decides whether it calls a tool; this "
-                           "service cannot force one)", "tool_choice")
-        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        calls_parsed = bool(tools) and body.tool_choice != "none"
-        model, tokenizer = chat.load(svc, body.model)
-        text = render(tokenizer, messages, body.model, tools)
-        options = {"max_tokens": body.max_completion_tokens or body.max_tokens or 128,
-                   "temperature": 1.0 if body.temperature is None else body.temperature,
-                   "top_p": body.top_p or 1.0, "seed": body.seed}
-        stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
-        completion_id, created = new_id("chatcmpl"), now()
+@router.post("/chat/completions")
+def chat_completions(svc: Svc, body: ChatRequest):
+    messages = plain_messages(body.messages)
+    if body.tool_choice not in (None, "auto", "none"):
+        raise ApiError(400, "tool_choice: 'auto' or 'none' (the model decides whether it calls a tool; this "
+                       "service cannot force one)", "tool_choice")
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    calls_parsed = bool(tools) and body.tool_choice != "none"
+    model, tokenizer = svc.chat.load(svc, body.model)
+    text = render(tokenizer, messages, body.model, tools)
+    options = {"max_tokens": body.max_completion_tokens or body.max_tokens or 128,
+               "temperature": 1.0 if body.temperature is None else body.temperature,
+               "top_p": body.top_p or 1.0, "seed": body.seed}
+    stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    completion_id, created = new_id("chatcmpl"), now()
 
-        def cut(answer: str) -> tuple[str, bool]:
-            hits = [answer.index(s) for s in stops if s and s in answer]
-            return (answer[:min(hits)], True) if hits else (answer, False)
+    def cut(answer: str) -> tuple[str, bool]:
+        hits = [answer.index(s) for s in stops if s and s in answer]
+        return (answer[:min(hits)], True) if hits else (answer, False)
 
-        def chunk(delta: dict, finish=None) -> str:
-            return "data: " + json.dumps({"object": "chat.completion.chunk", "id": completion_id, "created": created,
-                                          "model": body.model, "choices": [{"index": 0, "delta": delta,
-                                                                           "finish_reason": finish}]}) + "\n\n"
+    def chunk(delta: dict, finish=None) -> str:
+        return "data: " + json.dumps({"object": "svc.chat.completion.chunk", "id": completion_id, "created": created,
+                                      "model": body.model, "choices": [{"index": 0, "delta": delta,
+                                                                       "finish_reason": finish}]}) + "\n\n"
 
-        if body.stream and calls_parsed:  # a call is known only once the answer is whole: sent in one piece
-            def whole():
-                with chat.lock:
-                    answer, _, n_completion = chat.generate(model, tokenizer, text, options)
-                answer, stopped = cut(answer)
-                words, calls = tool_calls_in(answer)
+    if body.stream and calls_parsed:  # a call is known only once the answer is whole: sent in one piece
+        def whole():
+            with svc.chat.lock:
+                answer, _, n_completion = svc.chat.generate(model, tokenizer, text, options)
+            answer, stopped = cut(answer)
+            words, calls = tool_calls_in(answer)
+            yield chunk({"role": "assistant", "content": ""})
+            if words:
+                yield chunk({"content": words})
+            if calls:
+                yield chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
+            yield chunk({}, "tool_calls" if calls else "stop" if stopped or n_completion < options["max_tokens"]
+                        else "length")
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(whole(), media_type="text/event-stream")
+    if body.stream:
+        from transformers import TextIteratorStreamer
+
+        def events():
+            with svc.chat.lock:
+                streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+                result = {}
+                worker = threading.Thread(target=lambda: result.update(zip(
+                    ("text", "prompt", "completion"), svc.chat.generate(model, tokenizer, text, options, streamer))))
+                worker.start()
                 yield chunk({"role": "assistant", "content": ""})
-                if words:
-                    yield chunk({"content": words})
-                if calls:
-                    yield chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
-                yield chunk({}, "tool_calls" if calls else "stop" if stopped or n_completion < options["max_tokens"]
-                            else "length")
-                yield "data: [DONE]\n\n"
+                sent, stopped = "", False
+                for piece in streamer:
+                    if stopped:
+                        continue
+                    shown, stopped = cut(sent + piece)
+                    if shown[len(sent):]:
+                        yield chunk({"content": shown[len(sent):]})
+                    sent = shown
+                worker.join()
+            finish = "stop" if stopped or result.get("completion", 0) < options["max_tokens"] else "length"
+            yield chunk({}, finish)
+            yield "data: [DONE]\n\n"
 
-            return StreamingResponse(whole(), media_type="text/event-stream")
-        if body.stream:
-            from transformers import TextIteratorStreamer
-
-            def events():
-                with chat.lock:
-                    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-                    result = {}
-                    worker = threading.Thread(target=lambda: result.update(zip(
-                        ("text", "prompt", "completion"), chat.generate(model, tokenizer, text, options, streamer))))
-                    worker.start()
-                    yield chunk({"role": "assistant", "content": ""})
-                    sent, stopped = "", False
-                    for piece in streamer:
-                        if stopped:
-                            continue
-                        shown, stopped = cut(sent + piece)
-                        if shown[len(sent):]:
-                            yield chunk({"content": shown[len(sent):]})
-                        sent = shown
-                    worker.join()
-                finish = "stop" if stopped or result.get("completion", 0) < options["max_tokens"] else "length"
-                yield chunk({}, finish)
-                yield "data: [DONE]\n\n"
-
-            return StreamingResponse(events(), media_type="text/event-stream")
-        with chat.lock:
-            answer, n_prompt, n_completion = chat.generate(model, tokenizer, text, options)
-        answer, stopped = cut(answer)
-        words, calls = tool_calls_in(answer) if calls_parsed else (answer, [])
-        message = {"role": "assistant", "content": words} | ({"tool_calls": calls} if calls else {})
-        finish = "tool_calls" if calls else "stop" if stopped or n_completion < options["max_tokens"] else "length"
-        return {"object": "chat.completion", "id": completion_id, "created": created, "model": body.model,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
-                "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
-                          "total_tokens": n_prompt + n_completion}}
-
-    return api
+        return StreamingResponse(events(), media_type="text/event-stream")
+    with svc.chat.lock:
+        answer, n_prompt, n_completion = svc.chat.generate(model, tokenizer, text, options)
+    answer, stopped = cut(answer)
+    words, calls = tool_calls_in(answer) if calls_parsed else (answer, [])
+    message = {"role": "assistant", "content": words} | ({"tool_calls": calls} if calls else {})
+    finish = "tool_calls" if calls else "stop" if stopped or n_completion < options["max_tokens"] else "length"
+    return {"object": "svc.chat.completion", "id": completion_id, "created": created, "model": body.model,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
+                      "total_tokens": n_prompt + n_completion}}

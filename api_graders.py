@@ -17,10 +17,10 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 
 from api_openai import Grader, Strict, checked_grader, sandbox_problem
-from service import ApiError
+from service import ApiError, Svc
 
 router = APIRouter(prefix="/v1/fine_tuning/alpha/graders", tags=["graders"])
 
@@ -36,20 +36,19 @@ class ValidateBody(Strict):
 
 
 @router.post("/validate")
-def validate(body: ValidateBody, request: Request):
+def validate(svc: Svc, body: ValidateBody):
     """OpenAI's GraderValidateResponse: the grader back, once the kit can evaluate it here."""
     grader = body.grader.model_dump(exclude_none=True)
-    checked_grader(grader, request.app.state.service, "grader")
+    checked_grader(grader, svc, "grader")
     return {"grader": grader}
 
 
 @router.post("/run")
-def run(body: RunBody, request: Request):
+def run(svc: Svc, body: RunBody):
     """OpenAI's GraderRunResponse for the grader on model_sample (the sample namespace: output_text, and
     output_json when it parses) and item (the item namespace)."""
     import graders
 
-    svc = request.app.state.service
     grader = body.grader.model_dump(exclude_none=True)
     checked_grader(grader, svc, "grader")
     if grader["type"] == "python" and not grader["source"].strip():

@@ -17,11 +17,12 @@ import subprocess
 import threading
 from typing import Any, Literal, Optional
 
+from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 import kit
 from jobs import TERMINAL, new_id, public_status
-from service import ApiError
+from service import ApiError, Svc
 
 VLLM_STATUSES = ("online", "not_started", "crashed", "not_accepting_connections", "timeout", "server_error",
                  "other_error")
@@ -226,78 +227,75 @@ def _answers(url: str) -> bool:
         return False
 
 
-def router(svc):
-    """nip's routes over svc (service.Service)."""
-    from fastapi import APIRouter
+# ---------------------------------------------------------------------------------------------
+# The routes: nip's, each given the service by FastAPI's Depends (the model nip serves: svc.nip_serving, made by
+# serve.create_app).
+# ---------------------------------------------------------------------------------------------
 
-    api = APIRouter(tags=["nip"])
-    store = svc.store
-    svc.nip_serving = serving = Serving(svc)
+router = APIRouter(tags=["nip"])
 
-    def nip_view(job: dict) -> dict:
-        import api_openai
 
-        defaults = api_openai.kit_defaults()
-        config = job["nip_config"] or {
-            "model_name": job["model"], "method": "dpo",
-            "dpo_config": {"beta": job["hyperparameters"].get("beta", defaults["beta"]),
-                           "learning_rate": defaults["learning_rate"] * job["hyperparameters"]["learning_rate_multiplier"]},
-            "seed": job["seed"], "per_device_train_batch_size": job["hyperparameters"]["batch_size"]}
-        message = (job["error"] or {}).get("message", "")
-        return {"job_id": job["id"], "status": nip_status(job), "config": config,
-                "new_model_name": job["fine_tuned_model"], "error_message": message}
+def nip_view(job: dict) -> dict:
+    import api_openai
 
-    @api.get("/version")
-    def version():
-        return {"version": svc.cfg.nip_version}
+    defaults = api_openai.kit_defaults()
+    config = job["nip_config"] or {
+        "model_name": job["model"], "method": "dpo",
+        "dpo_config": {"beta": job["hyperparameters"].get("beta", defaults["beta"]),
+                       "learning_rate": defaults["learning_rate"] * job["hyperparameters"]["learning_rate_multiplier"]},
+        "seed": job["seed"], "per_device_train_batch_size": job["hyperparameters"]["batch_size"]}
+    message = (job["error"] or {}).get("message", "")
+    return {"job_id": job["id"], "status": nip_status(job), "config": config,
+            "new_model_name": job["fine_tuned_model"], "error_message": message}
 
-    @api.post("/training/jobs", status_code=201)
-    def nip_create(body: NipCreate):
-        import api_openai
+@router.get("/version")
+def version(svc: Svc):
+    return {"version": svc.cfg.nip_version}
 
-        config = body.config
-        if config.model_already_lora_strategy == "stack":
-            raise ApiError(400, "model_already_lora_strategy 'stack' is not supported: a fine-tuned model "
-                           "continues its own adapter ('reuse')", "config.model_already_lora_strategy")
-        name = job_suffix(body.job_name or body.job_id_suffix)
-        file_id = new_id("file")
-        dest = store.files_dir / file_id
-        kit.atomic_write_text(dest, "".join(json.dumps(item, ensure_ascii=False) + "\n" for item in body.dataset))
-        store.add_file(f"{name or 'dataset'}.jsonl", "fine-tune", dest, dest.stat().st_size, file_id)
-        defaults = api_openai.kit_defaults()
-        hyper = {"beta": config.dpo_config.beta, "batch_size": config.per_device_train_batch_size,
-                 "n_epochs": defaults["n_epochs"],
-                 "learning_rate_multiplier": config.dpo_config.learning_rate / defaults["learning_rate"]}
-        job = svc.new_job("nip", config.model_name, file_id, None, {"type": "dpo"}, hyper,
-                          nip_flags(config.model_dump()), name, config.seed, None, config.model_dump(),
-                          model_param="config.model_name")
-        return nip_view(job)
+@router.post("/training/jobs", status_code=201)
+def nip_create(svc: Svc, body: NipCreate):
+    import api_openai
 
-    @api.get("/training/jobs")
-    def nip_list():
-        return [nip_view(j) for j in store.query("SELECT * FROM jobs ORDER BY seq")]
+    config = body.config
+    if config.model_already_lora_strategy == "stack":
+        raise ApiError(400, "model_already_lora_strategy 'stack' is not supported: a fine-tuned model "
+                       "continues its own adapter ('reuse')", "config.model_already_lora_strategy")
+    name = job_suffix(body.job_name or body.job_id_suffix)
+    file_id = new_id("file")
+    dest = svc.store.files_dir / file_id
+    kit.atomic_write_text(dest, "".join(json.dumps(item, ensure_ascii=False) + "\n" for item in body.dataset))
+    svc.store.add_file(f"{name or 'dataset'}.jsonl", "fine-tune", dest, dest.stat().st_size, file_id)
+    defaults = api_openai.kit_defaults()
+    hyper = {"beta": config.dpo_config.beta, "batch_size": config.per_device_train_batch_size,
+             "n_epochs": defaults["n_epochs"],
+             "learning_rate_multiplier": config.dpo_config.learning_rate / defaults["learning_rate"]}
+    job = svc.new_job("nip", config.model_name, file_id, None, {"type": "dpo"}, hyper,
+                      nip_flags(config.model_dump()), name, config.seed, None, config.model_dump(),
+                      model_param="config.model_name")
+    return nip_view(job)
 
-    @api.get("/training/jobs/{job_id}")
-    def nip_get(job_id: str):
-        return nip_view(svc.job_or_404(job_id))
+@router.get("/training/jobs")
+def nip_list(svc: Svc):
+    return [nip_view(j) for j in svc.store.query("SELECT * FROM jobs ORDER BY seq")]
 
-    @api.delete("/training/jobs/{job_id}")
-    def nip_cancel(job_id: str):
-        job = svc.job_or_404(job_id)
-        return nip_view(job if job["status"] in TERMINAL else svc.request_stop(job, "cancel"))
+@router.get("/training/jobs/{job_id}")
+def nip_get(svc: Svc, job_id: str):
+    return nip_view(svc.job_or_404(job_id))
 
-    @api.post("/vllm/start", status_code=201)
-    def vllm_start(body: VllmStart):
-        return serving.start(body.model_name)
+@router.delete("/training/jobs/{job_id}")
+def nip_cancel(svc: Svc, job_id: str):
+    job = svc.job_or_404(job_id)
+    return nip_view(job if job["status"] in TERMINAL else svc.request_stop(job, "cancel"))
 
-    @api.post("/vllm/stop")
-    def vllm_stop(body: Optional[VllmStop] = None):
-        body = body or VllmStop()
-        return serving.stop(body.terminate_timeout, body.ignore_not_running)
+@router.post("/vllm/start", status_code=201)
+def vllm_start(svc: Svc, body: VllmStart):
+    return svc.nip_serving.start(body.model_name)
 
-    @api.get("/vllm/status")
-    def vllm_status():
-        return serving.state()
+@router.post("/vllm/stop")
+def vllm_stop(svc: Svc, body: Optional[VllmStop] = None):
+    body = body or VllmStop()
+    return svc.nip_serving.stop(body.terminate_timeout, body.ignore_not_running)
 
-    return api
-
+@router.get("/vllm/status")
+def vllm_status(svc: Svc):
+    return svc.nip_serving.state()

@@ -10,12 +10,13 @@ import os
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
 
-from fastapi import Request, UploadFile  # at module level: the routes' annotations are resolved from here
+from fastapi import APIRouter, File, Form, Request, UploadFile  # module level: the routes' annotations resolve here
+from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 import runs
 from jobs import new_id, now, public_status
-from service import SUFFIX, ApiError, page
+from service import SUFFIX, ApiError, Svc, page
 
 
 class Strict(BaseModel):
@@ -188,12 +189,12 @@ class JobCreate(Strict):
 
 
 def kit_defaults() -> dict:
-    """The kit's own values for OpenAI's "auto" hyperparameters (train_dpo.TrainConfig's defaults)."""
-    import train_dpo
+    """The kit's own values for OpenAI's "auto" hyperparameters (service.JobDefaults)."""
+    import dataclasses
 
-    d = train_dpo.TrainConfig()
-    return {"beta": d.beta, "batch_size": d.per_device_train_batch_size, "n_epochs": d.num_train_epochs,
-            "learning_rate_multiplier": 1.0, "learning_rate": d.learning_rate, "eval_samples": d.eval_samples}
+    from service import JobDefaults
+
+    return dataclasses.asdict(JobDefaults())
 
 
 GRPO_GENERATIONS = 4  # answers per prompt at compute_multiplier 1 (train_dpo.py's --num_generations default)
@@ -362,146 +363,146 @@ def metadata_matches(metadata: dict | None, wanted: dict | None) -> bool:
     return all((metadata or {}).get(k) == v for k, v in wanted.items())
 
 
-def router(svc, limit_bytes: int):
-    """/v1/files and /v1/fine_tuning/jobs over svc (service.Service)."""
-    from fastapi import APIRouter, File, Form
-    from fastapi.responses import FileResponse
+# ---------------------------------------------------------------------------------------------
+# The routes: /v1/files and /v1/fine_tuning/jobs, each given the service (service.Service) by FastAPI's Depends.
+# ---------------------------------------------------------------------------------------------
 
-    api = APIRouter(prefix="/v1")
-    store, cfg = svc.store, svc.cfg
+router = APIRouter(prefix="/v1")
 
-    @api.post("/files", tags=["files"])
-    def upload(file: UploadFile = File(...), purpose: str = Form(...)):
-        if purpose != "fine-tune":
-            raise ApiError(400, f"purpose must be 'fine-tune' (got {purpose!r})", "purpose")
-        file_id = new_id("file")
-        dest = store.files_dir / file_id
-        tmp = dest.with_suffix(".tmp")
-        size = 0
-        with open(tmp, "wb") as f:
-            while chunk := file.file.read(1 << 20):
-                size += len(chunk)
-                if size > limit_bytes:
-                    f.close()
-                    tmp.unlink()
-                    raise ApiError(413, f"the file is over the service's limit of {cfg.max_file_mb:g} MB "
-                                   "(--max_file_mb)", "file", "file_too_large")
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dest)
-        name = Path(file.filename or "upload.jsonl").name[:255] or "upload.jsonl"
-        return file_view(store.add_file(name, purpose, dest, size, file_id))
 
-    @api.get("/files", tags=["files"])
-    def list_files(purpose: Optional[str] = None, limit: Annotated[int, Field(ge=1, le=10_000)] = 10_000,
-                   after: Optional[str] = None, order: Literal["asc", "desc"] = "desc"):
-        rows = store.query(f"SELECT * FROM files ORDER BY created_at {order.upper()}, id")
-        rows = [f for f in rows if purpose in (None, f["purpose"])]
-        ids = [f["id"] for f in rows]
+@router.post("/files", tags=["files"])
+def upload(svc: Svc, file: UploadFile = File(...), purpose: str = Form(...)):
+    if purpose != "fine-tune":
+        raise ApiError(400, f"purpose must be 'fine-tune' (got {purpose!r})", "purpose")
+    file_id = new_id("file")
+    dest = svc.store.files_dir / file_id
+    tmp = dest.with_suffix(".tmp")
+    size = 0
+    with open(tmp, "wb") as f:
+        while chunk := file.file.read(1 << 20):
+            size += len(chunk)
+            if size > int(svc.cfg.max_file_mb * 1e6):
+                f.close()
+                tmp.unlink()
+                raise ApiError(413, f"the file is over the service's limit of {svc.cfg.max_file_mb:g} MB "
+                               "(--max_file_mb)", "file", "file_too_large")
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, dest)
+    name = Path(file.filename or "upload.jsonl").name[:255] or "upload.jsonl"
+    return file_view(svc.store.add_file(name, purpose, dest, size, file_id))
+
+@router.get("/files", tags=["files"])
+def list_files(svc: Svc, purpose: Optional[str] = None, limit: Annotated[int, Field(ge=1, le=10_000)] = 10_000,
+               after: Optional[str] = None, order: Literal["asc", "desc"] = "desc"):
+    rows = svc.store.query(f"SELECT * FROM files ORDER BY created_at {order.upper()}, id")
+    rows = [f for f in rows if purpose in (None, f["purpose"])]
+    ids = [f["id"] for f in rows]
+    rows = rows[ids.index(after) + 1:] if after in ids else rows
+    return page([file_view(f) for f in rows], limit)
+
+@router.get("/files/{file_id}", tags=["files"])
+def get_file(svc: Svc, file_id: str):
+    return file_view(svc.file_or_404(file_id))
+
+@router.get("/files/{file_id}/content", tags=["files"])
+def file_content(svc: Svc, file_id: str):
+    f = svc.file_or_404(file_id)
+    return FileResponse(f["path"], media_type="application/octet-stream", filename=f["filename"])
+
+@router.delete("/files/{file_id}", tags=["files"])
+def delete_file(svc: Svc, file_id: str):
+    f = svc.file_or_404(file_id)
+    users = svc.store.query("SELECT id FROM jobs WHERE (training_file = ? OR validation_file = ?) AND status IN "
+                        "('validating_files', 'queued', 'running', 'paused')", file_id, file_id)
+    if users:
+        raise ApiError(400, f"file {file_id} is in use by job {users[0]['id']} (it resumes from it)", "file_id")
+    svc.store.execute("DELETE FROM files WHERE id = ?", file_id)
+    if f["purpose"] == "fine-tune":  # result files belong to their run directory
+        Path(f["path"]).unlink(missing_ok=True)
+    return {"object": "file", "id": file_id, "deleted": True}
+
+@router.post("/fine_tuning/jobs", tags=["fine-tuning"])
+def create_job(svc: Svc, body: JobCreate):
+    t, given = job_hyperparameters(body)
+    flags = hyperparameter_flags(t, given) + (["--seed", str(body.seed)] if body.seed is not None else [])
+    method = {"type": t}
+    if t == "reinforcement":
+        grader = body.method.reinforcement.grader.model_dump(exclude_none=True)
+        flags = grader_flags(grader, svc) + flags
+        sandbox_problem(grader, svc.cfg)
+        method["grader"] = grader
+    seed = body.seed if body.seed is not None else 42
+    return job_view(svc.new_job("openai", body.model, body.training_file, body.validation_file, method,
+                                resolved_hyperparameters(t, given), flags, body.suffix, seed, body.metadata))
+
+@router.get("/fine_tuning/jobs", tags=["fine-tuning"])
+def list_jobs(svc: Svc, request: Request, after: Optional[str] = None,
+              limit: Annotated[int, Field(ge=1, le=100)] = 20):
+    """OpenAI's filter: metadata[k]=v for each pair a job's metadata must hold; metadata=null: jobs without."""
+    wanted = metadata_filter(request.query_params.multi_items())
+    job = svc.store.job(after) if after else None
+    cursor = job["seq"] if job else None
+    if wanted is ANY_METADATA:  # the common call: one page from the database
+        rows = svc.store.query("SELECT * FROM jobs WHERE (? IS NULL OR seq < ?) ORDER BY seq DESC LIMIT ?",
+                           cursor, cursor, limit + 1)
+    else:
+        rows = [j for j in svc.store.query("SELECT * FROM jobs WHERE (? IS NULL OR seq < ?) ORDER BY seq DESC",
+                                       cursor, cursor) if metadata_matches(j["metadata"], wanted)]
+    return page([job_view(j) for j in rows[:limit + 1]], limit)
+
+@router.get("/fine_tuning/jobs/{job_id}", tags=["fine-tuning"])
+def get_job(svc: Svc, job_id: str):
+    return job_view(svc.job_or_404(job_id))
+
+@router.post("/fine_tuning/jobs/{job_id}/cancel", tags=["fine-tuning"])
+def cancel_job(svc: Svc, job_id: str):
+    return job_view(svc.request_stop(svc.job_or_404(job_id), "cancel"))
+
+@router.post("/fine_tuning/jobs/{job_id}/pause", tags=["fine-tuning"])
+def pause_job(svc: Svc, job_id: str):
+    return job_view(svc.request_stop(svc.job_or_404(job_id), "pause"))
+
+@router.post("/fine_tuning/jobs/{job_id}/resume", tags=["fine-tuning"])
+def resume_job(svc: Svc, job_id: str):
+    job = svc.job_or_404(job_id)
+    if job["status"] != "paused":
+        raise ApiError(400, f"only a paused job resumes; this one is {job['status']}", "fine_tuning_job_id")
+    if not svc.store.move(job_id, ("paused",), status="queued" if job["data"] else "validating_files"):
+        raise ApiError(400, "the job is no longer paused", "fine_tuning_job_id")
+    svc.store.event(job_id, "Job resumed; it continues from its checkpoint")
+    return job_view(svc.store.job(job_id))
+
+@router.get("/fine_tuning/jobs/{job_id}/events", tags=["fine-tuning"])
+def list_events(svc: Svc, job_id: str, after: Optional[str] = None,
+                limit: Annotated[int, Field(ge=1, le=10_000)] = 20):
+    svc.job_or_404(job_id)
+    cursor = svc.store.query("SELECT seq FROM events WHERE id = ?", after) if after else []
+    rows = svc.store.query("SELECT * FROM events WHERE job_id = ? AND (? IS NULL OR seq < ?) ORDER BY seq DESC "
+                       "LIMIT ?", job_id, *(2 * [cursor[0]["seq"] if cursor else None]), limit + 1)
+    return page([{"object": "fine_tuning.job.event", "id": e["id"], "created_at": e["created_at"],
+                  "level": e["level"], "message": e["message"], "type": e["type"],
+                  "data": json.loads(e["data"]) if e["data"] else {}} for e in rows], limit)
+
+@router.get("/fine_tuning/jobs/{job_id}/checkpoints", tags=["fine-tuning"])
+def list_checkpoints(svc: Svc, job_id: str, after: Optional[str] = None,
+                     limit: Annotated[int, Field(ge=1, le=100)] = 10):
+    """The final adapter of a succeeded job; the saved checkpoints of one still in progress (or cancelled)."""
+    job = svc.job_or_404(job_id)
+    run = runs.Run(svc.out, job_id)
+    metrics = {r["step"]: r for r in run.metrics() if "loss" in r}
+    if job["status"] == "succeeded":
+        steps = [runs.read_json(run.final / "manifest.json").get("steps", 0)]
+    else:
+        steps = sorted((int(p.name.split("-")[1]) for p in run.checkpoints.glob("checkpoint-*")
+                        if p.name.split("-")[1].isdigit()), reverse=True)
+    rows = [{"object": "fine_tuning.job.checkpoint", "id": f"ftckpt-{job_id.split('-', 1)[1]}-{s}",
+             "created_at": job["finished_at"] or now(), "fine_tuning_job_id": job_id, "step_number": s,
+             "fine_tuned_model_checkpoint": f"{job['fine_tuned_model']}:ckpt-step-{s}",
+             "metrics": {"step": s, "train_loss": metrics.get(s, {}).get("loss"),
+                         "valid_loss": metrics.get(s, {}).get("eval_loss")}} for s in steps]
+    if after:
+        ids = [r["id"] for r in rows]
         rows = rows[ids.index(after) + 1:] if after in ids else rows
-        return page([file_view(f) for f in rows], limit)
-
-    @api.get("/files/{file_id}", tags=["files"])
-    def get_file(file_id: str):
-        return file_view(svc.file_or_404(file_id))
-
-    @api.get("/files/{file_id}/content", tags=["files"])
-    def file_content(file_id: str):
-        f = svc.file_or_404(file_id)
-        return FileResponse(f["path"], media_type="application/octet-stream", filename=f["filename"])
-
-    @api.delete("/files/{file_id}", tags=["files"])
-    def delete_file(file_id: str):
-        f = svc.file_or_404(file_id)
-        users = store.query("SELECT id FROM jobs WHERE (training_file = ? OR validation_file = ?) AND status IN "
-                            "('validating_files', 'queued', 'running', 'paused')", file_id, file_id)
-        if users:
-            raise ApiError(400, f"file {file_id} is in use by job {users[0]['id']} (it resumes from it)", "file_id")
-        store.execute("DELETE FROM files WHERE id = ?", file_id)
-        if f["purpose"] == "fine-tune":  # result files belong to their run directory
-            Path(f["path"]).unlink(missing_ok=True)
-        return {"object": "file", "id": file_id, "deleted": True}
-
-    @api.post("/fine_tuning/jobs", tags=["fine-tuning"])
-    def create_job(body: JobCreate):
-        t, given = job_hyperparameters(body)
-        flags = hyperparameter_flags(t, given) + (["--seed", str(body.seed)] if body.seed is not None else [])
-        method = {"type": t}
-        if t == "reinforcement":
-            grader = body.method.reinforcement.grader.model_dump(exclude_none=True)
-            flags = grader_flags(grader, svc) + flags
-            sandbox_problem(grader, svc.cfg)
-            method["grader"] = grader
-        seed = body.seed if body.seed is not None else 42
-        return job_view(svc.new_job("openai", body.model, body.training_file, body.validation_file, method,
-                                    resolved_hyperparameters(t, given), flags, body.suffix, seed, body.metadata))
-
-    @api.get("/fine_tuning/jobs", tags=["fine-tuning"])
-    def list_jobs(request: Request, after: Optional[str] = None, limit: Annotated[int, Field(ge=1, le=100)] = 20):
-        """OpenAI's filter: metadata[k]=v for each pair a job's metadata must hold; metadata=null: jobs without."""
-        wanted = metadata_filter(request.query_params.multi_items())
-        job = store.job(after) if after else None
-        cursor = job["seq"] if job else None
-        if wanted is ANY_METADATA:  # the common call: one page from the database
-            rows = store.query("SELECT * FROM jobs WHERE (? IS NULL OR seq < ?) ORDER BY seq DESC LIMIT ?",
-                               cursor, cursor, limit + 1)
-        else:
-            rows = [j for j in store.query("SELECT * FROM jobs WHERE (? IS NULL OR seq < ?) ORDER BY seq DESC",
-                                           cursor, cursor) if metadata_matches(j["metadata"], wanted)]
-        return page([job_view(j) for j in rows[:limit + 1]], limit)
-
-    @api.get("/fine_tuning/jobs/{job_id}", tags=["fine-tuning"])
-    def get_job(job_id: str):
-        return job_view(svc.job_or_404(job_id))
-
-    @api.post("/fine_tuning/jobs/{job_id}/cancel", tags=["fine-tuning"])
-    def cancel_job(job_id: str):
-        return job_view(svc.request_stop(svc.job_or_404(job_id), "cancel"))
-
-    @api.post("/fine_tuning/jobs/{job_id}/pause", tags=["fine-tuning"])
-    def pause_job(job_id: str):
-        return job_view(svc.request_stop(svc.job_or_404(job_id), "pause"))
-
-    @api.post("/fine_tuning/jobs/{job_id}/resume", tags=["fine-tuning"])
-    def resume_job(job_id: str):
-        job = svc.job_or_404(job_id)
-        if job["status"] != "paused":
-            raise ApiError(400, f"only a paused job resumes; this one is {job['status']}", "fine_tuning_job_id")
-        if not store.move(job_id, ("paused",), status="queued" if job["data"] else "validating_files"):
-            raise ApiError(400, "the job is no longer paused", "fine_tuning_job_id")
-        store.event(job_id, "Job resumed; it continues from its checkpoint")
-        return job_view(store.job(job_id))
-
-    @api.get("/fine_tuning/jobs/{job_id}/events", tags=["fine-tuning"])
-    def list_events(job_id: str, after: Optional[str] = None, limit: Annotated[int, Field(ge=1, le=10_000)] = 20):
-        svc.job_or_404(job_id)
-        cursor = store.query("SELECT seq FROM events WHERE id = ?", after) if after else []
-        rows = store.query("SELECT * FROM events WHERE job_id = ? AND (? IS NULL OR seq < ?) ORDER BY seq DESC "
-                           "LIMIT ?", job_id, *(2 * [cursor[0]["seq"] if cursor else None]), limit + 1)
-        return page([{"object": "fine_tuning.job.event", "id": e["id"], "created_at": e["created_at"],
-                      "level": e["level"], "message": e["message"], "type": e["type"],
-                      "data": json.loads(e["data"]) if e["data"] else {}} for e in rows], limit)
-
-    @api.get("/fine_tuning/jobs/{job_id}/checkpoints", tags=["fine-tuning"])
-    def list_checkpoints(job_id: str, after: Optional[str] = None, limit: Annotated[int, Field(ge=1, le=100)] = 10):
-        """The final adapter of a succeeded job; the saved checkpoints of one still in progress (or cancelled)."""
-        job = svc.job_or_404(job_id)
-        run = runs.Run(svc.out, job_id)
-        metrics = {r["step"]: r for r in run.metrics() if "loss" in r}
-        if job["status"] == "succeeded":
-            steps = [runs.read_json(run.final / "manifest.json").get("steps", 0)]
-        else:
-            steps = sorted((int(p.name.split("-")[1]) for p in run.checkpoints.glob("checkpoint-*")
-                            if p.name.split("-")[1].isdigit()), reverse=True)
-        rows = [{"object": "fine_tuning.job.checkpoint", "id": f"ftckpt-{job_id.split('-', 1)[1]}-{s}",
-                 "created_at": job["finished_at"] or now(), "fine_tuning_job_id": job_id, "step_number": s,
-                 "fine_tuned_model_checkpoint": f"{job['fine_tuned_model']}:ckpt-step-{s}",
-                 "metrics": {"step": s, "train_loss": metrics.get(s, {}).get("loss"),
-                             "valid_loss": metrics.get(s, {}).get("eval_loss")}} for s in steps]
-        if after:
-            ids = [r["id"] for r in rows]
-            rows = rows[ids.index(after) + 1:] if after in ids else rows
-        return page(rows, limit)
-
-    return api
+    return page(rows, limit)

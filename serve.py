@@ -237,11 +237,11 @@ def create_app(cfg):
                                              code="invalid_api_key").body(), status_code=401)
         return await call_next(request)
 
-    app.include_router(api_openai.router(svc, limit_bytes))
-    app.include_router(api_chat.router(svc))
-    app.include_router(api_graders.router)  # reads the service from app.state.service
-    app.include_router(api_nip.router(svc))  # after api_chat's: nip's serving loads models into its chat
-    app.state.service = svc
+    svc.chat = api_chat.Chat(cfg)  # the models loaded for chat completions, and the one model nip serves
+    svc.nip_serving = api_nip.Serving(svc)
+    app.state.service = svc  # what a route's `svc: Svc` parameter is given (service.current)
+    for api in (api_openai, api_graders, api_chat, api_nip):  # one module-level router per API
+        app.include_router(api.router)
     return app
 
 

@@ -14,6 +14,9 @@ import dataclasses
 import os
 import re
 from pathlib import Path
+from typing import Annotated
+
+from fastapi import Depends, Request
 
 import models
 from jobs import Store, new_id, now
@@ -41,6 +44,19 @@ def parse_model_map(spec: str) -> list[tuple[str, str]]:
             raise ValueError(f"{part!r}: fine-tuned models keep their own names (ft:...), they are not mapped")
         out.append((name, base))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class JobDefaults:
+    """What a job trains with, and reports, for OpenAI's "auto" hyperparameters (and nip's unset ones): train_dpo.py's
+    own defaults, kept here so the service never imports the training script (tests/test_serve.py checks that the
+    two agree). The service's --train_args still apply beneath a job's own values."""
+    beta: float = 0.1
+    batch_size: int = 2  # --per_device_train_batch_size
+    n_epochs: float = 1.0  # --num_train_epochs
+    learning_rate: float = 2e-4
+    learning_rate_multiplier: float = 1.0
+    eval_samples: int = 4
 
 
 class ApiError(Exception):
@@ -97,7 +113,7 @@ class Service:
     def __init__(self, cfg):
         self.cfg, self.out = cfg, Path(cfg.output_dir)
         self.store = Store(self.out / "serve")
-        self.chat = self.nip_serving = None  # set by api_chat.router and api_nip.router
+        self.chat = self.nip_serving = None  # api_chat.Chat and api_nip.Serving: set by serve.create_app
         self.api_key = os.environ.get("DPO_KIT_API_KEY", "")
 
     def job_or_404(self, job_id: str) -> dict:
@@ -220,3 +236,11 @@ class Service:
             job = store.job(job["id"])
             raise ApiError(400, f"cannot {kind} a job that is {job['status']}", "fine_tuning_job_id")
         return store.job(job["id"])
+
+
+def current(request: Request) -> Service:
+    """FastAPI's dependency for a route that needs the service: the one serve.create_app keeps in app.state."""
+    return request.app.state.service
+
+
+Svc = Annotated[Service, Depends(current)]  # a route's `svc: Svc` parameter: the service, given by Depends

@@ -70,6 +70,27 @@ def test_vllm_command_serves_a_base_by_the_started_name_and_a_tuned_model_as_its
     assert len(api_nip.job_suffix("x" * 100)) == 64
 
 
+def test_the_services_auto_hyperparameters_are_train_dpos_defaults():
+    import dataclasses
+
+    import train_dpo
+
+    d = train_dpo.TrainConfig()
+    assert dataclasses.asdict(service_app.JobDefaults()) == {
+        "beta": d.beta, "batch_size": d.per_device_train_batch_size, "n_epochs": d.num_train_epochs,
+        "learning_rate": d.learning_rate, "learning_rate_multiplier": 1.0, "eval_samples": d.eval_samples}
+
+
+def test_the_service_modules_import_no_training_code():
+    """The service's process answers HTTP: its modules take defaults from service.JobDefaults, not train_dpo.py."""
+    code = ("import sys, serve; serve.create_app(serve.ServeConfig(output_dir=sys.argv[1])); "
+            "print(sorted(m for m in ('train_dpo', 'trl', 'peft', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, "/tmp/dpo-kit-import-check"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "train_dpo" not in out.stdout, out.stdout
+
+
 def test_model_map_sends_openais_names_to_bases_and_refuses_what_it_cannot_read(tmp_path):
     spec = "gpt-4o-mini*=Qwen2.5-7B-Instruct, gpt-4.1-nano = SmolLM2-135M-Instruct,"
     assert service_app.parse_model_map(spec) == [("gpt-4o-mini*", "Qwen2.5-7B-Instruct"),
