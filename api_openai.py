@@ -117,21 +117,21 @@ class SamplingParams(Strict):
     top_p: Optional[Annotated[float, Field(gt=0, le=1)]] = None
 
 
-class ScoreModelGrader(Strict):
-    type: Literal["score_model"]
+class JudgeGrader(Strict):  # what score_model and label_model share: the judge model and the messages it reads
     name: str
     model: str
     input: list[JudgeMessage] = Field(min_length=1)
+
+
+class ScoreModelGrader(JudgeGrader):
+    type: Literal["score_model"]
     range: Optional[list[Annotated[float, Field(allow_inf_nan=False)]]] = Field(None, min_length=2, max_length=2)
     sampling_params: Optional[SamplingParams] = None
     pass_threshold: Threshold = None
 
 
-class LabelModelGrader(Strict):
+class LabelModelGrader(JudgeGrader):
     type: Literal["label_model"]
-    name: str
-    model: str
-    input: list[JudgeMessage] = Field(min_length=1)
     labels: list[str] = Field(min_length=1)
     passing_labels: list[str] = Field(min_length=1)
 
