@@ -158,14 +158,14 @@ def decode_loop(model, input_ids, attention_mask, max_new_tokens: int, stop_ids:
     import torch
     from transformers import DynamicCache
 
-    rows = input_ids.shape[0]
+    rows, device = input_ids.shape[0], input_ids.device
     out: list[list[int]] = [[] for _ in range(rows)]
-    alive = torch.arange(rows)
+    alive = torch.arange(rows, device=device)  # on the model's device, as token and done are (CUDA: one device)
     mask = attention_mask
     position = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = kv_cache(input_ids.shape[1] + max_new_tokens) if kv_cache else DynamicCache()
     step_input, step_position = input_ids, position
-    stops = torch.tensor(sorted(stop_ids)) if stop_ids else None
+    stops = torch.tensor(sorted(stop_ids), device=device) if stop_ids else None
     for _ in range(max_new_tokens):
         logits = model(input_ids=step_input, attention_mask=mask, position_ids=step_position, past_key_values=cache,
                        use_cache=True, logits_to_keep=1).logits[:, -1, :].float()

@@ -21,7 +21,7 @@ The model: the bundled SmolLM2-135M-Instruct, any model directory, or random:<sh
 shape with random weights, built once into the cache, e.g. random:llama-3-8b; loaded like any base, 4-bit NF4).
 On CUDA (--device auto finds one) the defaults change to what a GPU is for: lengths 1,024 and 4,096, prompts
 three quarters and a quarter of each sequence, the modes default, trl_separate_ref and trl_best at every length,
-4 steps each (the first is warm-up), bfloat16 (the kit's auto dtype there), no build_pairs.
+10 steps each (the first is warm-up), bfloat16 (the kit's auto dtype there), no build_pairs.
 
 Modes ((a)-(d): the kit's default against TRL's own reference modes and without 4-bit, plus what each of the
 kit's choices buys on its own):
@@ -134,7 +134,7 @@ DEFAULT_PROMPT_FRACTION = 0.25  # the CPU bench's layout: results keyed by lengt
 
 @dataclasses.dataclass
 class BenchConfig:
-    quick: bool = field(False, f"a few minutes: lengths 128,256, modes {QUICK_MODES}, 1 step each (CUDA: 2), "
+    quick: bool = field(False, f"a few minutes: lengths 128,256, modes {QUICK_MODES}, 1 step each (CUDA: 3), "
                         "build_pairs up to 100k runs")
     model_name_or_path: str = field("models/SmolLM2-135M-Instruct", "base model: a directory (the bundled one) or "
                                     "random:<shape> (shapes.py, e.g. random:llama-3-8b)", short="--model")
@@ -149,7 +149,8 @@ class BenchConfig:
                                   "0.75,0.25)")
     steps: int = field(0, "optimizer steps per mode at lengths up to 512 (CUDA: at every length): the first is "
                        "warm-up, the rest are timed (the median of their times); 0 = 3 (quick: 1, timed with its "
-                       "warm-up; CUDA: 4, quick 2)")
+                       "warm-up; CUDA: 10, quick 3: on an H200 the default's warm-up lasted past its first step, and a median "
+                       "of 3 steps read 0.64 s a step where one of 9 read 0.36)")
     long_steps: int = field(1, "optimizer steps at lengths over 512 on a CPU (one step of ~100 s at 1024 tokens on "
                             "2 cores: its warm-up is a few percent of it)")
     batch_size: int = field(4, "pairs per step (per_device_train_batch_size)")
@@ -218,7 +219,7 @@ class BenchConfig:
 
     def step_count(self, seq_len: int) -> int:
         if self.cuda:
-            return self.steps or (2 if self.quick else 4)
+            return self.steps or (3 if self.quick else 10)
         return self.long_steps if seq_len > 512 else self.steps or (1 if self.quick else 3)
 
     def stem(self) -> str:

@@ -4,6 +4,7 @@
 #
 #   bench/gpu.sh [STEP ...]       STEP: tests e2e bench-1b bench-8b bench-8b-4k, or all (the default: each in turn)
 #   GPU_BUDGET_S=570 bench/gpu.sh bench-8b     # start no work after 570 s (a device call ends at 600)
+#   GPU_BENCH_ARGS="--prompt_fractions 0.75 --grpo_steps 0" bench/gpu.sh bench-8b   # more bench.py flags (they win)
 #
 #   tests        pytest -m gpu: the gpu-marked tests (random weights bit-identical on CUDA, 4-bit DPO steps on
 #                random:smollm2-135m with and without the fast path, TRL with Liger)                 ~2 min
@@ -117,7 +118,7 @@ bench() {  # bench MODEL STEM [bench.py flags]
   local model=$1 stem=$2
   shift 2
   "$PY" bench/bench.py --device cuda --model "$model" --out_dir "$OUT" --out_stem "$stem" \
-    --budget_s "$(($(left) > 40 ? $(left) - 20 : 20))" "$@"
+    --budget_s "$(($(left) > 40 ? $(left) - 20 : 20))" "$@" ${GPU_BENCH_ARGS:-}
 }
 
 step_bench-1b() { bench random:llama-3.2-1b results-gpu-1b --max_tokens 16384; }
