@@ -182,7 +182,7 @@ def test_cuda_defaults_and_the_model_option():
     assert gpu.model_name_or_path == "random:llama-3-8b" and gpu.cuda
     assert gpu.length_list() == [1024, 4096] and gpu.fraction_list() == [0.75, 0.25] and gpu.run_sizes() == []
     assert gpu.mode_list() == ["default", "trl_separate_ref", "trl_best"] == gpu.long_mode_list()
-    assert gpu.step_count(4096) == 4 and gpu.stem() == "results-gpu"
+    assert gpu.step_count(4096) == 10 and gpu.stem() == "results-gpu"
     assert kit.parse_config(bench.BenchConfig, ["--device", "cuda", "--quick"], "").stem() == "results-gpu-quick"
     with pytest.raises(kit.UserError) as e:
         kit.parse_config(bench.BenchConfig, ["--model", "random:gpt-5", "--prompt_fractions", "0.5,1.5",
