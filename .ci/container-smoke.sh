@@ -98,6 +98,8 @@ image=dpo-kit:$TAG
 
 step "make build ${BUILD[*]}"
 t=$SECONDS; make build "${BUILD[@]}"; echo "build: $((SECONDS - t))s"
+echo "image size: $(docker image inspect --format '{{.Size}}' "$image" | awk '{printf "%.2f GB", $1 / 1e9}'); its layers:"
+docker history --format '{{.Size}}\t{{.CreatedBy}}' "$image" | grep -v '^0B' | cut -c1-110 || true
 
 step "make train RUNNER=docker (demo run logs -> pairs -> 2 DPO steps) RUN=$RUN"
 rm -rf artifacts/$RUN artifacts/$RUN.partial artifacts/$RUN.tar.gz artifacts/$RUN.tar.gz.sha256
@@ -140,9 +142,18 @@ fi
 grep -q "Read-only file system" <<<"$out" || fail "unexpected error writing to /data: $out"
 echo "ok: $(grep "Read-only" <<<"$out" | tail -1)"
 
-step "Triton's build needs in the image: a C compiler and Python.h"
-docker run --rm --entrypoint bash "$image" -c 'gcc --version | head -1 && python -c "import os, sysconfig; h = os.path.join(sysconfig.get_paths()[\"include\"], \"Python.h\"); assert os.path.exists(h), h; print(h)"' \
-  || fail "the image lacks a C compiler or Python.h (Triton cannot build its launcher)"
+step "Triton's build needs in the image: a C compiler and Python.h, used as Triton uses them"
+# Triton's first kernel builds its launcher: gcc -shared -fPIC against Python.h, then imports the module
+# (triton/runtime/build.py). The same here, as the image's non-root user in a scratch directory; the kernel itself
+# compiles only on a GPU (bench/gpu.sh), and the CPU image has no Triton.
+docker run --rm --entrypoint bash "$image" -c 'set -e; gcc --version | head -1; cd "$(mktemp -d)"
+  inc=$(python -c "import sysconfig; print(sysconfig.get_paths()[\"include\"])"); ls "$inc/Python.h"
+  printf "%s\n" "#include <Python.h>" "static PyModuleDef m = {PyModuleDef_HEAD_INIT, \"launcher\", NULL, -1, NULL};" \
+    "PyMODINIT_FUNC PyInit_launcher(void) { return PyModule_Create(&m); }" > launcher.c
+  so=launcher$(python -c "import sysconfig; print(sysconfig.get_config_var(\"EXT_SUFFIX\"))")
+  gcc launcher.c -O3 -shared -fPIC -Wno-psabi -o "$so" -I "$inc"
+  python -c "import launcher; print(\"built and imported\", launcher.__file__)"' \
+  || fail "the image cannot build a C extension against its Python.h (Triton cannot build its launcher)"
 
 step "hostile answers in the image's sandbox, as the caller and as the image's own non-root user"
 # What a GPU user's `docker run` gives the kit: the runtime's default seccomp and capabilities. sandbox.py --modes

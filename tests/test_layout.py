@@ -55,7 +55,7 @@ def test_the_image_converts_the_bundled_model_with_only_the_modules_it_copies_fi
     import sys
 
     lines = (ROOT / "Dockerfile").read_text().splitlines()
-    step = next(i for i, line in enumerate(lines) if line.startswith("RUN python entrypoint.py model"))
+    step = next(i for i, line in enumerate(lines) if line.startswith("RUN ") and "python entrypoint.py model" in line)
     early = next(lines[i] for i in range(step - 1, -1, -1) if lines[i].startswith("COPY ")).split()[1:-1]
     assert {"entrypoint.py", "models.py"} <= set(early)
     for name in early:
@@ -96,3 +96,20 @@ def test_readme_is_a_first_page_and_every_link_in_it_and_docs_resolves():
             assert dest.exists(), f"{page.relative_to(ROOT)}: link to missing {target}"
             if anchor:
                 assert anchor in anchors(dest), f"{page.relative_to(ROOT)}: no heading #{anchor} in {target}"
+
+
+def test_the_image_ships_on_cudas_base_tag_from_a_separate_build_stage():
+    """Two stages: pip and the model's conversion in `build`; the shipped stage installs no Python packages,
+    brings Triton's C toolchain, and copies the venv and the model from `build`. CUDA's `base` tag, since
+    torch's nvidia-* wheels carry the libraries that the `runtime` tag would ship a second time."""
+    text = (ROOT / "Dockerfile").read_text()
+    base = re.search(r"^ARG BASE_IMAGE=(\S+)", text, re.MULTILINE)[1]
+    assert re.match(r"nvidia/cuda:[\d.]+-base-ubuntu22\.04(@sha256:[0-9a-f]{64})?$", base), base
+    stages = re.split(r"^FROM ", text, flags=re.MULTILINE)[1:]
+    assert len(stages) == 2 and stages[0].startswith("${BASE_IMAGE} AS build")
+    shipped = stages[1]
+    run_lines = " ".join(re.findall(r"^RUN ((?:.*\\\n)*.*)", shipped, re.MULTILINE))
+    assert "pip install" not in run_lines and "apt-get install" in run_lines
+    assert {"gcc", "libc6-dev", "python3-dev", "bubblewrap"} <= set(run_lines.split())
+    assert "COPY --from=build /opt/venv /opt/venv" in shipped and "COPY --from=build /opt/kit/models" in shipped
+    assert 'LABEL dpo-kit="1"' in stages[0] and 'LABEL dpo-kit="1"' in shipped  # make prune finds both stages' images
