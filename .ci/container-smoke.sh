@@ -154,6 +154,13 @@ docker run --rm --entrypoint bash "$image" -c 'set -e; gcc --version | head -1; 
   gcc launcher.c -O3 -shared -fPIC -Wno-psabi -o "$so" -I "$inc"
   python -c "import launcher; print(\"built and imported\", launcher.__file__)"' \
   || fail "the image cannot build a C extension against its Python.h (Triton cannot build its launcher)"
+# and a Triton kernel through the pre-flight's own test: the CPU image has no Triton (no use off a GPU), so the
+# lock's version goes into a scratch directory of a throwaway container, and the kernel runs under its interpreter
+triton=$(grep -E '^triton==' requirements.txt)
+out=$(docker run --rm --entrypoint bash "$image" -c "pip install -q --target /tmp/t $triton >/dev/null && \
+  cd /opt/kit && PYTHONPATH=/tmp/t python entrypoint.py check 2>&1" 2>&1) || true
+grep -q "a one-kernel test ran under Triton's interpreter" <<<"$out" || fail "no Triton kernel ran in the image: $out"
+echo "ok: $(grep -o "Triton [0-9.]*: a one-kernel test ran under Triton's interpreter[^.]*" <<<"$out")"
 
 step "hostile answers in the image's sandbox, as the caller and as the image's own non-root user"
 # What a GPU user's `docker run` gives the kit: the runtime's default seccomp and capabilities. sandbox.py --modes
