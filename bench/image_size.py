@@ -80,12 +80,22 @@ def group(name: str) -> str:
 
 def main(argv=None) -> int:
     cfg = kit.parse_config(SizeConfig, argv, __doc__)
+    try:
+        lock = Path(cfg.lock).read_text()
+    except OSError as e:
+        raise kit.UserError(f"cannot read the lock: {e.strerror}", cfg.lock) from None
+    if not pins(lock):
+        raise kit.UserError("no `name==version` lines: not a lock", cfg.lock)
     accepted, totals, missing = image_tags(), {}, []
-    for name, version in pins(open(cfg.lock).read()):
-        req = urllib.request.Request(f"{cfg.index.rstrip('/')}/{name}/",
-                                     headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            f = pick(json.load(r)["files"], version, accepted)
+    for name, version in pins(lock):
+        url = f"{cfg.index.rstrip('/')}/{name}/"
+        req = urllib.request.Request(url, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                f = pick(json.load(r)["files"], version, accepted)
+        except (OSError, ValueError, KeyError) as e:  # unreachable, not found, or not a PEP 691 JSON index
+            raise kit.UserError(f"--index: {url} gave no JSON file list ({type(e).__name__}: {e}); "
+                                "the index must answer PEP 691's JSON (PyPI's does)") from None
         if f is None or f.get("size") is None:
             missing.append(f"{name}=={version}")
             continue

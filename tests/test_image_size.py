@@ -38,3 +38,15 @@ def test_the_pick_is_the_wheel_the_image_can_install():
 def test_groups_put_cuda_libraries_apart():
     assert image_size.group("nvidia-cublas") == "nvidia-* (CUDA libraries)"
     assert image_size.group("torch") == "torch" and image_size.group("trl") == "the rest"
+
+
+def test_a_missing_lock_a_file_that_is_no_lock_and_an_index_that_does_not_answer_are_one_sentence(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("torch is a library\n")
+    (tmp_path / "lock.txt").write_text("six==1.17.0\n")
+    refused = "http://127.0.0.1:9/simple"  # nothing listens on port 9 (discard): refused at once, no network
+    for argv, said in ((["--lock", str(tmp_path / "absent.txt")], "cannot read the lock"),
+                       (["--lock", str(tmp_path / "notes.txt")], "not a lock"),
+                       (["--lock", str(tmp_path / "lock.txt"), "--index", refused], "gave no JSON file list")):
+        assert image_size.kit.run_cli(image_size.main, argv) == 2
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err
