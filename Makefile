@@ -45,6 +45,8 @@ NODE_RANK ?=
 MASTER_ADDR ?=
 MASTER_PORT ?=
 DIST ?=
+# make test: pytest processes (pytest-xdist), each given its share of the cores (tests/conftest.py); 1 runs them in one
+TEST_WORKERS ?= 2
 # make bench QUICK=1: shorter sequences, fewer steps, smaller build_pairs logs (a few minutes)
 QUICK ?=
 # make bench DEVICE=cuda|cpu (default: CUDA when there is a GPU) MODEL=random:llama-3-8b (shapes.py)
@@ -261,8 +263,8 @@ test-container: ## build the image on a local base with podman, train in it thro
 	.ci/container-smoke.sh
 
 .PHONY: test
-test: $(STAMP) $(BUNDLED_MODEL)/config.json ## run the tests (unit, then integration on the bundled model in 4-bit)
-	$(PY) -m pytest -q tests -m "not slurm" $(ARGS)
+test: $(STAMP) $(BUNDLED_MODEL)/config.json ## run the tests (unit, then integration on the bundled model in 4-bit) in TEST_WORKERS processes
+	$(PY) -m pytest -q tests -m "not slurm" -n $(TEST_WORKERS) --dist worksteal $(ARGS)
 
 # The cluster is started once and left up (.ci/slurm-cluster.sh stop ends it); exit 77 from the script: SLURM cannot
 # start here, and the tests skip saying why.
