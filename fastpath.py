@@ -49,6 +49,8 @@ import time
 import types
 from pathlib import Path
 
+from kit import field
+
 LOGP_TOKEN_CHUNK = 1024  # tokens per head tile: 1,024 x 2,048 x 4 bytes = 8 MB of logits at a time
 LOGP_VOCAB_CHUNK = 2048  # vocabulary rows per head tile
 # On a GPU a tile sized for a CPU's caches is dozens of small kernels per token range (at a 128k vocabulary,
@@ -60,6 +62,20 @@ LOGP_KEEP_BYTES = 1536 << 20  # logits kept for the backward up to this size (6,
 # The versions whose internals this file reaches into (major.minor of trl; major of transformers), as pinned
 # in requirements.txt. Another version may have renamed or changed any of them.
 WRITTEN_FOR = {"trl": "1.14", "transformers": "5"}
+
+
+@dataclasses.dataclass
+class FastOptions:
+    """train_dpo.py's switches for this file's kernels (TrainConfig inherits them)."""
+    chunked_logps: bool = field(True, "log-probs of the completion tokens only, through the output head in chunks: "
+                                "never the [tokens x vocabulary] logits (false = TRL's full-logits path)")
+    fused_ops: bool = field(True, "LoRA layers, RMSNorm, the SiLU gate and the chunked head through fastpath.py's "
+                            "fused kernels, in float32 or under bfloat16/float16 autocast (the same values to that "
+                            "dtype's rounding, fewer memory passes and saved tensors), and on a CPU malloc keeping freed memory for "
+                            "reuse; false = the libraries' own modules and allocator settings")
+    share_prompts: bool = field(True, "with --fused_ops: run each pair's prompt once for both completions (its "
+                                "keys and values kept, with gradients, for the chosen and the rejected pass) "
+                                "where that saves work; the same log-probs to float rounding")
 
 
 @dataclasses.dataclass

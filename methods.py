@@ -29,6 +29,17 @@ KTO_BALANCE = 1.15  # desirable x weight / (undesirable x weight): inside the KT
 # The options that belong to one method. train_dpo.TrainConfig inherits them (one flat set of flags, with TRL's
 # names), so a new method adds its options here, not to the recipe.
 @dataclasses.dataclass
+class DPOOptions:
+    """--method dpo: the loss (TRL's DPOConfig names) and the kit's SFT term and chosen-rows-only step."""
+    loss_type: str = field("sigmoid", "TRL DPO loss (sft: only the chosen side's NLL, the rounds' SFT stage)",
+                           choices=("sigmoid", "hinge", "ipo", "robust", "sigmoid_norm", "sft"))
+    sft_weight: float = field(0.0, "weight of an SFT loss on the chosen responses, added to the DPO loss; 0 = off")
+    chosen_only: bool = field(True, "with --loss_type sft alone: training steps forward the chosen rows only (the "
+                              "loss reads nothing else; TRL also runs the rejected rows and the reference, about "
+                              "2.7x the work), the same loss and gradients to float rounding")
+
+
+@dataclasses.dataclass
 class KTOOptions:
     """--method kto: the two weights of TRL's KTOConfig."""
     desirable_weight: float = field(0.0, "KTO: weight of the desirable examples' loss; 0 = from the class balance "
@@ -129,6 +140,7 @@ def endpoints(cfg) -> "graders.Endpoints":
 def method_problems(cfg, method: str) -> list[str]:
     p = [] if cfg.desirable_weight >= 0 and cfg.undesirable_weight >= 0 else [
         "--desirable_weight and --undesirable_weight must not be negative (0 = from the class balance)"]
+    p += [] if cfg.sft_weight >= 0 else [f"--sft_weight must not be negative (got {cfg.sft_weight})"]
     return p + (kto_problems(cfg) if method == "kto" else grpo_problems(cfg) if method == "grpo" else [])
 
 

@@ -59,7 +59,8 @@ _LOAD = models.LoadOptions()  # how the base is loaded: its defaults are TrainCo
 
 
 @dataclasses.dataclass
-class TrainConfig(methods.GRPOOptions, methods.KTOOptions, evaluate.EvalOptions):
+class TrainConfig(methods.GRPOOptions, methods.KTOOptions, methods.DPOOptions, fastpath.FastOptions,
+                  evaluate.EvalOptions):
     # What to train on, what to train, where it goes
     data: str = field("", "preference pairs: .jsonl, .jsonl.gz, .json, .parquet, a directory of those, or a hub "
                       "dataset id org/name[:split]; any of the formats in docs/formats.md")
@@ -106,24 +107,9 @@ class TrainConfig(methods.GRPOOptions, methods.KTOOptions, evaluate.EvalOptions)
     precompute_ref_log_probs: bool = field(False, "compute reference log-probs once before training")
     use_liger_kernel: bool = field(False, "TRL's switch: Liger's kernels in the model and TRL's chunked log-probs "
                                    "(needs the liger-kernel package and a GPU, and --no_fused_ops)")
-    chunked_logps: bool = field(True, "log-probs of the completion tokens only, through the output head in chunks: "
-                                "never the [tokens x vocabulary] logits (false = TRL's full-logits path)")
-    fused_ops: bool = field(True, "LoRA layers, RMSNorm, the SiLU gate and the chunked head through fastpath.py's "
-                            "fused kernels, in float32 or under bfloat16/float16 autocast (the same values to that "
-                            "dtype's rounding, "
-                            "fewer memory passes and saved tensors), and on a CPU malloc keeping freed memory for "
-                            "reuse; false = the libraries' own modules and allocator settings")
-    share_prompts: bool = field(True, "with --fused_ops: run each pair's prompt once for both completions (its "
-                                "keys and values kept, with gradients, for the chosen and the rejected pass) "
-                                "where that saves work; the same log-probs to float rounding")
-    chosen_only: bool = field(True, "with --loss_type sft alone: training steps forward the chosen rows only (the "
-                              "loss reads nothing else; TRL also runs the rejected rows and the reference, about "
-                              "2.7x the work), the same loss and gradients to float rounding")
     # DPO and optimisation (TRL / transformers names)
     beta: float = field(0.1, "DPO temperature (KTO's too; GRPO: the KL coefficient): higher keeps the policy closer "
                         "to the reference")
-    loss_type: str = field("sigmoid", "TRL DPO loss (sft: only the chosen side's NLL, the rounds' SFT stage)",
-                           choices=("sigmoid", "hinge", "ipo", "robust", "sigmoid_norm", "sft"))
     learning_rate: float = field(2e-4, "AdamW learning rate for the LoRA weights")
     lr_scheduler_type: str = field("linear", "learning-rate schedule", choices=("linear", "cosine", "constant"))
     warmup_steps: int = field(0, "linear warm-up steps")
@@ -148,7 +134,6 @@ class TrainConfig(methods.GRPOOptions, methods.KTOOptions, evaluate.EvalOptions)
                                  "max_length ('' = $DPO_KIT_CACHE or ~/.cache/dpo-kit; 'none' = off)")
     mix: str = field("", "more pair files mixed into training, as shares of the mixture: 'a.jsonl:0.2,b.jsonl:0.1'; "
                      f"a bare share ('0.2') uses the bundled {formats.GENERAL_MIX}")
-    sft_weight: float = field(0.0, "weight of an SFT loss on the chosen responses, added to the DPO loss; 0 = off")
     # Rounds (iterate.py): each stage starts from the previous stage's adapter, which is also its reference
     init_adapter: str = field("", "a finished run (directory or .tar.gz) on the same base: its adapter is trained "
                               "further and, frozen, is the reference (TRL's 'ref' adapter copy); its LoRA shape "
@@ -178,8 +163,8 @@ class TrainConfig(methods.GRPOOptions, methods.KTOOptions, evaluate.EvalOptions)
             p.append(f"--eval_fraction must be in [0, 0.5] (got {self.eval_fraction})")
         if self.eval_samples < 1 or self.eval_max_new_tokens < 1:
             p.append("--eval_samples and --eval_max_new_tokens must be at least 1")
-        if self.eval_steps < 1 or self.early_stopping_patience < 0 or self.sft_weight < 0:
-            p.append("--eval_steps must be at least 1; --early_stopping_patience and --sft_weight not negative")
+        if self.eval_steps < 1 or self.early_stopping_patience < 0:
+            p.append("--eval_steps must be at least 1; --early_stopping_patience not negative")
         if self.early_stopping_patience and not self.eval_fraction:
             p.append("--early_stopping_patience needs held-out pairs (--eval_fraction > 0)")
         try:

@@ -47,6 +47,18 @@ def test_train_dpo_is_imported_only_as_the_training_run():
         assert not any(isinstance(n, ast.ImportFrom) and n.module == "train_dpo" for n in ast.walk(tree)), name
 
 
+def test_train_dpo_stays_a_recipe_and_each_methods_options_live_with_the_method():
+    # Under 700 lines: a new method's options go in methods.py (DPOOptions, KTOOptions, GRPOOptions) and the fast
+    # path's switches in fastpath.py, and TrainConfig inherits them
+    assert len((ROOT / "train_dpo.py").read_text().splitlines()) < 700
+    tree = ast.parse((ROOT / "train_dpo.py").read_text())
+    config = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "TrainConfig")
+    bases = {ast.unparse(b) for b in config.bases}
+    assert {"methods.DPOOptions", "methods.KTOOptions", "methods.GRPOOptions", "fastpath.FastOptions"} <= bases
+    own = {n.target.id for n in config.body if isinstance(n, ast.AnnAssign)}
+    assert not own & {"loss_type", "sft_weight", "num_generations", "desirable_weight", "fused_ops"}
+
+
 def test_the_image_converts_the_bundled_model_with_only_the_modules_it_copies_first(tmp_path):
     """The Dockerfile copies a few modules before converting the bundled model (so editing the others does
     not redo that step), which then runs with those alone: what they import, and what the conversion
