@@ -1,16 +1,19 @@
-"""Which method makes the agent's code better? The base, DPO, KTO and GRPO on the same run logs, over several seeds,
-each scored by running its sampled answers to the held-out runs' prompts through the checker.
+"""Which method makes the agent's code better? The base, the recipe, DPO, KTO, GRPO and rounds on the same run logs,
+over several seeds, each scored by running its sampled answers to the held-out runs' prompts through the checker.
 
-    make compare                        # 3 seeds x (DPO, KTO, GRPO) on the demo logs: bench/results-methods.{md,json}
+    make compare                        # 3 seeds x 5 arms on the demo logs (hours): bench/results-methods.{md,json}
     .venv/bin/python bench/compare.py [--seeds 1,2,3] [--arms "dpo=dpo; kto=kto"] [--logs data/runs.jsonl]
                                       [--out bench/results-methods] [-- TRAIN_FLAGS...]
 
 An arm is NAME=METHOD [train_dpo.py flags], arms separated by ';'. The default arms: `default` (what `make train`
-runs: DPO with the demo's settings), `dpo-no-sft` (the same without the SFT term on the chosen answer), `kto`
-and `grpo` (`make train METHOD=...`). Every run is one `train_dpo.py` with the arm's flags, TRAIN_FLAGS (every
-arm) and the seed, on what build_pairs.py makes of the logs
-(pairs for DPO, --emit kto examples for KTO, the logs' own prompts for GRPO), and the same held-out runs (the
-split is by run). Its report's execution section is read back: `--eval_samples` sampled answers (seeded) to each
+runs: the bundled model's recipe, configs/demo.yaml), `dpo-no-sft` (the same recipe with DPO's preference loss
+instead of the chosen answers' likelihood), `kto` and `grpo` (`make train METHOD=...`), and `rounds` (`make
+rounds`: the recipe, then the model's own scored attempts as run logs and a second stage on their pairs). Every
+DPO, KTO or GRPO run is one `train_dpo.py` with the arm's flags, TRAIN_FLAGS (every arm) and the seed, on what
+build_pairs.py makes of the logs (pairs for DPO, --emit kto examples for KTO, the logs' own prompts for GRPO), and
+the same held-out runs (the split is by run). A `rounds` arm's one argument is a plan (iterate.py), run with the
+seed for training and sampling, these pairs for its `dpo` stages and these logs for its `attempts` stages; its
+last stage's report is the one read. Its report's execution section is read back: `--eval_samples` sampled answers (seeded) to each
 held-out prompt from the base (adapter off) and from the tuned model, each run on the prompt's host. The base's
 numbers come from every run; with the same seed they are the same samples, so they are shown once per seed.
 """
@@ -32,7 +35,9 @@ sys.path.insert(0, str(ROOT))
 import kit  # noqa: E402
 
 
-DEFAULT_ARMS = "default=dpo; dpo-no-sft=dpo --sft_weight 0; kto=kto; grpo=grpo"
+DEFAULT_ARMS = ("default=dpo --config configs/demo.yaml; dpo-no-sft=dpo --config configs/demo.yaml --loss_type sigmoid; "
+                "kto=kto; grpo=grpo; rounds=rounds configs/rounds.yaml")
+METHODS = ("dpo", "kto", "grpo", "rounds")
 
 
 def parse_arms(spec: str) -> list[tuple[str, str, list[str]]]:
@@ -45,6 +50,10 @@ def parse_arms(spec: str) -> list[tuple[str, str, list[str]]]:
         words = shlex.split(rest)
         if not eq or not name.strip() or not words:
             raise kit.UserError(f"--arms: {part!r} is not NAME=METHOD [flags]")
+        if words[0] not in METHODS:
+            raise kit.UserError(f"--arms: {part!r}: the method is one of {', '.join(METHODS)}")
+        if words[0] == "rounds" and len(words) != 2:
+            raise kit.UserError(f"--arms: {part!r}: a rounds arm takes one plan file (rounds=rounds configs/rounds.yaml)")
         arms.append((name.strip(), words[0], words[1:]))
     if len({a[0] for a in arms}) != len(arms):
         raise kit.UserError(f"--arms: a name is used twice in {spec!r}")
@@ -117,6 +126,46 @@ def findings(rows: list[dict]) -> list[str]:
     return out
 
 
+def rounds_plan(plan: dict, name: str, seed: int, pairs: str, logs: str, prompts: str) -> dict:
+    """A rounds arm's plan for one seed: the plan as written, under the arm's run name, trained and sampled with the
+    seed, its `dpo` stages on the compared pairs, its `attempts` stages on the compared logs, and its last stage
+    scored on the held-out prompts."""
+    stages = []
+    for i, stage in enumerate(plan["stages"]):
+        stage = {**stage, "pairs": dict(stage.get("pairs") or {}), "train": dict(stage.get("train") or {})}
+        if stage["kind"] == "dpo":
+            stage["data"] = pairs
+        elif stage["kind"] == "attempts":
+            stage["data"], stage["pairs"]["seed"] = logs, seed
+        if i == len(plan["stages"]) - 1:
+            stage["train"]["eval_prompts"] = prompts
+        else:
+            stage["train"].pop("eval_prompts", None)
+        stages.append(stage)
+    return {**plan, "name": name, "train": {**(plan.get("train") or {}), "seed": seed}, "stages": stages}
+
+
+def run_rounds(plan_file: str, name: str, seed: int, logs: str, work: Path) -> tuple[Path, int]:
+    """iterate.py on the arm's plan for this seed (complete stages are found again, not trained again): the last
+    stage's run directory, and the steps of every stage."""
+    import yaml
+
+    pairs, prompts = data_for("dpo", logs, work)
+    plan = rounds_plan(yaml.safe_load((ROOT / plan_file).read_text()), name, seed, pairs, logs, prompts)
+    written = work / "plans" / f"{name}.yaml"
+    kit.atomic_write_text(written, yaml.safe_dump(plan, sort_keys=False))
+    print(f"[compare] {name}: iterate.py {written}", flush=True)
+    code = subprocess.run([sys.executable, str(ROOT / "iterate.py"), str(written), "--output_dir", str(work)],
+                          cwd=ROOT).returncode
+    if code:
+        raise kit.UserError(f"{name}: iterate.py {written} failed (exit {code}): its output is above; the same "
+                            "make compare finds the complete stages again")
+    lineage = json.loads((work / f"{name}.lineage.json").read_text())
+    steps = sum(json.loads((work / st["run_name"] / "manifest.json").read_text())["steps"]
+                for st in lineage["stages"])
+    return work / lineage["final_run"], steps
+
+
 def data_for(method: str, logs: str, work: Path) -> tuple[str, str]:
     """(training data, eval prompts) for a method, built once per method from the logs."""
     prompts = work / "pairs" / "runs.prompts.jsonl"
@@ -129,6 +178,16 @@ def data_for(method: str, logs: str, work: Path) -> tuple[str, str]:
     return str(out), str(prompts)
 
 
+def run_minutes(work: Path, run_dir: Path, method: str) -> float:
+    """Minutes from the run's start to its handoff; for rounds, from the first stage's start (iterate's lineage)."""
+    first = run_dir
+    if method == "rounds":
+        first = work / json.loads((run_dir / "lineage.json").read_text())[0]["run_name"]
+    started = json.loads((first / "manifest.json").read_text())["started_at"]
+    finished = json.loads((run_dir / "manifest.json").read_text())["finished_at"]
+    return (dt.datetime.fromisoformat(finished) - dt.datetime.fromisoformat(started)).total_seconds() / 60
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -138,25 +197,27 @@ def main(argv=None) -> int:
     rows = []
     for seed in [int(s) for s in cfg.seeds.split(",")]:
         for arm, method, flags in parse_arms(cfg.arms):
-            data, prompts = data_for(method, str(Path(cfg.logs).resolve()), work)
             name = f"{arm}-s{seed}"
             t0 = time.time()
-            cmd = [sys.executable, str(ROOT / "train_dpo.py"), "--data", data, "--method", method, "--seed", str(seed),
-                   "--output_dir", str(work), "--run_name", name, "--probes", "",
-                   *(["--eval_prompts", prompts] if prompts else []), *extra, *flags]
-            print(f"[compare] {name}: {' '.join(cmd[2:])}", flush=True)
-            code = subprocess.run(cmd, cwd=ROOT).returncode
-            if code:
-                print(f"[compare] {name} failed (exit {code}): its output is above; the finished runs in {work} are "
-                      "found again by the next make compare", file=sys.stderr)
-                return code
-            evaluation = json.loads((work / name / "evaluation.json").read_text())["execution"]
-            manifest = json.loads((work / name / "manifest.json").read_text())
-            took = dt.datetime.fromisoformat(manifest["finished_at"]) - dt.datetime.fromisoformat(manifest["started_at"])
+            if method == "rounds":
+                run_dir, steps = run_rounds(flags[0], name, seed, str(Path(cfg.logs).resolve()), work)
+            else:
+                data, prompts = data_for(method, str(Path(cfg.logs).resolve()), work)
+                cmd = [sys.executable, str(ROOT / "train_dpo.py"), "--data", data, "--method", method, "--seed",
+                       str(seed), "--output_dir", str(work), "--run_name", name, "--probes", "",
+                       *(["--eval_prompts", prompts] if prompts else []), *extra, *flags]
+                print(f"[compare] {name}: {' '.join(cmd[2:])}", flush=True)
+                code = subprocess.run(cmd, cwd=ROOT).returncode
+                if code:
+                    print(f"[compare] {name} failed (exit {code}): its output is above; the finished runs in {work} "
+                          "are found again by the next make compare", file=sys.stderr)
+                    return code
+                run_dir, steps = work / name, json.loads((work / name / "manifest.json").read_text())["steps"]
+            evaluation = json.loads((run_dir / "evaluation.json").read_text())["execution"]
             rows.append({"seed": seed, "method": arm, "trained": " ".join([method, *flags]),
                          "base": evaluation["base"], "tuned": evaluation["tuned"],
                          "prompts": evaluation["prompts"], "samples": evaluation["samples"],
-                         "steps": manifest["steps"], "minutes": took.total_seconds() / 60,
+                         "steps": steps, "minutes": run_minutes(work, run_dir, method),
                          "this_call_s": time.time() - t0})
             if method == "grpo":
                 rows[-1]["grpo"] = grpo_signal([json.loads(line) for line in
@@ -164,7 +225,8 @@ def main(argv=None) -> int:
             kit.atomic_write_json(Path(cfg.out + ".json"), {"rows": rows, "summary": summarize(rows)})
     summary = summarize(rows)
     head = (f"# Held-out checker scores: base, {', '.join(a[0] for a in parse_arms(cfg.arms))} on {cfg.logs}\n\n"
-            + "".join(f"- `{a}`: `train_dpo.py --method {m} {' '.join(f)}`\n" for a, m, f in parse_arms(cfg.arms)) + "\n"
+            + "".join(f"- `{a}`: `iterate.py {f[0]}` (make rounds)\n" if m == "rounds" else
+                      f"- `{a}`: `train_dpo.py --method {m} {' '.join(f)}`\n" for a, m, f in parse_arms(cfg.arms)) + "\n"
             f"{rows[0]['samples']} sampled answers to each of {rows[0]['prompts']} held-out prompts per model and seed, "
             f"each run on its prompt's host by checker.py (score: bytes freed over the plantable junk, -1 for "
             f"deleting what must be kept; pass: it freed space). Mean ± standard deviation over seeds "
