@@ -71,8 +71,8 @@ class FastOptions:
                                 "never the [tokens x vocabulary] logits (false = TRL's full-logits path)")
     fused_ops: bool = field(True, "LoRA layers, RMSNorm, the SiLU gate and the chunked head through fastpath.py's "
                             "fused kernels, in float32 or under bfloat16/float16 autocast (the same values to that "
-                            "dtype's rounding, fewer memory passes and saved tensors), and on a CPU malloc keeping freed memory for "
-                            "reuse; false = the libraries' own modules and allocator settings")
+                            "dtype's rounding, fewer memory passes and saved tensors), and on a CPU malloc keeping "
+                            "freed memory for reuse; false = the libraries' own modules and allocator settings")
     share_prompts: bool = field(True, "with --fused_ops: run each pair's prompt once for both completions (its "
                                 "keys and values kept, with gradients, for the chosen and the rejected pass) "
                                 "where that saves work; the same log-probs to float rounding")

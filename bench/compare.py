@@ -12,8 +12,9 @@ rounds`: the recipe, then the model's own scored attempts as run logs and a seco
 DPO, KTO or GRPO run is one `train_dpo.py` with the arm's flags, TRAIN_FLAGS (every arm) and the seed, on what
 build_pairs.py makes of the logs (pairs for DPO, --emit kto examples for KTO, the logs' own prompts for GRPO), and
 the same held-out runs (the split is by run). A `rounds` arm's one argument is a plan (iterate.py), run with the
-seed for training and sampling, these pairs for its `dpo` stages and these logs for its `attempts` stages; its
-last stage's report is the one read. Its report's execution section is read back: `--eval_samples` sampled answers (seeded) to each
+seed for training and sampling, these pairs for its `dpo` stages and these logs for its `attempts` stages (TRAIN_FLAGS
+do not reach it: the plan's `train:` does); its last stage is the run read back. A run's report's execution
+section is read back: `--eval_samples` sampled answers (seeded) to each
 held-out prompt from the base (adapter off) and from the tuned model, each run on the prompt's host. The base's
 numbers come from every run; with the same seed they are the same samples, so they are shown once per seed.
 """
@@ -35,7 +36,8 @@ sys.path.insert(0, str(ROOT))
 import kit  # noqa: E402
 
 
-DEFAULT_ARMS = ("default=dpo --config configs/demo.yaml; dpo-no-sft=dpo --config configs/demo.yaml --loss_type sigmoid; "
+DEFAULT_ARMS = ("default=dpo --config configs/demo.yaml; "
+                "dpo-no-sft=dpo --config configs/demo.yaml --loss_type sigmoid; "
                 "kto=kto; grpo=grpo; rounds=rounds configs/rounds.yaml")
 METHODS = ("dpo", "kto", "grpo", "rounds")
 
@@ -53,7 +55,10 @@ def parse_arms(spec: str) -> list[tuple[str, str, list[str]]]:
         if words[0] not in METHODS:
             raise kit.UserError(f"--arms: {part!r}: the method is one of {', '.join(METHODS)}")
         if words[0] == "rounds" and len(words) != 2:
-            raise kit.UserError(f"--arms: {part!r}: a rounds arm takes one plan file (rounds=rounds configs/rounds.yaml)")
+            raise kit.UserError(f"--arms: {part!r}: a rounds arm takes one plan file "
+                                "(rounds=rounds configs/rounds.yaml)")
+        if words[0] == "rounds" and not (ROOT / words[1]).is_file():
+            raise kit.UserError(f"--arms: {part!r}: no plan file {ROOT / words[1]}")
         arms.append((name.strip(), words[0], words[1:]))
     if len({a[0] for a in arms}) != len(arms):
         raise kit.UserError(f"--arms: a name is used twice in {spec!r}")
@@ -151,7 +156,12 @@ def run_rounds(plan_file: str, name: str, seed: int, logs: str, work: Path) -> t
     import yaml
 
     pairs, prompts = data_for("dpo", logs, work)
-    plan = rounds_plan(yaml.safe_load((ROOT / plan_file).read_text()), name, seed, pairs, logs, prompts)
+    try:
+        plan = yaml.safe_load((ROOT / plan_file).read_text())
+        plan = rounds_plan(plan, name, seed, pairs, logs, prompts)
+    except (yaml.YAMLError, KeyError, TypeError, AttributeError) as e:
+        raise kit.UserError(f"not a plan iterate.py runs ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                            f"python iterate.py {plan_file} says where", str(ROOT / plan_file)) from None
     written = work / "plans" / f"{name}.yaml"
     kit.atomic_write_text(written, yaml.safe_dump(plan, sort_keys=False))
     print(f"[compare] {name}: iterate.py {written}", flush=True)
@@ -225,8 +235,9 @@ def main(argv=None) -> int:
             kit.atomic_write_json(Path(cfg.out + ".json"), {"rows": rows, "summary": summarize(rows)})
     summary = summarize(rows)
     head = (f"# Held-out checker scores: base, {', '.join(a[0] for a in parse_arms(cfg.arms))} on {cfg.logs}\n\n"
-            + "".join(f"- `{a}`: `iterate.py {f[0]}` (make rounds)\n" if m == "rounds" else
-                      f"- `{a}`: `train_dpo.py --method {m} {' '.join(f)}`\n" for a, m, f in parse_arms(cfg.arms)) + "\n"
+            + "".join(f"- `{a}`: `iterate.py {f[0]}` (make rounds)\n" if m == "rounds"
+                      else f"- `{a}`: `train_dpo.py --method {m} {' '.join(f)}`\n"
+                      for a, m, f in parse_arms(cfg.arms)) + "\n"
             f"{rows[0]['samples']} sampled answers to each of {rows[0]['prompts']} held-out prompts per model and seed, "
             f"each run on its prompt's host by checker.py (score: bytes freed over the plantable junk, -1 for "
             f"deleting what must be kept; pass: it freed space). Mean ± standard deviation over seeds "
