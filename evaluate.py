@@ -318,15 +318,28 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, sample_s
                            sample_seed)
 
 
+def base_and_tuned(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, sampling: dict | None,
+                   seed: int | None, n: int = 1, label: str = "") -> dict[str, list[str]]:
+    """`n` answers to each prompt from the base (adapter off) and from the tuned model (greedy when sampling is
+    None), each seeded alike. One model after the other, the adapter merged while the tuned model samples: one
+    batch holding both (PEFT's adapter_names, the adapter unmerged) measured slower on a 2-core CPU."""
+    answers = {}
+    for name, context in (("base", model.disable_adapter), ("tuned", contextlib.nullcontext)):
+        with context():
+            answers[name] = models.generate(model, tokenizer, prompts, max_new_tokens, sampling, seed, n=n,
+                                            label=label and f"{label} {name}")
+    return answers
+
+
 def run_probes(model, tokenizer, probes: list[dict], seed: int, max_new_tokens: int = 48) -> list[dict]:
     """Base vs tuned on general prompts: greedy and sampled answers, whether the expected fact survives,
     and how much less (or more) likely the tuned model finds the base's greedy answer (nats per token)."""
     prompts = [p["prompt"] for p in probes]
-    answers = {}
-    for name, context in (("base", model.disable_adapter), ("tuned", contextlib.nullcontext)):
-        with context():
-            answers[name] = generate(model, tokenizer, prompts, max_new_tokens)
-            answers[name + "_sampled"] = generate(model, tokenizer, prompts, max_new_tokens, sample_seed=seed)
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    greedy = base_and_tuned(model, tokenizer, chats, max_new_tokens, None, None)
+    sampled = base_and_tuned(model, tokenizer, chats, max_new_tokens, SAMPLING, seed)
+    answers = {"base": greedy["base"], "base_sampled": sampled["base"], "tuned": greedy["tuned"],
+               "tuned_sampled": sampled["tuned"]}
     chat = [list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                tokenize=True, return_dict=True)["input_ids"]) for p in prompts]
     replies = [tokenizer(a, add_special_tokens=False)["input_ids"] or [tokenizer.eos_token_id] for a in answers["base"]]
@@ -441,12 +454,13 @@ def execution_scores(model, tokenizer, prompts: list[dict], samples: int, seed: 
     import checker
 
     result = {"prompts": len(prompts), "samples": samples, "rows": []}
-    for name, context in (("base", model.disable_adapter), ("tuned", contextlib.nullcontext)):
-        with context():
-            answers = models.generate(model, tokenizer, [p["prompt"] for p in prompts], max_new_tokens,
-                                      CODE_SAMPLING, seed, n=samples, label=f"sample {name}")
-        checks = checker.check_many([(checker.code_of(a), p["host"]) for p, a in
-                                     zip([p for p in prompts for _ in range(samples)], answers)], label=f"check {name}")
+    answers = base_and_tuned(model, tokenizer, [p["prompt"] for p in prompts], max_new_tokens, CODE_SAMPLING, seed,
+                             samples, label="sample")
+    hosts = [p["host"] for p in prompts for _ in range(samples)] * 2
+    every = checker.check_many([(checker.code_of(a), h) for a, h in zip(answers["base"] + answers["tuned"], hosts)],
+                               label="check base+tuned")
+    half = len(every) // 2
+    for name, checks in (("base", every[:half]), ("tuned", every[half:])):
         scores = [c.score for c in checks]
         result[name] = {"pass_rate": sum(c.outcome == "freed" for c in checks) / max(len(checks), 1),
                         "mean_score": sum(scores) / max(len(scores), 1),
@@ -454,7 +468,7 @@ def execution_scores(model, tokenizer, prompts: list[dict], samples: int, seed: 
                         "landlock": checks[0].landlock,
                         "freed_bytes": sum(c.freed_bytes for c in checks if c.outcome == "freed"),
                         "kept_files_touched": sum(len(c.broken) for c in checks)}
-        for i, (c, answer) in enumerate(zip(checks, answers)):
+        for i, (c, answer) in enumerate(zip(checks, answers[name])):
             result["rows"].append({"model": name, "prompt": prompts[i // samples]["prompt"][-1]["content"],
                                    "sample": i % samples, "outcome": c.outcome, "score": c.score,
                                    "freed_bytes": c.freed_bytes, "reason": c.reason, "answer": answer[:SHOWN_CHARS]})
@@ -505,9 +519,9 @@ def evaluate(model, tokenizer, held: list[dict], probes: list[dict], max_length:
         single = [r for r in held if isinstance(r["prompt"], list) and r["prompt"][-1]["role"] == "user"][:3]
         if single:
             questions = [r["prompt"][-1]["content"] for r in single]
-            with model.disable_adapter():
-                base = generate(model, tokenizer, questions, 64)
-            tuned = generate(model, tokenizer, questions, 64)
+            answers = base_and_tuned(model, tokenizer, [[{"role": "user", "content": q}] for q in questions], 64,
+                                     None, None)
+            base, tuned = answers["base"], answers["tuned"]
             result["examples"] = [{"prompt": q, "base": b, "tuned": t} for q, b, t in zip(questions, base, tuned)]
     if probes:
         result["probes"] = run_probes(model, tokenizer, probes, seed)

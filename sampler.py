@@ -192,6 +192,36 @@ def decode_loop(model, input_ids, attention_mask, max_new_tokens: int, stop_ids:
     return out
 
 
+KV_BUDGET = 3 << 30  # bytes of keys and values one sampling batch may hold: all rows x (prompt + answer) tokens
+
+
+def rows_per_batch(rows: int, row_bytes: int, budget: int = KV_BUDGET) -> int:
+    """Rows per sampling batch: every row in one batch when their keys and values fit in `budget`, else as few
+    batches of equal size as fit. A decode step reads every weight once for the whole batch, and a batch runs as
+    long as its longest answer, so fewer, fuller batches are faster; the budget bounds the memory."""
+    cap = max(1, budget // max(row_bytes, 1))
+    batches = -(-rows // cap)
+    return max(1, -(-rows // max(batches, 1)))
+
+
+def kv_bytes_per_row(model, tokens: int) -> int:
+    """Bytes of keys and values one row of `tokens` tokens holds in the model's cache (its config's shape, its
+    compute dtype); 0 when the config does not say."""
+    import torch
+
+    cfg = getattr(model, "config", None)
+    try:
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        layers = cfg.num_hidden_layers
+    except (AttributeError, TypeError, ZeroDivisionError):
+        return 0
+    dtype = getattr(model, "dtype", torch.float32)
+    size = torch.tensor([], dtype=dtype).element_size() if dtype.is_floating_point else 4
+    return 2 * layers * kv_heads * head_dim * tokens * size
+
+
 def prompt_texts(tokenizer, prompts: list[list[dict]], prefix: str = "") -> list[str]:
     """Each message list through the chat template, ready for the assistant's turn (+ prefix); a tokenizer
     without a chat template gets the messages' contents separated by blank lines."""
@@ -202,16 +232,21 @@ def prompt_texts(tokenizer, prompts: list[list[dict]], prefix: str = "") -> list
 
 
 def sample(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, sampling: dict | None = None,
-           seed: int | None = None, n: int = 1, batch_size: int = 64, label: str = "", kv_cache=None) -> list[str]:
+           seed: int | None = None, n: int = 1, batch_size: int = 0, label: str = "", kv_cache=None) -> list[str]:
     """Answers to message lists: greedy (sampling None) or sampled with {temperature, top_k, top_p} after seeding
     torch with `seed`; n answers per prompt, in prompt order. The LoRA adapter, when on, is merged while sampling.
-    label: a progress line on stderr every few seconds ('' = none)."""
+    batch_size: rows per batch, 0 = as many as KV_BUDGET holds (rows_per_batch). label: a progress line on stderr
+    ('' = none)."""
     import torch
 
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     texts = [t for t in prompt_texts(tokenizer, prompts) for _ in range(n)]
+    if not batch_size:
+        width = max((len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts), default=0)
+        row_bytes = kv_bytes_per_row(model, width + max_new_tokens)
+        batch_size = rows_per_batch(len(texts), row_bytes) if row_bytes else 64
     stop_ids = {tokenizer.eos_token_id} - {None}
     extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     stop_ids |= set(extra if isinstance(extra, list) else [extra] if extra is not None else [])

@@ -99,6 +99,16 @@ def test_sampled_answers_are_seeded_and_rows_leave_the_batch_when_they_finish(ca
     assert lines and lines[-1].startswith("[sample] 6/6 answers")
 
 
+def test_rows_per_batch_fills_as_few_equal_batches_as_the_budget_holds():
+    assert sampler.rows_per_batch(164, 10, budget=10_000) == 164  # all fit: one batch
+    assert sampler.rows_per_batch(164, 100, budget=15_500) == 82  # 155 fit: two batches of 82, not 155 + 9
+    assert sampler.rows_per_batch(7, 100, budget=50) == 1  # one row over budget still samples, alone
+    assert sampler.rows_per_batch(1, 100) == 1
+    model = tiny_llama_with_lora()  # 2 layers, 2 key/value heads of 8 dims, float32
+    assert sampler.kv_bytes_per_row(model, 100) == 2 * 2 * 2 * 8 * 100 * 4
+    assert sampler.kv_bytes_per_row(object(), 100) == 0
+
+
 @pytest.mark.parametrize("options", [{"temperature": 0.7, "top_p": 0.95}, {"top_k": 100, "top_p": 0.95,
                                      "temperature": 1.5}, {"top_k": 7}, {"top_p": 0.5}, {"temperature": 0.9}])
 @pytest.mark.parametrize("scale", [0.05, 1.0, 8.0])  # flat (the nucleus spills past the candidates) to peaked
