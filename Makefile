@@ -8,6 +8,10 @@ SHELL := /bin/bash
 
 DATA ?=
 LOGS ?= data/runs.jsonl
+# Earlier rounds' attempts, read after LOGS when the pairs are built (build_pairs.py --extra_runs; comma-separated):
+# with the demo logs, a round of the bundled model's own attempts at their training runs, each run by the checker
+# (data/attempts.jsonl; data/README.md says how it was made). ATTEMPTS= leaves them out.
+ATTEMPTS ?= $(if $(filter data/runs.jsonl,$(LOGS)),data/attempts.jsonl)
 MODEL ?=
 RUN ?=
 ARGS ?=
@@ -98,6 +102,12 @@ EVAL_PROMPTS := $(if $(DATA)$(filter grpo,$(METHOD)),,$(OUT)/pairs/$(notdir $(ba
 # The bundled model's recipe (configs/demo.yaml, chosen by measurement: bench/results-recipe.md) for DPO on it;
 # another MODEL, or METHOD=kto|grpo, trains with train_dpo.py's own defaults. ARGS override either.
 RECIPE := $(if $(MODEL)$(filter-out dpo,$(METHOD)),,--config configs/demo.yaml)
+# ROUNDS=1 on the bundled model and run logs: a new round instead of one training (configs/rounds.yaml: the recipe,
+# then the tuned model attempts the training runs' tasks, the checker runs each answer, and training goes on from
+# the pairs of the logs and those attempts). Not with a DATA file of pairs or several processes. `make rounds`.
+ROUNDS ?= 0
+ROUNDS_PLAN ?= configs/rounds.yaml
+USE_ROUNDS := $(if $(RECIPE),$(if $(DATA)$(DISTRIBUTED)$(filter-out 1,$(ROUNDS)),,1))
 
 .PHONY: help
 help: ## list the targets
@@ -155,10 +165,12 @@ pairs: $(PAIRS) ## build DPO pairs from agent run logs (LOGS=runs.jsonl), or KTO
 
 # Rebuilt on every use (thousands of runs a second): another LOGS file with the same name is never stale.
 $(OUT)/pairs/%.pairs.jsonl: FORCE | $(STAMP)
-	$(PY) build_pairs.py $(LOGS) -o $@ --report $(@:.jsonl=.report.json) --prompts $(@:.pairs.jsonl=.prompts.jsonl)
+	$(PY) build_pairs.py $(LOGS) $(if $(ATTEMPTS),--extra_runs $(ATTEMPTS)) -o $@ --report $(@:.jsonl=.report.json) \
+	  --prompts $(@:.pairs.jsonl=.prompts.jsonl)
 
 $(OUT)/pairs/%.kto.jsonl: FORCE | $(STAMP)
-	$(PY) build_pairs.py $(LOGS) --emit kto -o $@ --report $(@:.jsonl=.report.json) --prompts $(@:.kto.jsonl=.prompts.jsonl)
+	$(PY) build_pairs.py $(LOGS) $(if $(ATTEMPTS),--extra_runs $(ATTEMPTS)) --emit kto -o $@ \
+	  --report $(@:.jsonl=.report.json) --prompts $(@:.kto.jsonl=.prompts.jsonl)
 
 PLAN ?= data/plan.yaml
 
@@ -167,8 +179,9 @@ iterate: $(STAMP) $(BUNDLED_MODEL)/config.json ## rounds from PLAN=plan.yaml (SP
 	$(PY) entrypoint.py iterate $(PLAN) --output_dir $(OUT) $(ARGS)
 
 .PHONY: rounds
-rounds: $(STAMP) $(BUNDLED_MODEL)/config.json $(OUT)/pairs/runs.pairs.jsonl ## the model's own scored attempts as run logs, then train on them (configs/rounds.yaml; attempts.py)
-	$(PY) entrypoint.py iterate configs/rounds.yaml --output_dir $(OUT) $(ARGS)
+rounds: $(STAMP) $(BUNDLED_MODEL)/config.json ## a new round: the recipe, then the model's own scored attempts as run logs, trained on (configs/rounds.yaml on LOGS)
+	$(PY) entrypoint.py iterate $(ROUNDS_PLAN) --logs $(LOGS) --output_dir $(OUT) $(if $(RUN),--name $(RUN)) \
+	  -- $(if $(MIX),--mix $(MIX)) $(ARGS)
 
 .PHONY: train
 train: train-$(RUNNER) ## train an adapter: DATA= or LOGS=, METHOD=kto|grpo, MODEL=, RUN=, ARGS=; RUNNER=local|docker|slurm; GPUS=N NPROC= NNODES= DIST=
@@ -177,11 +190,16 @@ train: train-$(RUNNER) ## train an adapter: DATA= or LOGS=, METHOD=kto|grpo, MOD
 train-auto: train-local
 
 .PHONY: train-local
-train-local: $(STAMP) $(if $(filter-out random:%,$(MODEL)),,$(BUNDLED_MODEL)/config.json) $(if $(DATA),,$(PAIRS))
+train-local: $(STAMP) $(if $(filter-out random:%,$(MODEL)),,$(BUNDLED_MODEL)/config.json) $(if $(DATA)$(USE_ROUNDS),,$(PAIRS))
+ifeq ($(USE_ROUNDS),1)
+	$(PY) entrypoint.py iterate $(ROUNDS_PLAN) --logs $(LOGS) --output_dir $(OUT) $(if $(RUN),--name $(RUN)) \
+	  -- $(if $(MIX),--mix $(MIX)) $(ARGS)
+else
 	$(PY) $(if $(DISTRIBUTED),scaleout.py $(if $(GPUS),--gpus $(GPUS)) $(DIST_FLAGS) $(if $(DRY_RUN),--dry_run) --,train_dpo.py) \
 	  --data $(PAIRS) --output_dir $(OUT) $(if $(MODEL),--model_name_or_path $(MODEL)) \
 	  $(if $(RUN),--run_name $(RUN)) $(if $(METHOD),--method $(METHOD)) $(if $(MIX),--mix $(MIX)) \
 	  $(if $(EVAL_PROMPTS),--eval_prompts $(EVAL_PROMPTS)) $(RECIPE) $(ARGS)
+endif
 
 # Submits the run's sbatch script (<OUT>/slurm/<run>/train.sbatch), prints its log as it grows, exits as the run did.
 .PHONY: train-slurm
@@ -193,8 +211,9 @@ train-slurm: $(STAMP) $(if $(filter-out random:%,$(MODEL)),,$(BUNDLED_MODEL)/con
 .PHONY: train-docker
 train-docker: $(if $(DRY_RUN),,$(LAUNCHER_STAMP))
 	$(LAUNCHER_PY) launcher.py train $(LAUNCH_RUN) $(if $(DATA),--data $(DATA),--logs $(LOGS)) \
+	  $(if $(USE_ROUNDS),--rounds $(ROUNDS_PLAN),$(if $(DATA)$(filter grpo,$(METHOD)),,$(if $(ATTEMPTS),--extra_runs $(ATTEMPTS)))) \
 	  $(if $(MODEL),--model $(MODEL)) $(if $(RUN),--run_name $(RUN)) $(if $(METHOD),--method $(METHOD)) \
-	  $(if $(filter 0,$(PRUNE)),--no_prune) -- $(if $(MIX),--mix $(MIX)) $(RECIPE) $(ARGS)
+	  $(if $(filter 0,$(PRUNE)),--no_prune) -- $(if $(MIX),--mix $(MIX)) $(if $(USE_ROUNDS),,$(RECIPE)) $(ARGS)
 
 $(LAUNCHER_STAMP): requirements.txt
 	@test -x $(LVENV)/bin/python || $(PYTHON) -m venv $(LVENV)
@@ -296,7 +315,7 @@ bench: $(STAMP) $(if $(filter-out random:%,$(MODEL)),,$(BUNDLED_MODEL)/config.js
 
 .PHONY: compare
 compare: $(STAMP) $(BUNDLED_MODEL)/config.json ## base vs the recipe, DPO, KTO, GRPO and rounds on LOGS, held-out checker scores over 3 seeds: bench/results-methods.{md,json} (long)
-	$(PY) bench/compare.py --logs $(LOGS) $(ARGS)
+	$(PY) bench/compare.py --logs $(LOGS) $(if $(ATTEMPTS),--extra_runs $(ATTEMPTS)) $(ARGS)
 
 .PHONY: bench-serve
 bench-serve: $(STAMP) $(BUNDLED_MODEL)/config.json ## status polling while a job trains: 50 clients for 30 s, p50/p99/errors -> bench/results-serve.md

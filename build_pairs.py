@@ -79,6 +79,8 @@ class PairsConfig:
     """Every option of build_pairs.py; the field names are the flags (`--max_pairs_per_run 4`)."""
 
     runs: str = kit.field("", "run logs, JSONL with one run per line; - reads standard input")
+    extra_runs: str = kit.field("", "more run log files, comma-separated, read after RUNS as if appended to it: an "
+                                "earlier round's attempts (attempts.py), the agent's other logs")
     output: str = kit.field("pairs.jsonl", "where the pairs go, JSONL; - writes standard output", short="-o")
     report: str | None = kit.field(None, "also write the summary here as JSON")
     format: str = kit.field("trl", "trl: prompt/chosen/rejected/meta (what train_dpo.py reads); "
@@ -104,10 +106,16 @@ class PairsConfig:
                              f"one per CPU core, up to {MAX_WORKERS}, for inputs over {AUTO_WORKERS_BYTES >> 20} MB); "
                              "the output is the same")
 
+    def sources(self) -> list[str]:
+        """RUNS, then each --extra_runs file, in the order they are read."""
+        return [self.runs, *(x.strip() for x in self.extra_runs.split(",") if x.strip())]
+
     def problems(self) -> list[str]:
         out = []
         if not self.runs:
             out.append("give the run log file to read (or - for standard input)")
+        if "-" in self.sources()[1:]:
+            out.append("--extra_runs are files: only RUNS may be - (standard input)")
         for name in ("max_pairs_per_run", "max_pairs_per_prompt"):
             if getattr(self, name) < 1:
                 out.append(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -837,7 +845,8 @@ def summarize(cfg: PairsConfig, stats: Counter, outcomes: Counter, recovered: Co
         return summarize_kto(cfg, stats, outcomes, writer)
     dropped = {k: outcomes[k] - recovered[k] for k in ("never_ran", "never_succeeded")}
     dropped["only_same_code"] = stats["mixed_without_pairs"]
-    return {"input": cfg.runs, "output": cfg.output, "format": cfg.format, "emit": "dpo", "seed": cfg.seed,
+    return {"input": cfg.runs, **({"extra_runs": cfg.sources()[1:]} if cfg.extra_runs else {}), "output": cfg.output,
+            "format": cfg.format, "emit": "dpo", "seed": cfg.seed,
             "garble": cfg.garble,
             "runs_read": sum(outcomes.values()),
             "invalid_lines_skipped": stats["invalid_lines_skipped"],
@@ -861,7 +870,8 @@ def summarize_kto(cfg: PairsConfig, stats: Counter, outcomes: Counter, writer: P
     """The --emit kto summary. Every run gives its strategy as an example, so a run is dropped only when all its
     examples duplicate ones written before (the same run logged twice)."""
     runs_read, used = sum(outcomes.values()), stats["runs_with_examples_written"]
-    return {"input": cfg.runs, "output": cfg.output, "format": cfg.format, "emit": "kto",
+    return {"input": cfg.runs, **({"extra_runs": cfg.sources()[1:]} if cfg.extra_runs else {}), "output": cfg.output,
+            "format": cfg.format, "emit": "kto",
             "runs_read": runs_read,
             "invalid_lines_skipped": stats["invalid_lines_skipped"],
             "runs_by_outcome": {k: outcomes[k] for k in OUTCOMES},
@@ -883,7 +893,7 @@ def print_summary(s: dict) -> None:
               f"{s['prompts_written']['path']}", file=sys.stderr)
     if s["emit"] == "kto":
         labels, dropped = s["examples_by_label"], s["runs_dropped"]["only_duplicates"]
-        print(f"build_pairs: {s['runs_read']} runs read from {s['input']} "
+        print(f"build_pairs: {s['runs_read']} runs read from {' + '.join([s['input'], *s.get('extra_runs', [])])} "
               f"({s['invalid_lines_skipped']} invalid lines skipped)\n"
               f"  runs by outcome:  {line(s['runs_by_outcome'])}\n"
               f"  examples written: {s['examples_written']} ({labels['desirable']} desirable, "
@@ -894,7 +904,7 @@ def print_summary(s: dict) -> None:
               + (f", {dropped} runs whose examples all duplicate earlier ones" if dropped else "") + "\n"
               f"  notes:            {s['attempts_missing_score']} attempts ran without a score", file=sys.stderr)
         return
-    print(f"build_pairs: {s['runs_read']} runs read from {s['input']} "
+    print(f"build_pairs: {s['runs_read']} runs read from {' + '.join([s['input'], *s.get('extra_runs', [])])} "
           f"({s['invalid_lines_skipped']} invalid lines skipped)\n"
           f"  runs by outcome: {line(s['runs_by_outcome'])}\n"
           f"  runs dropped:    {line(s['runs_dropped'])} "
@@ -917,23 +927,26 @@ def main(argv: list[str] | None = None) -> int:
     kto = cfg.emit == "kto"  # every run's strategy is an example already: no cross-run pairs
     index = CrossRunIndex(cfg.max_pairs_per_prompt) if cfg.cross_run and not kto else None
     stats, outcomes = Counter(), Counter()
-    with PairWriter(cfg.output, cfg.format) as writer, open_runs(cfg.runs) as f:
-        for out in processed_blocks(f, cfg, garbler, worker_count(cfg)):
-            for message in out.skipped:
-                stats["invalid_lines_skipped"] += 1
-                if stats["invalid_lines_skipped"] <= MAX_WARNINGS:
-                    print(message, file=sys.stderr)
-            if out.stop:
-                process_block(*out.stop, cfg, garbler, set(), catch=False)
-                raise RuntimeError(f"line {out.stop[1]} failed once, then not again")
-            outcomes.update(out.outcomes)
-            stats.update(out.stats)
-            kept = writer.write_block(out)
-            if kto:
-                stats["runs_with_examples_written"] += len({run for run, keep in zip(out.sources, kept) if keep})
-            if index:
-                for record, prompt in zip(out.records, out.prompts):
-                    index.add_record(record, *(prompt or (None, None, None)))
+    with PairWriter(cfg.output, cfg.format) as writer:
+        for source in cfg.sources():  # each file as its own stream: errors name it and its own line
+            part = dataclasses.replace(cfg, runs=source)
+            with open_runs(source) as f:
+                for out in processed_blocks(f, part, garbler, worker_count(part)):
+                    for message in out.skipped:
+                        stats["invalid_lines_skipped"] += 1
+                        if stats["invalid_lines_skipped"] <= MAX_WARNINGS:
+                            print(message, file=sys.stderr)
+                    if out.stop:
+                        process_block(*out.stop, part, garbler, set(), catch=False)
+                        raise RuntimeError(f"line {out.stop[1]} failed once, then not again")
+                    outcomes.update(out.outcomes)
+                    stats.update(out.stats)
+                    kept = writer.write_block(out)
+                    if kto:
+                        stats["runs_with_examples_written"] += len({r for r, keep in zip(out.sources, kept) if keep})
+                    if index:
+                        for record, prompt in zip(out.records, out.prompts):
+                            index.add_record(record, *(prompt or (None, None, None)))
         if index:
             writer.write(index.pairs())
             stats["cross_run_capped"] = index.capped
@@ -943,7 +956,12 @@ def main(argv: list[str] | None = None) -> int:
         if written:
             writer.commit()
     if cfg.prompts and written:
-        rows = prompts_from_logs(cfg.runs, cfg.score_key, cfg.skip_invalid)
+        rows, seen = [], set()
+        for source in cfg.sources():  # one row per (strategy, host), the first file's first
+            for r in prompts_from_logs(source, cfg.score_key, cfg.skip_invalid):
+                if (r["prompt"][0]["content"], r["host"]) not in seen:
+                    seen.add((r["prompt"][0]["content"], r["host"]))
+                    rows.append(r)
         kit.atomic_write_text(Path(cfg.prompts), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
         summary["prompts_written"] = {"path": cfg.prompts, "prompts": len(rows)}
     print_summary(summary)

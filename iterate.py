@@ -1,7 +1,12 @@
 """Run a plan of training rounds: each stage starts from the previous stage's adapter and uses it, frozen, as its reference.
 
-    python iterate.py data/plan.yaml [--output_dir artifacts]
+    python iterate.py data/plan.yaml [--output_dir artifacts] [--logs runs.jsonl] [--seed N] [--name N] [-- FLAGS]
     make iterate [PLAN=plan.yaml]
+    make train                      # configs/rounds.yaml on the demo logs: the bundled model's default
+
+--logs puts agent run logs in place of the plan's data (its `dpo` stages train on their pairs, its `attempts`
+stages attempt their prompts, the last stage's report scores their held-out prompts); FLAGS after `--` are
+train_dpo.py options for every stage, over the plan's (`-- --learning_rate 1e-3`).
 
 A plan is YAML: a `name`, an optional base `model`, `train` options for every stage (train_dpo.py's
 names) and a list of `stages`, in any order, each with a `kind`, its `data`, and its own `pairs`
@@ -20,7 +25,8 @@ Stage i trains `<name>-<i>-<kind>-<hash>` in the output directory with `--init_a
 run (stage 1 starts from a fresh LoRA on the base); the hash covers the stage, its data and its
 parent, so editing a stage re-runs it and everything after it, and a re-run of the same plan skips
 the stages already complete. Built pairs and their reports go to `<output_dir>/<name>/`; every run
-carries lineage.json (the stages that led to it), and the last stage's tarball is the handoff.
+carries lineage.json (the stages that led to it), and the last stage's tarball, also as <output_dir>/<name>.tar.gz,
+is the handoff.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -45,6 +52,15 @@ RUNNER_PAIRS_OPTIONS = {"sft", "prompts", "model", "output", "report", "format",
 class IterateConfig:
     plan: str = kit.field("data/plan.yaml", "the plan (YAML): name, model, train options, stages")
     output_dir: str = kit.field("artifacts", "where the stages' runs (and <name>/ with their pairs) go")
+    logs: str = kit.field("", "agent run logs in place of the plan's data: its `dpo` stages train on the pairs "
+                          "build_pairs.py makes of them, its `attempts` stages attempt their runs' prompts, and the "
+                          "last stage's report scores their held-out runs' prompts with the checker ('' = the plan's)")
+    seed: int = kit.field(-1, "every stage's training seed and its attempts' sampling seed (-1 = the plan's)")
+    name: str = kit.field("", "the plan's name in place of its own: the prefix of its runs' names")
+
+    def problems(self) -> list[str]:
+        bad = self.name and ("/" in self.name or self.name.startswith("."))
+        return [f"--name must be a plain name (it prefixes the run names), got {self.name!r}"] if bad else []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +166,46 @@ def lineage_entry(stage: Stage, data_sha: str, pairs: str, pairs_sha: str, repor
             "pairs_report": {k: report[k] for k in keep if k in report} if report else None}
 
 
+def overridden(plan: dict, name: str = "", seed: int = -1, logs: tuple[str, str, str] | None = None,
+               train: dict | None = None) -> dict:
+    """The plan with what the command line gives in place of its own: its name; the seed of every stage's training
+    and of its attempts; logs = (run logs, the pairs build_pairs.py made of them, their prompts): `dpo` stages on
+    those pairs, `attempts` stages on those logs, and the last stage scored on those prompts (the checker's held-out
+    score; earlier stages are not); train: train_dpo.py options over every stage's own."""
+    stages = []
+    for i, stage in enumerate(plan["stages"]):
+        stage = {**stage, "pairs": dict(stage.get("pairs") or {}), "train": {**(stage.get("train") or {}),
+                                                                           **(train or {})}}
+        if logs and stage["kind"] == "dpo":
+            stage["data"] = logs[1]
+        elif logs and stage["kind"] == "attempts":
+            stage["data"] = logs[0]
+        if stage["kind"] == "attempts" and seed >= 0:
+            stage["pairs"]["seed"] = seed
+        if logs and i == len(plan["stages"]) - 1:
+            stage["train"]["eval_prompts"] = logs[2]
+        elif logs:
+            stage["train"].pop("eval_prompts", None)
+        stages.append(stage)
+    top = {**(plan.get("train") or {}), **(train or {}), **({"seed": seed} if seed >= 0 else {})}
+    return {**plan, "name": name or plan["name"], "train": top, "stages": stages}
+
+
+def train_flags(argv: list[str], source: str = "iterate.py --") -> dict:
+    """train_dpo.py flags (after `--`) as the options they set, checked as a plan's are; a runner-set one is an
+    error (the runner sets it for each stage)."""
+    import train_dpo
+
+    cls = train_dpo.TrainConfig
+    args = vars(kit.build_parser(cls, "").parse_args(kit.normalise_argv(cls, argv)))  # only the flags given
+    config = args.pop("config", None)
+    values = {**(kit.coerce(cls, kit._read_config_file(config), config) if config else {}), **args}
+    if taken := sorted(set(values) & RUNNER_TRAIN_OPTIONS):
+        raise kit.UserError(f"{', '.join('--' + t for t in taken)}: set by iterate.py for each stage, not a flag "
+                            "for every stage", source)
+    return values
+
+
 def sft_pairs(examples, seed: int) -> list[dict]:
     """SFT examples (supervised.Example) as pairs, for an sft stage and a supervised job: chosen = the assistant
     message trained on (its words, its tool calls or both), with the prompt before it and the row's tools;
@@ -200,10 +256,29 @@ def load_plan(path: str) -> tuple[dict, list[int]]:
     problems = plan_problems(plan, lines)
     if problems:
         raise kit.UserError("bad plan:\n" + "\n".join(f"{path}:{line}: {msg}" for line, msg in problems))
+    return plan, lines
+
+
+def check_data(plan: dict, lines: list[int], path: str) -> None:
+    """Every stage's data file is there (after --logs put its pairs and logs in place of the plan's)."""
     for st, line in zip(plan["stages"], lines):
         if not Path(st["data"]).is_file():
             raise kit.UserError(f"stage data {st['data']} not found", path, line)
-    return plan, lines
+
+
+def logs_data(logs: str, folder: Path) -> tuple[str, str, str]:
+    """(logs, pairs, prompts): build_pairs.py's pairs of the run logs and their runs' prompts, in the plan's folder
+    (built again on every run: the same logs give the same pairs, so complete stages are found again)."""
+    import build_pairs
+
+    if not Path(logs).is_file():
+        raise kit.UserError(f"--logs {logs}: no such file")
+    stem = Path(logs).name.rsplit(".", 1)[0]
+    pairs, prompts = folder / f"{stem}.pairs.jsonl", folder / f"{stem}.prompts.jsonl"
+    if build_pairs.main([logs, "-o", str(pairs), "--report", str(folder / f"{stem}.pairs.report.json"),
+                         "--prompts", str(prompts)]) != 0:
+        raise kit.UserError(f"--logs {logs}: build_pairs.py made no pairs of them (its report says why)")
+    return logs, str(pairs), str(prompts)
 
 
 def attempt_logs(stage: Stage, earlier: list[Stage], folder: Path) -> list[Path]:
@@ -271,17 +346,22 @@ def build_stage_pairs(stage: Stage, policy: str, folder: Path, plan_path: str,
     return str(out), json.loads(report.read_text())
 
 
-def run_plan(cfg: IterateConfig) -> Path:
+def run_plan(cfg: IterateConfig, train: dict | None = None) -> Path:
+    """Every stage of the plan in order (complete ones found again), with cfg's and `train`'s (train_dpo.py
+    options for every stage) overrides; the last stage's tarball."""
     import models
     import train_dpo
 
     plan, lines = load_plan(cfg.plan)
+    out = Path(cfg.output_dir)
+    folder = out / (cfg.name or plan["name"])
+    folder.mkdir(parents=True, exist_ok=True)
+    seed = cfg.seed if cfg.seed >= 0 else (train or {}).get("seed", -1)  # `-- --seed N` seeds the attempts too
+    plan = overridden(plan, cfg.name, seed, logs_data(cfg.logs, folder) if cfg.logs else None, train)
+    check_data(plan, lines, cfg.plan)
     base = plan.get("model", models.BUNDLED_MODEL_DIR)
     shas = {st["data"]: kit.sha256_file(st["data"]) for st in plan["stages"]}
     stages = chain(plan, lines, shas)
-    out = Path(cfg.output_dir)
-    folder = out / plan["name"]
-    folder.mkdir(parents=True, exist_ok=True)
     lineage = []
     for st in stages:
         run_dir = out / st.run_name
@@ -307,18 +387,41 @@ def run_plan(cfg: IterateConfig) -> Path:
             raise kit.UserError(f"stage {st.index} ({st.run_name}) did not finish ({done.state}); "
                                 "run the same plan again to resume it")
     final = out / f"{stages[-1].run_name}.tar.gz"
-    summary = {"plan": cfg.plan, "plan_sha256": kit.sha256_file(cfg.plan), "base_model": base, "stages": lineage,
-               "final_run": stages[-1].run_name, "tarball": str(final),
-               "tarball_sha256": final.with_name(final.name + ".sha256").read_text().split()[0]}
+    digest = final.with_name(final.name + ".sha256").read_text().split()[0]
+    handoff = handoff_copy(final, out / f"{plan['name']}.tar.gz", digest)
+    summary = {"plan": cfg.plan, "plan_sha256": kit.sha256_file(cfg.plan), "base_model": base,
+               "overrides": {"logs": cfg.logs or None, "seed": seed if seed >= 0 else None, "name": cfg.name or None,
+                             "train": train or {}}, "stages": lineage,
+               "final_run": stages[-1].run_name, "tarball": str(final), "tarball_sha256": digest,
+               "handoff": str(handoff)}
     kit.atomic_write_json(out / f"{plan['name']}.lineage.json", summary)
-    print(f"[iterate] {len(stages)} stages done; handoff: {final} (lineage.json inside; "
-          f"{out / (plan['name'] + '.lineage.json')})", flush=True)
-    return final
+    print(f"[iterate] {len(stages)} stages done; handoff: {handoff} (the last stage's {final.name}; lineage.json "
+          f"inside; {out / (plan['name'] + '.lineage.json')})", flush=True)
+    return handoff
+
+
+def handoff_copy(tarball: Path, dest: Path, digest: str) -> Path:
+    """The last stage's tarball also under the plan's name (a hard link where the file system allows, else a copy;
+    renamed into place), with its own .sha256: `make train RUN=x` hands off <output_dir>/x.tar.gz whatever the
+    stages are called."""
+    import shutil
+
+    partial = dest.with_name(dest.name + ".partial")
+    partial.unlink(missing_ok=True)
+    try:
+        os.link(tarball, partial)
+    except OSError:
+        shutil.copyfile(tarball, partial)
+    os.replace(partial, dest)
+    kit.atomic_write_text(f"{dest}.sha256", f"{digest}  {dest.name}\n")
+    return dest
 
 
 def main(argv=None) -> int:
-    cfg = kit.parse_config(IterateConfig, argv, __doc__, positional="plan")
-    run_plan(cfg)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    cfg = kit.parse_config(IterateConfig, argv[:cut], __doc__, positional="plan")
+    run_plan(cfg, train_flags(argv[cut + 1:]))
     return 0
 
 

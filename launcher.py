@@ -66,12 +66,17 @@ class LaunchConfig:
     extras: str = field("", "build arg EXTRAS: optional requirements-<name>.txt to add, e.g. deepspeed (DIST=zero2|zero3)")
     data: str = field("", "preference pairs on the host (JSONL), mounted read-only")
     logs: str = field("data/runs.jsonl", "agent run logs on the host, used when --data is not given")
+    extra_runs: str = field("", "more run log files on the host, comma-separated, mounted read-only and read after "
+                            "--logs when the pairs are built (build_pairs.py --extra_runs): earlier rounds' attempts")
     method: str = field("", "kto: train KTO (run logs become unpaired examples, build_pairs --emit kto; a pairs "
                         "file is unpaired); grpo: sample answers to the logs' prompts, scored by the checker (the "
                         "logs are the data); dpo; '' = what the data holds", choices=("", "dpo", "kto", "grpo"))
     output_dir: str = field("artifacts", "host directory mounted at /artifacts (runs, tarballs, pairs)")
     model: str = field("", "host model directory (mounted read-only) or hub id; empty = bundled in the image")
     run_name: str = field("", "run name (the same name resumes)")
+    rounds: str = field("", "train: a plan in the image (iterate.py; configs/rounds.yaml) run on the logs instead of "
+                        "one training: its pairs, then the model's own scored attempts (make train's default on the "
+                        "bundled model); not with --data or several processes")
     gpus: str = field("", "GPUs for the container: all (one process sees them all), a count N (N processes, "
                       "one per GPU), or device ids like 0,1 (one process each); empty = none")
     nproc: int | None = field(None, "training processes in the container (default: one per GPU that --gpus counts)")
@@ -94,6 +99,9 @@ class LaunchConfig:
             p.append(f"--gpus {self.gpus!r}: expected all, a count, or device ids like 0,1")
         if self.user and not all(x.isdigit() for x in self.user.split(":")):
             p.append(f"--user {self.user!r}: expected numeric uid or uid:gid")
+        if self.rounds and (self.data or self.method not in ("", "dpo") or scaleout.is_distributed(dist_config(self))):
+            p.append("--rounds runs a plan on run logs in one process: not with --data, --method kto|grpo or "
+                     "several processes")
         return p + [x for x in dist_config(self).problems() if not x.startswith("--gpus")]
 
 
@@ -190,18 +198,28 @@ def prompts_output(logs_in: str) -> str:
     return f"{IN_ARTIFACTS}/pairs/{Path(logs_in).name.rsplit('.', 1)[0]}.prompts.jsonl"
 
 
+def extra_runs(cfg: LaunchConfig) -> list[str]:
+    """--extra_runs' files, in order."""
+    return [x.strip() for x in cfg.extra_runs.split(",") if x.strip()]
+
+
 def job_command(cfg: LaunchConfig, data_in: str, extra: list[str], model_in: str, eval_prompts: str = "") -> list[str]:
     """The entrypoint command for the action, with container paths."""
     if cfg.action == "pairs":
         out = pairs_output(data_in, cfg.method)
+        more = [f"{IN_DATA}/extra-{i}-{Path(x).name}" for i, x in enumerate(extra_runs(cfg))]
         return ["pairs", data_in, "-o", out, "--report", out[:-len(".jsonl")] + ".report.json",
-                "--prompts", prompts_output(data_in), *(["--emit", "kto"] if cfg.method == "kto" else []), *extra]
+                "--prompts", prompts_output(data_in), *(["--emit", "kto"] if cfg.method == "kto" else []),
+                *(["--extra_runs", ",".join(more)] if more else []), *extra]
     if cfg.action == "check":  # the pre-flight for what train would run: its GPUs, processes and output mount
         nproc = dist_config(cfg).nproc
         return ["check", *(["--require_gpu"] if cfg.gpus else []), *(["--nproc", str(nproc)] if nproc > 1 else []),
                 "--output_dir", IN_ARTIFACTS, *extra]
     if cfg.action == "shell":
         return extra
+    if cfg.rounds:  # iterate.py on the logs: it builds the pairs itself; the plan and its model are in the image
+        return ["iterate", cfg.rounds, "--logs", data_in, "--output_dir", IN_ARTIFACTS,
+                *(["--name", cfg.run_name] if cfg.run_name else []), "--", *extra]
     cmd = ["--data", data_in, "--output_dir", IN_ARTIFACTS]
     if model_in:
         cmd += ["--model_name_or_path", model_in]
@@ -226,6 +244,9 @@ def run_spec(cfg: LaunchConfig, ref: str, paths: dict[str, str], extra: list[str
     if paths.get("data"):
         data_in = f"{IN_DATA}/{Path(paths['data']).name}"
         mounts.append({"source": paths["data"], "target": data_in, "read_only": True})
+    if cfg.action == "pairs":
+        mounts += [{"source": os.path.abspath(x), "target": f"{IN_DATA}/extra-{i}-{Path(x).name}", "read_only": True}
+                   for i, x in enumerate(extra_runs(cfg))]
     model_in = cfg.model
     if paths.get("model"):
         model_in = f"{IN_MODELS}/{Path(paths['model']).name}"
@@ -304,8 +325,12 @@ def tag_for(cfg: LaunchConfig) -> str:
 def host_paths(cfg: LaunchConfig, env: dict[str, str]) -> dict[str, str]:
     """Absolute host paths to mount; the writable ones are made now, so they belong to the caller."""
     data = cfg.data or (cfg.logs if cfg.action in ("train", "pairs") else "")
-    if data and not Path(data).is_file():
-        raise UserError("no such file (the data to mount)", data)
+    for path in [data] if data else []:
+        if not Path(path).is_file():
+            raise UserError("no such file (the data to mount)", path)
+    for path in extra_runs(cfg) if cfg.action in ("train", "pairs") and not cfg.data else []:
+        if not Path(path).is_file():
+            raise UserError("no such file (--extra_runs: run logs to mount)", path)
     paths = {"output": os.path.abspath(cfg.output_dir),
              "hf": os.path.abspath(cfg.hf_cache or env.get("HF_HOME") or Path.home() / ".cache" / "huggingface"),
              "data": os.path.abspath(data) if data else "",
@@ -455,7 +480,7 @@ def main(argv=None) -> int:
     user = cfg.user or f"{os.getuid()}:{os.getgid()}"
     paths = host_paths(cfg, env)
     jobs = []  # (what, spec)
-    if cfg.action == "train" and not cfg.data and cfg.method != "grpo":  # run logs -> pairs in a container, then train
+    if cfg.action == "train" and not cfg.data and cfg.method != "grpo" and not cfg.rounds:  # logs -> pairs, then train
         pairs_cfg = dataclasses.replace(cfg, action="pairs")
         jobs.append(("pairs", run_spec(pairs_cfg, ref, paths, [], user, env)))
         built = Path(pairs_output(paths["data"], cfg.method)).relative_to(IN_ARTIFACTS)

@@ -587,8 +587,13 @@ def runs_table(root: str | os.PathLike) -> str:
 
 def open_run(path: str | os.PathLike, workdir: str | os.PathLike) -> tuple[Path, dict]:
     """A finished run's directory (a tarball is verified and unpacked into workdir first), and the config
-    it was trained with (its config.json: train_dpo.TrainConfig's names)."""
+    it was trained with (its config.json: train_dpo.TrainConfig's names). A plan's name (iterate.py: the folder
+    <output_dir>/<name> beside <name>.lineage.json, as `make train RUN=<name>` leaves) is its last stage's run."""
     p = Path(path)
+    lineage = p.parent / f"{p.name}.lineage.json"
+    if p.is_dir() and not (p / "adapter_config.json").exists() and lineage.is_file():
+        final = read_json(lineage).get("final_run")
+        p = p.parent / final if isinstance(final, str) and final else p
     if p.is_file():
         manifest = verify_tarball(p, extract_to=workdir)
         p = Path(workdir) / manifest["run_name"]

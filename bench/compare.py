@@ -6,14 +6,14 @@ over several seeds, each scored by running its sampled answers to the held-out r
                                       [--out bench/results-methods] [-- TRAIN_FLAGS...]
 
 An arm is NAME=METHOD [train_dpo.py flags], arms separated by ';'. The default arms: `default` (what `make train`
-runs: the bundled model's recipe, configs/demo.yaml), `dpo-no-sft` (the same recipe with DPO's preference loss
-instead of the chosen answers' likelihood), `kto` and `grpo` (`make train METHOD=...`), and `rounds` (`make
-rounds`: the recipe, then the model's own scored attempts as run logs and a second stage on their pairs). Every
+runs on the bundled model: configs/rounds.yaml, the recipe and then a round on the model's own scored attempts),
+`recipe` (the recipe alone, configs/demo.yaml: `make train ROUNDS=0`), `dpo-no-sft` (the same recipe with DPO's
+preference loss instead of the chosen answers' likelihood), and `kto` and `grpo` (`make train METHOD=...`). Every
 DPO, KTO or GRPO run is one `train_dpo.py` with the arm's flags, TRAIN_FLAGS (every arm) and the seed, on what
 build_pairs.py makes of the logs (pairs for DPO, --emit kto examples for KTO, the logs' own prompts for GRPO), and
-the same held-out runs (the split is by run). A `rounds` arm's one argument is a plan (iterate.py), run with the
-seed for training and sampling, these pairs for its `dpo` stages and these logs for its `attempts` stages (TRAIN_FLAGS
-do not reach it: the plan's `train:` does); its last stage is the run read back. A run's report's execution
+the same held-out runs (the split is by run). A `rounds` arm's one argument is a plan, run by `iterate.py --logs
+LOGS --seed SEED -- TRAIN_FLAGS` (its `dpo` stages on the logs' pairs, its `attempts` stages on the logs, every
+stage trained and sampled with the seed); its last stage is the run read back. A run's report's execution
 section is read back: `--eval_samples` sampled answers (seeded) to each
 held-out prompt from the base (adapter off) and from the tuned model, each run on the prompt's host. The base's
 numbers come from every run; with the same seed they are the same samples, so they are shown once per seed.
@@ -36,9 +36,8 @@ sys.path.insert(0, str(ROOT))
 import kit  # noqa: E402
 
 
-DEFAULT_ARMS = ("default=dpo --config configs/demo.yaml; "
-                "dpo-no-sft=dpo --config configs/demo.yaml --loss_type sigmoid; "
-                "kto=kto; grpo=grpo; rounds=rounds configs/rounds.yaml")
+DEFAULT_ARMS = ("default=rounds configs/rounds.yaml; recipe=dpo --config configs/demo.yaml; "
+                "dpo-no-sft=dpo --config configs/demo.yaml --loss_type sigmoid; kto=kto; grpo=grpo")
 METHODS = ("dpo", "kto", "grpo", "rounds")
 
 
@@ -70,6 +69,8 @@ class CompareConfig:
     seeds: str = kit.field("1,2,3", "training and sampling seeds")
     arms: str = kit.field(DEFAULT_ARMS, "what to train: NAME=METHOD [train_dpo.py flags], separated by ';'")
     logs: str = kit.field("data/runs.jsonl", "agent run logs")
+    extra_runs: str = kit.field("", "more run log files read after --logs when the pairs are built (build_pairs.py "
+                                "--extra_runs, comma-separated): make compare passes make train's ATTEMPTS")
     out: str = kit.field("bench/results-methods", "writes OUT.md and OUT.json")
     work: str = kit.field("", "where the runs go (default: artifacts/bench-compare)")
 
@@ -131,44 +132,17 @@ def findings(rows: list[dict]) -> list[str]:
     return out
 
 
-def rounds_plan(plan: dict, name: str, seed: int, pairs: str, logs: str, prompts: str) -> dict:
-    """A rounds arm's plan for one seed: the plan as written, under the arm's run name, trained and sampled with the
-    seed, its `dpo` stages on the compared pairs, its `attempts` stages on the compared logs, and its last stage
-    scored on the held-out prompts."""
-    stages = []
-    for i, stage in enumerate(plan["stages"]):
-        stage = {**stage, "pairs": dict(stage.get("pairs") or {}), "train": dict(stage.get("train") or {})}
-        if stage["kind"] == "dpo":
-            stage["data"] = pairs
-        elif stage["kind"] == "attempts":
-            stage["data"], stage["pairs"]["seed"] = logs, seed
-        if i == len(plan["stages"]) - 1:
-            stage["train"]["eval_prompts"] = prompts
-        else:
-            stage["train"].pop("eval_prompts", None)
-        stages.append(stage)
-    return {**plan, "name": name, "train": {**(plan.get("train") or {}), "seed": seed}, "stages": stages}
-
-
-def run_rounds(plan_file: str, name: str, seed: int, logs: str, work: Path) -> tuple[Path, int]:
-    """iterate.py on the arm's plan for this seed (complete stages are found again, not trained again): the last
-    stage's run directory, and the steps of every stage."""
-    import yaml
-
-    pairs, prompts = data_for("dpo", logs, work)
-    try:
-        plan = yaml.safe_load((ROOT / plan_file).read_text())
-        plan = rounds_plan(plan, name, seed, pairs, logs, prompts)
-    except (yaml.YAMLError, KeyError, TypeError, AttributeError) as e:
-        raise kit.UserError(f"not a plan iterate.py runs ({type(e).__name__}: {str(e).splitlines()[0]}); "
-                            f"python iterate.py {plan_file} says where", str(ROOT / plan_file)) from None
-    written = work / "plans" / f"{name}.yaml"
-    kit.atomic_write_text(written, yaml.safe_dump(plan, sort_keys=False))
-    print(f"[compare] {name}: iterate.py {written}", flush=True)
-    code = subprocess.run([sys.executable, str(ROOT / "iterate.py"), str(written), "--output_dir", str(work)],
-                          cwd=ROOT).returncode
+def run_rounds(plan_file: str, name: str, seed: int, logs: str, work: Path,
+               extra: list[str] = ()) -> tuple[Path, int]:
+    """iterate.py on the arm's plan with the compared logs and this seed (--logs, --seed: every stage trained and
+    sampled with it, the last one scored on the logs' held-out prompts; complete stages are found again, not trained
+    again): the last stage's run directory, and the steps of every stage."""
+    cmd = [sys.executable, str(ROOT / "iterate.py"), str(ROOT / plan_file), "--logs", logs, "--seed", str(seed),
+           "--name", name, "--output_dir", str(work), *(["--", *extra] if extra else [])]
+    print(f"[compare] {name}: {' '.join(cmd[1:])}", flush=True)
+    code = subprocess.run(cmd, cwd=ROOT).returncode
     if code:
-        raise kit.UserError(f"{name}: iterate.py {written} failed (exit {code}): its output is above; the same "
+        raise kit.UserError(f"{name}: iterate.py {plan_file} failed (exit {code}): its output is above; the same "
                             "make compare finds the complete stages again")
     lineage = json.loads((work / f"{name}.lineage.json").read_text())
     steps = sum(json.loads((work / st["run_name"] / "manifest.json").read_text())["steps"]
@@ -176,14 +150,16 @@ def run_rounds(plan_file: str, name: str, seed: int, logs: str, work: Path) -> t
     return work / lineage["final_run"], steps
 
 
-def data_for(method: str, logs: str, work: Path) -> tuple[str, str]:
-    """(training data, eval prompts) for a method, built once per method from the logs."""
+def data_for(method: str, logs: str, work: Path, extra_runs: str = "") -> tuple[str, str]:
+    """(training data, eval prompts) for a method, built once per method from the logs (and extra_runs after them,
+    as make train builds them)."""
     prompts = work / "pairs" / "runs.prompts.jsonl"
     if method == "grpo":
         return logs, ""
     out = work / "pairs" / f"runs.{'kto' if method == 'kto' else 'pairs'}.jsonl"
     if not out.exists():
         subprocess.run([sys.executable, str(ROOT / "build_pairs.py"), logs, "-o", str(out), "--prompts", str(prompts),
+                        *(["--extra_runs", extra_runs] if extra_runs else []),
                         *(["--emit", "kto"] if method == "kto" else [])], check=True, cwd=ROOT)
     return str(out), str(prompts)
 
@@ -210,9 +186,10 @@ def main(argv=None) -> int:
             name = f"{arm}-s{seed}"
             t0 = time.time()
             if method == "rounds":
-                run_dir, steps = run_rounds(flags[0], name, seed, str(Path(cfg.logs).resolve()), work)
+                run_dir, steps = run_rounds(flags[0], name, seed, str(Path(cfg.logs).resolve()), work, extra)
             else:
-                data, prompts = data_for(method, str(Path(cfg.logs).resolve()), work)
+                more = ",".join(str(Path(x.strip()).resolve()) for x in cfg.extra_runs.split(",") if x.strip())
+                data, prompts = data_for(method, str(Path(cfg.logs).resolve()), work, more)
                 cmd = [sys.executable, str(ROOT / "train_dpo.py"), "--data", data, "--method", method, "--seed",
                        str(seed), "--output_dir", str(work), "--run_name", name, "--probes", "",
                        *(["--eval_prompts", prompts] if prompts else []), *extra, *flags]
@@ -235,7 +212,7 @@ def main(argv=None) -> int:
             kit.atomic_write_json(Path(cfg.out + ".json"), {"rows": rows, "summary": summarize(rows)})
     summary = summarize(rows)
     head = (f"# Held-out checker scores: base, {', '.join(a[0] for a in parse_arms(cfg.arms))} on {cfg.logs}\n\n"
-            + "".join(f"- `{a}`: `iterate.py {f[0]}` (make rounds)\n" if m == "rounds"
+            + "".join(f"- `{a}`: `iterate.py {f[0]} --logs LOGS --seed SEED`\n" if m == "rounds"
                       else f"- `{a}`: `train_dpo.py --method {m} {' '.join(f)}`\n"
                       for a, m, f in parse_arms(cfg.arms)) + "\n"
             f"{rows[0]['samples']} sampled answers to each of {rows[0]['prompts']} held-out prompts per model and seed, "

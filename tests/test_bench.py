@@ -287,37 +287,12 @@ def test_compare_arms_name_a_method_and_its_flags_and_a_bad_arm_is_a_user_error(
     assert compare.parse_arms("default=dpo; dpo-no-sft=dpo --sft_weight 0;kto=kto --beta '0.2'") == [
         ("default", "dpo", []), ("dpo-no-sft", "dpo", ["--sft_weight", "0"]), ("kto", "kto", ["--beta", "0.2"])]
     arms = compare.parse_arms(compare.DEFAULT_ARMS)
-    assert [a[0] for a in arms] == ["default", "dpo-no-sft", "kto", "grpo", "rounds"]
-    # the default arm is what make train runs on the bundled model, and rounds what make rounds runs
-    assert arms[0][2] == ["--config", "configs/demo.yaml"] and arms[-1][1:] == ("rounds", ["configs/rounds.yaml"])
+    assert [a[0] for a in arms] == ["default", "recipe", "dpo-no-sft", "kto", "grpo"]
+    # the default arm is what make train runs on the bundled model, and the recipe what make train ROUNDS=0 runs
+    assert arms[0][1:] == ("rounds", ["configs/rounds.yaml"]) and arms[1][2] == ["--config", "configs/demo.yaml"]
     for bad in ("dpo", "x=", "=dpo", "a=dpo; a=kto", "a=sft", "r=rounds", "r=rounds a.yaml b.yaml", "r=rounds no.yaml"):
         with pytest.raises(kit.UserError, match="--arms"):
             compare.parse_arms(bad)
-
-
-def test_a_rounds_arm_runs_make_rounds_plan_with_the_seed_on_the_compared_pairs_logs_and_held_out_prompts(tmp_path):
-    import yaml
-
-    import compare  # bench/compare.py
-    import iterate
-
-    plan = yaml.safe_load((ROOT / "configs" / "rounds.yaml").read_text())
-    got = compare.rounds_plan(plan, "rounds-s3", 3, "/w/pairs/runs.pairs.jsonl", "/logs.jsonl", "/w/pairs/p.jsonl")
-    assert got["name"] == "rounds-s3" and got["train"]["seed"] == 3
-    assert {k: v for k, v in got["train"].items() if k != "seed"} == plan["train"]  # the recipe as written
-    kinds = [st["kind"] for st in got["stages"]]
-    assert kinds == [st["kind"] for st in plan["stages"]] and "attempts" in kinds and "dpo" in kinds
-    for st in got["stages"]:
-        assert st["data"] == {"dpo": "/w/pairs/runs.pairs.jsonl", "attempts": "/logs.jsonl"}[st["kind"]]
-        assert st["pairs"].get("seed", 3) == 3  # the attempts are sampled with the seed
-    assert [st["train"].get("eval_prompts") for st in got["stages"]] == [None] * (len(kinds) - 1) + ["/w/pairs/p.jsonl"]
-    assert plan["stages"][-1]["train"]["eval_prompts"] == "artifacts/pairs/runs.prompts.jsonl"  # not changed in place
-    # and iterate.py takes it as a plan
-    pairs, logs = tmp_path / "pairs.jsonl", tmp_path / "logs.jsonl"
-    pairs.write_text("{}\n"), logs.write_text("{}\n")
-    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(compare.rounds_plan(plan, "r-s1", 1, str(pairs), str(logs), "p")))
-    loaded, lines = iterate.load_plan(str(tmp_path / "plan.yaml"))
-    assert loaded["name"] == "r-s1" and len(lines) == len(kinds)
 
 
 def test_grpo_signal_counts_steps_with_no_advantage_and_the_findings_say_so():

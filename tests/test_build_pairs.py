@@ -836,3 +836,24 @@ def test_a_malformed_tool_call_in_a_run_log_names_the_line_and_the_place(change,
     with pytest.raises(kit.UserError) as e:
         parsed(run(attempts=[ok()]) | change)
     assert str(e.value).startswith(message), str(e.value)
+
+
+@pytest.mark.parametrize("emit", ["dpo", "kto"])
+def test_extra_run_files_read_after_the_first_give_what_the_files_joined_give(tmp_path, emit, capsys):
+    lines = (ROOT / "data" / "runs.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+    first, second, third = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.jsonl"
+    first.write_text("".join(lines[:20])), second.write_text("".join(lines[20:35])), third.write_text("".join(lines[35:]))
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    code, joined, report = build(whole, ROOT / "data" / "runs.jsonl", "--emit", emit, "--prompts", str(whole / "p"))
+    code2, parts, report2 = build(tmp_path, first, "--emit", emit, "--extra_runs", f"{second}, {third}",
+                                  "--prompts", str(tmp_path / "p"))
+    assert code == code2 == 0 and parts == joined and len(parts) > 20
+    assert (tmp_path / "p").read_bytes() == (whole / "p").read_bytes()  # one prompt per (strategy, host)
+    assert report2["extra_runs"] == [str(second), str(third)] and report2["runs_read"] == report["runs_read"] == 49
+    assert f"49 runs read from {first} + {second} + {third}" in capsys.readouterr().err
+    third.write_text("".join(lines[35:37]) + "{not json\n")
+    code3, _, _ = build(tmp_path, first, "--emit", emit, "--extra_runs", f"{second},{third}")
+    assert code3 == 2 and f"{third}:3:" in capsys.readouterr().err  # the file and its own line
+    code4, _, _ = build(tmp_path, first, "--extra_runs", "-")
+    assert code4 == 2 and "only RUNS may be -" in capsys.readouterr().err

@@ -70,9 +70,14 @@ stages:
 
 
 def test_missing_data_file_and_missing_stages(tmp_path):
+    path = write(tmp_path, "name: t\nstages:\n  - kind: dpo\n    data: nope.jsonl\n")
     with pytest.raises(kit.UserError) as e:
-        iterate.load_plan(write(tmp_path, "name: t\nstages:\n  - kind: dpo\n    data: nope.jsonl\n"))
+        iterate.check_data(*iterate.load_plan(path), path)
     assert e.value.line == 3 and "nope.jsonl not found" in str(e.value)
+    with pytest.raises(kit.UserError, match="nope.jsonl not found"):
+        iterate.main([path, "--output_dir", str(tmp_path / "out")])
+    with pytest.raises(kit.UserError, match="--logs missing.jsonl: no such file"):
+        iterate.main([path, "--output_dir", str(tmp_path / "out"), "--logs", "missing.jsonl"])
     with pytest.raises(kit.UserError, match="stages must be a non-empty list"):
         iterate.load_plan(write(tmp_path, "name: t\n", "p2.yaml"))
 
@@ -102,6 +107,55 @@ def test_each_stage_starts_from_the_previous_one_and_names_follow_content(tmp_pa
     plan["stages"][1]["train"] = {"learning_rate": 2e-4}
     later = iterate.chain(plan, lines, {data: "a" * 64})
     assert later[0].run_name == stages[0].run_name and later[1].run_name != stages[1].run_name
+
+
+def test_the_command_line_puts_its_logs_seed_name_and_train_flags_in_place_of_the_plans():
+    import yaml
+
+    plan = yaml.safe_load((ROOT / "configs" / "rounds.yaml").read_text())
+    got = iterate.overridden(plan, "r-s3", 3, ("/logs.jsonl", "/w/runs.pairs.jsonl", "/w/runs.prompts.jsonl"),
+                             {"learning_rate": 1e-3, "num_train_epochs": 2.0})
+    assert got["name"] == "r-s3" and got["train"]["seed"] == 3 and got["train"]["learning_rate"] == 1e-3
+    kinds = [st["kind"] for st in got["stages"]]
+    assert kinds == [st["kind"] for st in plan["stages"]] and "attempts" in kinds and "dpo" in kinds
+    for st in got["stages"]:
+        assert st["data"] == {"dpo": "/w/runs.pairs.jsonl", "attempts": "/logs.jsonl"}[st["kind"]]
+        assert st["pairs"].get("seed", 3) == 3  # the attempts are sampled with the seed
+        assert st["train"]["num_train_epochs"] == 2.0  # a flag wins over a stage's own option too
+    assert [st["train"].get("eval_prompts") for st in got["stages"]] == [None] * (len(kinds) - 1) + [
+        "/w/runs.prompts.jsonl"]  # only the last stage is scored
+    assert plan["stages"][-1]["train"]["eval_prompts"] == "artifacts/pairs/runs.prompts.jsonl"  # not changed in place
+    assert plan["stages"][-1]["train"]["num_train_epochs"] == 1
+    same = iterate.overridden(plan)
+    assert same == {**plan, "stages": [{**st, "pairs": st.get("pairs", {}), "train": st.get("train", {})}
+                                       for st in plan["stages"]]}  # nothing given: the plan as written
+    assert not iterate.plan_problems(got, [1, 2])
+
+    assert iterate.train_flags(["--learning_rate", "1e-3", "--seed", "7", "--no_fused_ops"]) == {
+        "learning_rate": 1e-3, "seed": 7, "fused_ops": False}
+    assert iterate.train_flags([]) == {}
+    with pytest.raises(kit.UserError, match="--output_dir: set by iterate.py"):
+        iterate.train_flags(["--output_dir", "x"])
+
+
+def test_make_train_rounds_1_runs_the_rounds_plan_and_the_recipe_with_the_demos_attempts_otherwise():
+    def dry(*args):
+        out = subprocess.run(["make", "-n", "--no-print-directory", "train", "RUNNER=local", *args], cwd=ROOT,
+                             capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return " ".join(out.stdout.replace("\\\n", " ").split())
+
+    rounds = dry("ROUNDS=1", "RUN=x", "ARGS=--seed 2")
+    assert "entrypoint.py iterate configs/rounds.yaml --logs data/runs.jsonl --output_dir artifacts --name x" \
+        in rounds and "-- --seed 2" in rounds and "train_dpo.py" not in rounds
+    default = dry()  # the recipe, on the demo logs and the bundled model's earlier attempts after them
+    assert "build_pairs.py data/runs.jsonl --extra_runs data/attempts.jsonl -o artifacts/pairs/runs.pairs.jsonl" \
+        in default and "train_dpo.py" in default and "--config configs/demo.yaml" in default
+    assert "iterate" not in default and "--extra_runs" not in dry("ATTEMPTS=")
+    assert "--extra_runs" not in dry("LOGS=data/sft.jsonl")  # another agent's logs: only the demo's own attempts
+    for alone in (["DATA=pairs.jsonl"], ["METHOD=kto"], ["MODEL=random:tiny"], ["NPROC=2"]):
+        text = dry("ROUNDS=1", *alone)
+        assert "iterate" not in text and ("train_dpo.py" in text or "scaleout.py" in text), alone
 
 
 def test_sft_pairs():
@@ -195,6 +249,11 @@ stages:
     assert abs(tuned - base) > 0.5  # stage 1 moved the model, so the check below can tell them apart
     assert first["logps/chosen"] - first["rewards/chosen"] / 0.1 == pytest.approx(tuned, abs=0.05)
 
+    handoff = out / "e2e.tar.gz"  # the last stage's tarball under the plan's name, with its own checksum
+    assert Path(summary["handoff"]) == handoff and runs.verify_tarball(handoff)["run_name"] == s2.name
+    assert (out / "e2e.tar.gz.sha256").read_text() == f"{summary['tarball_sha256']}  e2e.tar.gz\n"
+    assert runs.open_run(out / "e2e", tmp_path)[0] == s2  # `make eval RUN=e2e`: the plan's name is its last run
+
     # The same plan again: both stages are complete and skipped.
     mtime = tarball.stat().st_mtime
     assert iterate.main([plan, "--output_dir", str(out)]) == 0
@@ -240,23 +299,34 @@ def test_an_attempts_stage_writes_the_models_scored_attempts_as_run_logs_and_tra
     plan = write(tmp_path, f"""\
 name: rounds
 model: {MODEL}
-train: {{max_length: 128, lora_r: 4, lora_alpha: 8, probes: "", save_steps: 50, max_steps: 1}}
+train: {{max_length: 128, lora_r: 4, lora_alpha: 8, probes: "", save_steps: 50, eval_samples: 1,
+         eval_max_new_tokens: 8}}
 stages:
+  - kind: dpo
+    data: not-here.pairs.jsonl
   - kind: attempts
-    data: {logs}
+    data: not-here.jsonl
     pairs: {{samples: 2, max_new_tokens: 12}}
 """)
     monkeypatch.chdir(ROOT)
     out = tmp_path / "art"
-    assert iterate.main([plan, "--output_dir", str(out)]) == 0
-    [stage] = json.loads((out / "rounds.lineage.json").read_text())["stages"]
+    # the plan's data is not there: --logs puts the logs' pairs and the logs themselves in its place
+    assert iterate.main([plan, "--output_dir", str(out), "--logs", str(logs), "--name", "mine", "--seed", "3",
+                         "--", "--max_steps", "1"]) == 0
+    summary = json.loads((out / "mine.lineage.json").read_text())
+    first, stage = summary["stages"]
+    assert summary["overrides"] == {"logs": str(logs), "seed": 3, "name": "mine", "train": {"max_steps": 1}}
+    assert first["data"] == str(out / "mine" / "runs.pairs.jsonl") and stage["data"] == str(logs)
+    assert stage["parent"] == first["run_name"] and runs.verify_tarball(out / "mine.tar.gz")
     report = stage["pairs_report"]
-    tried = out / "rounds" / f"{stage['run_name']}.attempts.jsonl"
+    tried = out / "mine" / f"{stage['run_name']}.attempts.jsonl"
     records = [json.loads(x) for x in tried.read_text().splitlines()]
     wanted = attempts.training_runs(build_pairs.read_runs(str(logs)), 0.2)
     assert [r["run_id"] for r in records] == [r.run_id for r in wanted]  # held-out runs are never attempted
     assert not any(formats.held_out({formats.RUN_KEY: r["run_id"]}, 0.2) for r in records)
     assert sum(report["outcomes"].values()) == report["attempts"] == 2 * len(wanted)
-    assert all(r["round"] == 1 and r["model"] == str(MODEL) for r in records)
+    assert all(r["round"] == 1 and r["model"] == str(out / first["run_name"]) for r in records)  # stage 1's
+    final = json.loads((out / stage["run_name"] / "evaluation.json").read_text())
+    assert final["execution"]["samples"] == 1  # the last stage is scored on the logs' held-out prompts
     assert list(build_pairs.read_runs(str(tried)))  # build_pairs.py reads them back
     assert report["logs_used"] == [str(logs), str(tried)] and report["pairs_written"] >= 1

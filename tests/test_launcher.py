@@ -299,6 +299,31 @@ def test_distributed_mistakes_are_reported_with_the_others():
     assert "NPROC) must be at least 1 (got 0)" in str(e.value)
 
 
+def test_make_train_in_the_container_builds_the_same_pairs_and_runs_rounds_as_it_does_locally(tmp_path):
+    def dry(*args):
+        out = subprocess.run(["make", "--no-print-directory", "train", "RUNNER=docker", "DRY_RUN=1", f"OUT={tmp_path}/a",
+                              "TAG=t1", f"PYTHON={sys.executable}", *args], capture_output=True, text=True, cwd=ROOT,
+                             timeout=120, env={**os.environ, "DOCKER_HOST": "unix:///nonexistent.sock"})
+        assert out.returncode == 0, out.stderr
+        return out.stdout.splitlines()
+
+    lines = dry("ROUNDS=1", "RUN=r1", "ARGS=--seed 2")
+    assert "# pairs" not in lines  # iterate.py builds the pairs itself
+    train = lines[lines.index("# train") + 1]
+    assert " -v " in train and "/data/runs.jsonl:ro" in train.replace("'", "")
+    assert train.endswith("dpo-kit:t1 iterate configs/rounds.yaml --logs /data/runs.jsonl --output_dir /artifacts "
+                          "--name r1 -- --seed 2")  # the plan and the bundled model are the image's own
+    one = dry()
+    assert one[one.index("# train") + 1].endswith("--config configs/demo.yaml")
+    pairs = one[one.index("# pairs") + 1]  # the demo's logs and, after them, the model's own earlier attempts
+    assert f"{ROOT}/data/attempts.jsonl:/data/extra-0-attempts.jsonl:ro" in pairs.replace("'", "")
+    assert "--extra_runs /data/extra-0-attempts.jsonl" in pairs
+    assert "--extra_runs" not in dry("ATTEMPTS=")[one.index("# pairs") + 1]
+    with pytest.raises(kit.UserError, match="--rounds runs a plan on run logs in one process"):
+        kit.parse_config(LaunchConfig, ["train", "--rounds", "configs/rounds.yaml", "--data", "p.jsonl"], "",
+                         positional="action")
+
+
 def test_make_dry_run_prints_the_second_machines_command_without_an_engine(tmp_path):
     out = subprocess.run(["make", "--no-print-directory", "train", "GPUS=8", "NNODES=2", "NODE_RANK=1",
                           "MASTER_ADDR=10.0.0.1", "RUNNER=docker", "DRY_RUN=1", f"OUT={tmp_path}/a", "TAG=t1",
