@@ -6,9 +6,9 @@ over several seeds, each scored by running its sampled answers to the held-out r
                                       [--out bench/results-methods] [-- TRAIN_FLAGS...]
 
 An arm is NAME=METHOD [train_dpo.py flags], arms separated by ';'. The default arms: `default` (what `make train`
-runs on the bundled model: configs/rounds.yaml, the recipe and then a round on the model's own scored attempts),
-`recipe` (the recipe alone, configs/demo.yaml: `make train ROUNDS=0`), `dpo-no-sft` (the same recipe with DPO's
-preference loss instead of the chosen answers' likelihood), and `kto` and `grpo` (`make train METHOD=...`). Every
+runs on the bundled model: the recipe, configs/demo.yaml, on the pairs of the logs and --extra_runs after them),
+`dpo-no-sft` (the same recipe with DPO's preference loss instead of the chosen answers' likelihood), `kto` and
+`grpo` (`make train METHOD=...`), and `rounds` (`make rounds`: the recipe, then the model's own attempts). Every
 DPO, KTO or GRPO run is one `train_dpo.py` with the arm's flags, TRAIN_FLAGS (every arm) and the seed, on what
 build_pairs.py makes of the logs (pairs for DPO, --emit kto examples for KTO, the logs' own prompts for GRPO), and
 the same held-out runs (the split is by run). A `rounds` arm's one argument is a plan, run by `iterate.py --logs
@@ -36,8 +36,9 @@ sys.path.insert(0, str(ROOT))
 import kit  # noqa: E402
 
 
-DEFAULT_ARMS = ("default=rounds configs/rounds.yaml; recipe=dpo --config configs/demo.yaml; "
-                "dpo-no-sft=dpo --config configs/demo.yaml --loss_type sigmoid; kto=kto; grpo=grpo")
+DEFAULT_ARMS = ("default=dpo --config configs/demo.yaml; "
+                "dpo-no-sft=dpo --config configs/demo.yaml --loss_type sigmoid; "
+                "kto=kto; grpo=grpo; rounds=rounds configs/rounds.yaml")
 METHODS = ("dpo", "kto", "grpo", "rounds")
 
 

@@ -287,9 +287,9 @@ def test_compare_arms_name_a_method_and_its_flags_and_a_bad_arm_is_a_user_error(
     assert compare.parse_arms("default=dpo; dpo-no-sft=dpo --sft_weight 0;kto=kto --beta '0.2'") == [
         ("default", "dpo", []), ("dpo-no-sft", "dpo", ["--sft_weight", "0"]), ("kto", "kto", ["--beta", "0.2"])]
     arms = compare.parse_arms(compare.DEFAULT_ARMS)
-    assert [a[0] for a in arms] == ["default", "recipe", "dpo-no-sft", "kto", "grpo"]
-    # the default arm is what make train runs on the bundled model, and the recipe what make train ROUNDS=0 runs
-    assert arms[0][1:] == ("rounds", ["configs/rounds.yaml"]) and arms[1][2] == ["--config", "configs/demo.yaml"]
+    assert [a[0] for a in arms] == ["default", "dpo-no-sft", "kto", "grpo", "rounds"]
+    # the default arm is what make train runs on the bundled model, and rounds what make rounds runs
+    assert arms[0][2] == ["--config", "configs/demo.yaml"] and arms[-1][1:] == ("rounds", ["configs/rounds.yaml"])
     for bad in ("dpo", "x=", "=dpo", "a=dpo; a=kto", "a=sft", "r=rounds", "r=rounds a.yaml b.yaml", "r=rounds no.yaml"):
         with pytest.raises(kit.UserError, match="--arms"):
             compare.parse_arms(bad)
