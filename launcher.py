@@ -75,7 +75,7 @@ class LaunchConfig:
     model: str = field("", "host model directory (mounted read-only) or hub id; empty = bundled in the image")
     run_name: str = field("", "run name (the same name resumes)")
     rounds: str = field("", "train: a plan in the image (iterate.py; configs/rounds.yaml) run on the logs instead of "
-                        "one training: its pairs, then the model's own scored attempts (make train's default on the "
+                        "one training: its pairs, then the model's own scored attempts (make train ROUNDS=1 on the "
                         "bundled model); not with --data or several processes")
     gpus: str = field("", "GPUs for the container: all (one process sees them all), a count N (N processes, "
                       "one per GPU), or device ids like 0,1 (one process each); empty = none")
