@@ -2,7 +2,7 @@
 
     python iterate.py data/plan.yaml [--output_dir artifacts] [--logs runs.jsonl] [--seed N] [--name N] [-- FLAGS]
     make iterate [PLAN=plan.yaml]
-    make train                      # configs/rounds.yaml on the demo logs: the bundled model's default
+    make rounds | make train ROUNDS=1   # configs/rounds.yaml on LOGS (the demo's by default)
 
 --logs puts agent run logs in place of the plan's data (its `dpo` stages train on their pairs, its `attempts`
 stages attempt their prompts, the last stage's report scores their held-out prompts); FLAGS after `--` are

@@ -243,9 +243,9 @@ def sample(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, sam
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     texts = [t for t in prompt_texts(tokenizer, prompts) for _ in range(n)]
+    ids = tokenizer(texts, add_special_tokens=not tokenizer.chat_template)["input_ids"] if texts else []  # once
     if not batch_size:
-        width = max((len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts), default=0)
-        row_bytes = kv_bytes_per_row(model, width + max_new_tokens)
+        row_bytes = kv_bytes_per_row(model, max(map(len, ids), default=0) + max_new_tokens)
         batch_size = rows_per_batch(len(texts), row_bytes) if row_bytes else 64
     stop_ids = {tokenizer.eos_token_id} - {None}
     extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -259,8 +259,7 @@ def sample(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, sam
     try:
         with torch.no_grad(), merged(model):
             for i in range(0, len(texts), batch_size):
-                batch = tokenizer(texts[i:i + batch_size], return_tensors="pt", padding=True,
-                                  add_special_tokens=not tokenizer.chat_template).to(model.device)
+                batch = tokenizer.pad({"input_ids": ids[i:i + batch_size]}, return_tensors="pt").to(model.device)
                 new = decode_loop(model, batch["input_ids"], batch["attention_mask"], max_new_tokens, stop_ids,
                                   sampling, progress, kv_cache=kv_cache)
                 answers += [tokenizer.decode(row, skip_special_tokens=True).strip() for row in new]
