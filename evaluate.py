@@ -311,11 +311,9 @@ def held_out_accuracy(model, tokenizer, records: list[dict], max_length: int) ->
     return result
 
 
-def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, sample_seed: int | None = None) -> list[str]:
-    """Answers to single-turn prompts: greedy, or sampled with the deck's settings and a seed."""
-    chats = [[{"role": "user", "content": p}] for p in prompts]
-    return models.generate(model, tokenizer, chats, max_new_tokens, SAMPLING if sample_seed is not None else None,
-                           sample_seed)
+def generate(model, tokenizer, prompts: list[str], max_new_tokens: int) -> list[str]:
+    """Greedy answers to single-turn prompts (make chat)."""
+    return models.generate(model, tokenizer, [[{"role": "user", "content": p}] for p in prompts], max_new_tokens)
 
 
 def base_and_tuned(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, sampling: dict | None,
