@@ -48,3 +48,18 @@ def test_checked_answers_become_run_logs_that_build_pairs_reads_as_the_environme
 def test_a_bad_config_is_refused_in_one_go():
     problems = attempts.AttemptsConfig(samples=0, temperature=0, eval_fraction=0.9).problems()
     assert len(problems) == 5
+
+
+def test_the_bundled_rounds_of_attempts_never_touch_a_held_out_run_and_log_each_outcome_as_the_checker_scored_it():
+    runs = {r.run_id: r for r in build_pairs.read_runs(LOGS)}
+    for path, round_, samples in (("data/attempts.jsonl", 1, 4), ("data/attempts-round2.jsonl", 2, 8)):
+        records = [json.loads(line) for line in open(path)]
+        assert records and all(r["round"] == round_ and len(r["attempts"]) == samples for r in records), path
+        assert not [r["run_id"] for r in records if formats.held_out({formats.RUN_KEY: r["run_id"]}, 0.2)], path
+        for r in records:  # the run's own prompt and strategy, as the logs have them
+            assert r["strategy"] == runs[r["run_id"]].strategy
+            for a in r["attempts"]:
+                logged = (a["ran"], bool(a["space_freed"]))
+                assert logged == {"freed": (True, True), "no_effect": (True, False), "broke": (True, False),
+                                  "failed": (a["ran"], False)}[a["outcome"]], (path, r["run_id"], a["outcome"])
+                assert a["outcome"] != "broke" or a["error"]  # what it deleted is said
