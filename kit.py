@@ -19,11 +19,11 @@ from pathlib import Path
 
 EXIT_USAGE = 2  # a user's mistake: bad flag, bad file, bad combination
 
-# bitsandbytes (0.50, the pinned one), on a CPU with AVX-512 bf16, tries at import to fetch an optional 4-bit GEMM kernel from the
-# Hugging Face hub (the `kernels` package, not a dependency of the kit) and warns on stderr when it cannot; it then
-# uses its own kernel. The kit's CPU path dequantises the 4-bit weights once by default (models.dequantize_4bit_), so
-# the warning said nothing a user could act on, and it broke the one-sentence errors of `entrypoint.py check` on such
-# CPUs. bitsandbytes' other warnings still print.
+# bitsandbytes (0.50, the pinned one), on a CPU with AVX-512 bf16, tries at import to fetch an optional 4-bit GEMM
+# kernel from the Hugging Face hub (the `kernels` package, not a dependency of the kit) and warns on stderr when it
+# cannot; it then uses its own kernel. The kit's CPU path dequantises the 4-bit weights once by default
+# (models.dequantize_4bit_), so the warning said nothing a user could act on, and it broke the one-sentence errors
+# of `entrypoint.py check` on such CPUs. bitsandbytes' other warnings still print.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
