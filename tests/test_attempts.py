@@ -1,5 +1,6 @@
 """attempts.py: the model's own attempts as run logs that build_pairs.py reads, with held-out runs never attempted."""
 import json
+from pathlib import Path
 
 import attempts
 import build_pairs
@@ -53,11 +54,15 @@ def test_a_bad_config_is_refused_in_one_go():
 def test_the_bundled_rounds_of_attempts_never_touch_a_held_out_run_and_log_each_outcome_as_the_checker_scored_it():
     runs = {r.run_id: r for r in build_pairs.read_runs(LOGS)}
     for path, round_, samples in (("data/attempts.jsonl", 1, 4), ("data/attempts-round2.jsonl", 2, 8)):
-        records = [json.loads(line) for line in open(path)]
+        records = [json.loads(line) for line in Path(path).read_text().splitlines()]
         assert records and all(r["round"] == round_ and len(r["attempts"]) == samples for r in records), path
         assert not [r["run_id"] for r in records if formats.held_out({formats.RUN_KEY: r["run_id"]}, 0.2)], path
-        for r in records:  # the run's own prompt and strategy, as the logs have them
-            assert r["strategy"] == runs[r["run_id"]].strategy
+        parsed_runs = list(build_pairs.read_runs(path))
+        assert len(parsed_runs) == len(records), path  # every line reads as a run
+        for parsed in parsed_runs:  # the run's own prompt and strategy, as the logs have them
+            run = runs[parsed.run_id]
+            assert (parsed.messages, parsed.tags, parsed.strategy) == (run.messages, run.tags, run.strategy), path
+        for r in records:
             for a in r["attempts"]:
                 logged = (a["ran"], bool(a["space_freed"]))
                 assert logged == {"freed": (True, True), "no_effect": (True, False), "broke": (True, False),
