@@ -226,6 +226,8 @@ def model_card(run_name: str, cfg, data: dict, params: dict, targets, metrics: l
         f"(prompt fills max_length): {data['dropped_too_long']}",
         f"- held out of training: {data['held_out']} {UNITS.get(data.get('method', 'dpo'), 'pairs')} "
         f"(eval_fraction {cfg.eval_fraction})"
+        + (f"; left out as repeats of a chosen answer (--distinct_chosen): {data['chosen_repeats']:,} pairs"
+           if data.get("chosen_repeats") else "")
         + "".join(f"; mixed in {m['pairs_used']} pairs from `{m['path']}` ({m['share']:.0%})" for m in data["mix"]),
         "",
         "## Training", "",

@@ -82,6 +82,7 @@ class TrainingData:
     files: list = dataclasses.field(default_factory=list)  # a directory: [{path, format, pairs, sha256, ...}]
     held_out: int = 0  # kept out of training for evaluation
     mix: list = dataclasses.field(default_factory=list)  # [{path, share, pairs_available, pairs_used, sha256}]
+    chosen_repeats: int = 0  # training pairs left out as repeats of a (prompt, chosen) pair (--distinct_chosen)
     pairs_trained: int = 0  # what TRL kept after tokenising (a prompt that fills max_length is dropped)
     dropped_too_long: int = 0
     truncated: int = 0  # pairs the collator cuts to max_length
@@ -813,12 +814,29 @@ def draw(records: list, n: int, seed: int) -> list:
     return [records[order[i % len(order)]] for i in range(n)]
 
 
+def distinct_chosen(pairs: list[dict]) -> list[dict]:
+    """The first pair of each (tools, prompt, chosen answer), in file order: what a loss that reads only the chosen
+    side trains on. build_pairs pairs a run's best answer with each worse one, so a run with seven failed attempts
+    repeats its chosen answer seven times, and the SFT loss would train it seven times an epoch."""
+    seen, out = set(), []
+    for r in pairs:
+        key = json.dumps([r.get("tools"), r["prompt"], r["chosen"]], sort_keys=True, ensure_ascii=False)
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
+
+
 def split_and_mix(pairs: list[dict], data: TrainingData, eval_fraction: float, mix_spec: str, seed: int,
-                  skip_invalid: bool) -> tuple[list[dict], list[dict]]:
-    """Hold out a stable share of the pairs; mix further files into the rest in their stated shares.
-    Records both in data. Returns (training pairs, held-out pairs)."""
+                  skip_invalid: bool, distinct: bool = False) -> tuple[list[dict], list[dict]]:
+    """Hold out a stable share of the pairs; with `distinct`, train each (prompt, chosen) once (distinct_chosen);
+    mix further files into the rest in their stated shares. Records all three in data. Returns (training pairs,
+    held-out pairs)."""
     held = [r for r in pairs if held_out(r, eval_fraction)]
     train_pairs = [r for r in pairs if not held_out(r, eval_fraction)]
+    if distinct:
+        n, train_pairs = len(train_pairs), distinct_chosen(train_pairs)
+        data.chosen_repeats = n - len(train_pairs)
     if not train_pairs:
         raise UserError(f"every pair fell in the held-out share (--eval_fraction {eval_fraction}); "
                         "lower it or add pairs", data.path)

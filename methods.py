@@ -37,6 +37,9 @@ class DPOOptions:
     chosen_only: bool = field(True, "with --loss_type sft alone: training steps forward the chosen rows only (the "
                               "loss reads nothing else; TRL also runs the rejected rows and the reference, about "
                               "2.7x the work), the same loss and gradients to float rounding")
+    distinct_chosen: bool = field(False, "with --loss_type sft alone: train each (prompt, chosen answer) once, not "
+                                  "once for each rejected answer it was paired with (the loss reads nothing else; "
+                                  "build_pairs pairs a run's best answer with each worse one)")
 
 
 @dataclasses.dataclass
@@ -92,8 +95,15 @@ UNITS = {"dpo": "pairs", "kto": "examples", "grpo": "prompts"}
 
 def dpo_only_problems(cfg, method: str) -> list[str]:
     return [f"--{name} is for DPO; --method {method} does not take it"
-            for name, default in (("loss_type", "sigmoid"), ("sft_weight", 0.0), ("mix", ""))
+            for name, default in (("loss_type", "sigmoid"), ("sft_weight", 0.0), ("mix", ""),
+                                  ("distinct_chosen", False))
             if getattr(cfg, name) != default]
+
+
+def distinct_applies(cfg, method: str) -> bool:
+    """--distinct_chosen takes effect: DPO whose loss reads the chosen side alone (a preference loss reads each
+    pair's rejected answer too, so no pair repeats another there)."""
+    return method == "dpo" and cfg.distinct_chosen and cfg.loss_type == "sft"
 
 
 def kto_problems(cfg) -> list[str]:

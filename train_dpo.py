@@ -318,7 +318,8 @@ def load_data(cfg: TrainConfig) -> tuple[formats.TrainingData, list[dict], list[
             pairs = formats.unpair(pairs)
             print(f"[data] --method kto: {stats['pairs']:,} pairs unpaired into {len(pairs):,} examples")
         data.labels = {"desirable": sum(e["label"] for e in pairs), "undesirable": sum(not e["label"] for e in pairs)}
-    train_pairs, held = formats.split_and_mix(pairs, data, cfg.eval_fraction, cfg.mix, cfg.seed, cfg.skip_invalid)
+    train_pairs, held = formats.split_and_mix(pairs, data, cfg.eval_fraction, cfg.mix, cfg.seed, cfg.skip_invalid,
+                                              methods.distinct_applies(cfg, data.method))
     if data.method == "kto":  # TRL's KTO samples in order (its KL term pairs each example with its neighbours)
         import random
 
@@ -378,6 +379,7 @@ def announce(cfg: TrainConfig, run: runs.Run, data: formats.TrainingData, n_trai
             f"{data.labels['desirable']:,} desirable, {data.labels['undesirable']:,} undesirable), KTO")
     print(f"[data] {cfg.data}: {what}, format {data.format}, skipped {data.skipped or 0}; "
           f"{data.held_out} held out; training on {n_train:,}"
+          + (f" ({data.chosen_repeats:,} repeating a chosen answer left out)" if data.chosen_repeats else "")
           + "".join(f"; mixed in {m['pairs_used']} from {m['path']} ({m['share']:.0%} of the mixture)"
                     for m in data.mix))
     if data.ignored_columns or data.score_gap_dropped:

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import evaluate
 import fastpath
@@ -23,6 +25,7 @@ import train_dpo
 from kit import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
+TOOL_LS = {"type": "function", "function": {"name": "ls", "parameters": {"type": "object", "properties": {}}}}
 RECIPE_KEYS = {"loss_type", "learning_rate", "num_train_epochs", "eval_steps", "mix"}  # configs/demo.yaml's measured keys
 MODEL = ROOT / models.BUNDLED_MODEL_DIR
 
@@ -174,6 +177,41 @@ def test_mix_spec_and_counts_follow_the_stated_shares():
             formats.parse_mix(bad)
     assert formats.mix_counts(80, [0.2]) == [20]  # the deck's 4:1: 80 domain + 20 general = 100, 20%
     assert formats.mix_counts(60, [0.2, 0.2]) == [20, 20]
+
+
+@given(st.lists(st.tuples(st.sampled_from(["q1", "q2"]), st.sampled_from(["a", "b", "c"]),
+                          st.sampled_from(["x", "y"]), st.booleans()), max_size=30))
+def test_distinct_chosen_trains_each_prompt_and_chosen_answer_once(rows):
+    pairs = [{"prompt": p, "chosen": c, "rejected": r} | ({"tools": [TOOL_LS]} if t else {}) for p, c, r, t in rows]
+    kept = formats.distinct_chosen(pairs)
+    key = lambda r: (r["prompt"], r["chosen"], "tools" in r)  # noqa: E731
+    assert [key(r) for r in kept] == list(dict.fromkeys(map(key, pairs)))  # each once, in file order
+    assert all(any(k is p for p in pairs) for k in kept)  # the first pair of each, as it was
+
+
+def test_distinct_chosen_is_counted_and_the_mix_follows_what_is_left(tmp_path):
+    pairs = [{"prompt": [{"role": "user", "content": f"q{i % 40}"}], "chosen": [{"role": "assistant", "content": "a"}],
+              "rejected": [{"role": "assistant", "content": f"r{i}"}], formats.RUN_KEY: f"run-{i % 40}"}
+             for i in range(160)]  # each run's prompt 4 times, with one chosen answer and 4 rejected ones
+    general = tmp_path / "general.jsonl"
+    general.write_text("".join(json.dumps(p | {"prompt": [{"role": "user", "content": f"g{i}"}]}) + "\n"
+                               for i, p in enumerate(pairs[:50])))
+    data = formats.TrainingData(path="p", sha256="", format="x", pairs=160, skipped={})
+    train, held = formats.split_and_mix(pairs, data, 0.2, f"{general}:0.2", 1, False, distinct=True)
+    n_train = 160 - len(held)
+    assert len(held) % 4 == 0 and data.chosen_repeats == n_train - n_train // 4  # held-out pairs stay as they are
+    assert len(train) == n_train // 4 + formats.mix_counts(n_train // 4, [0.2])[0]  # a fifth of what trains
+    data = formats.TrainingData(path="p", sha256="", format="x", pairs=160, skipped={})
+    assert len(formats.split_and_mix(pairs, data, 0.2, "", 1, False)[0]) == n_train and data.chosen_repeats == 0
+
+
+def test_distinct_chosen_applies_to_the_sft_loss_alone():
+    cfg = train_dpo.TrainConfig(data="x", loss_type="sft", distinct_chosen=True)
+    assert methods.distinct_applies(cfg, "dpo") and not methods.distinct_applies(cfg, "kto")
+    assert not methods.distinct_applies(dataclasses.replace(cfg, loss_type="sigmoid", sft_weight=1.0), "dpo")
+    assert not methods.distinct_applies(dataclasses.replace(cfg, distinct_chosen=False), "dpo")
+    assert "--distinct_chosen is for DPO" in " ".join(dataclasses.replace(cfg, method="kto", loss_type="sigmoid",
+                                                                          per_device_train_batch_size=2).problems())
 
 
 def test_draw_is_seeded_and_cycles_a_small_file():
@@ -575,6 +613,19 @@ def test_the_sft_loss_on_the_chosen_rows_alone_learns_what_trls_whole_pass_learn
             assert ra["logps/chosen"] == pytest.approx(rw["logps/chosen"], rel=1e-4), name
         got = load_file(run / "adapter_model.safetensors")
         assert (learned - torch.cat([got[k].flatten() for k in b])).norm() / learned.norm() < 1e-2, name
+    # Each pair again with another rejected answer, as build_pairs pairs a best answer with each failed attempt:
+    # --distinct_chosen trains each chosen answer once, so the run is the run on the distinct pairs.
+    twice = tmp_path / "twice.jsonl"
+    other = {"rejected": [{"role": "assistant", "content": "no"}]}
+    twice.write_text("".join(f"{json.dumps(r)}\n{json.dumps(r | other)}\n" for r in pairs_in("trl_conversational")))
+    run, out = small_run(tmp_path, "trl_conversational", "distinct", "--loss_type", "sft", "--distinct_chosen",
+                         data=twice)
+    assert f"({len(PAIRS)} repeating a chosen answer left out)" in out
+    assert json.loads((run / "data.json").read_text())["chosen_repeats"] == len(PAIRS)
+    assert f"left out as repeats of a chosen answer (--distinct_chosen): {len(PAIRS)} pairs" in \
+        (run / "README.md").read_text()
+    for ra, rw in zip(rows(run), rows(whole), strict=True):
+        assert ra["loss"] == pytest.approx(rw["loss"], rel=1e-4)
 
 
 def test_the_chosen_rows_need_only_their_own_width():
