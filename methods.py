@@ -269,6 +269,10 @@ def dpo_config_kwargs(cfg, checkpoint_dir: str, on_gpu: bool, bf16_ok: bool, wit
         "loss_type": [cfg.loss_type]}
     if cfg.sft_weight:
         kwargs.update(loss_type=[cfg.loss_type, "sft"], loss_weights=[1.0, cfg.sft_weight])
+    if cfg.loss_type == "sft" and cfg.precompute_ref_log_probs:
+        # The sft loss never reads the reference; TRL would still run it over every pair before training.
+        kwargs["precompute_ref_log_probs"] = False
+        print("[model] --precompute_ref_log_probs: not done, the sft loss alone never reads the reference", flush=True)
     return kwargs
 
 

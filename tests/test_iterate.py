@@ -287,6 +287,8 @@ def test_trainable_adapter_starts_at_the_reference_or_at_the_checkpoint(tmp_path
     assert torch.equal(default_a, torch.full((2, 4), 0.5)) and not torch.equal(ref_a, default_a)
 
 
+@pytest.mark.integration
+@pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="bundled model not converted (make model)")
 def test_an_attempts_stage_writes_the_models_scored_attempts_as_run_logs_and_trains_on_their_pairs(tmp_path,
                                                                                                      monkeypatch):
     import attempts

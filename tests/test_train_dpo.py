@@ -205,6 +205,15 @@ def test_distinct_chosen_is_counted_and_the_mix_follows_what_is_left(tmp_path):
     assert len(formats.split_and_mix(pairs, data, 0.2, "", 1, False)[0]) == n_train and data.chosen_repeats == 0
 
 
+def test_the_reference_is_not_precomputed_for_the_sft_loss_alone(capsys):
+    cfg = train_dpo.TrainConfig(data="x", loss_type="sft", precompute_ref_log_probs=True)
+    assert methods.dpo_config_kwargs(cfg, "/tmp/ck", False, False)["precompute_ref_log_probs"] is False
+    assert "never reads the reference" in capsys.readouterr().out
+    for other in ({"loss_type": "sigmoid"}, {"loss_type": "sigmoid", "sft_weight": 1.0}):
+        kwargs = methods.dpo_config_kwargs(dataclasses.replace(cfg, **other), "/tmp/ck", False, False)
+        assert kwargs["precompute_ref_log_probs"] is True, other
+
+
 def test_distinct_chosen_applies_to_the_sft_loss_alone():
     cfg = train_dpo.TrainConfig(data="x", loss_type="sft", distinct_chosen=True)
     assert methods.distinct_applies(cfg, "dpo") and not methods.distinct_applies(cfg, "kto")
