@@ -126,6 +126,13 @@ def report_markdown(title: str, evaluation: dict, plots: list[str], metrics: lis
                   + (f"{execution[name]['freed_bytes'] / (1 << 20):,.0f} MB | {execution[name]['kept_files_touched']} |"
                      if "freed_bytes" in execution[name] else "n/a | n/a |")
                   for name in ("base", "tuned")] + [""]
+        new = [execution[name].get("new_prompts") for name in ("base", "tuned")]
+        if all(new):
+            lines += [f"{execution['prompts'] - new[1]['prompts']} of the {execution['prompts']} prompts are word for "
+                      "word a training record's prompt (the same strategy, retried on another run). On the other "
+                      f"{new[1]['prompts']}: pass rate {new[0]['pass_rate']:.3f} -> {new[1]['pass_rate']:.3f}, mean "
+                      f"score {new[0]['mean_score']:+.4f} -> {new[1]['mean_score']:+.4f}, answers that deleted kept "
+                      f"files {new[0]['broke']} -> {new[1]['broke']}.", ""]
         lines += ["![execution.png](execution.png)", ""] if "execution.png" in plots else []
         story = side_by_side(execution)
         lines += ["### Base and tuned, side by side", "", *story] if story else []
@@ -446,6 +453,33 @@ def example_likelihoods(model, tokenizer, examples: list[dict], max_length: int)
 CODE_SAMPLING = {"temperature": 0.7, "top_p": 0.95}  # answers the checker runs: varied, but still code
 
 
+def prompt_text(prompt) -> str:
+    """A prompt as the model reads its words: the roles and contents of its messages (or the text itself)."""
+    if isinstance(prompt, str):
+        return prompt
+    return json.dumps([(m.get("role"), m.get("content")) for m in prompt], ensure_ascii=False)
+
+
+def mark_seen(prompts: list[dict], trained: list[dict]) -> list[dict]:
+    """Each held-out prompt with "seen": whether its words are a training record's prompt word for word. A
+    held-out run is never trained on, but agents retry a strategy on other hosts, and a code prompt is the
+    strategy sentence alone: the report gives the pass rate on the new prompts apart."""
+    texts = {prompt_text(r["prompt"]) for r in trained if "prompt" in r}
+    return [p | {"seen": prompt_text(p["prompt"]) in texts} for p in prompts]
+
+
+def new_text_scores(result: dict, name: str) -> dict | None:
+    """Pass rate, mean score and deletions of one model's answers to the prompts no training record has (None
+    when the prompts were not marked, or all or none of them are new)."""
+    rows = [r for r in result["rows"] if r["model"] == name]
+    if not rows or any("seen" not in r for r in rows) or len({r["seen"] for r in rows}) < 2:
+        return None
+    new = [r for r in rows if not r["seen"]]
+    return {"prompts": len({r["prompt"] for r in new}), "answers": len(new),
+            "pass_rate": sum(r["outcome"] == "freed" for r in new) / len(new),
+            "mean_score": sum(r["score"] for r in new) / len(new), "broke": sum(r["outcome"] == "broke" for r in new)}
+
+
 def execution_scores(model, tokenizer, prompts: list[dict], samples: int, seed: int, max_new_tokens: int) -> dict:
     """Base (adapter off) and tuned: `samples` sampled answers (seeded) to each prompt, each run by the checker on
     the prompt's host: pass rate (freed space), mean score, and the outcome mix."""
@@ -469,9 +503,15 @@ def execution_scores(model, tokenizer, prompts: list[dict], samples: int, seed: 
                         "freed_bytes": sum(c.freed_bytes for c in checks if c.outcome == "freed"),
                         "kept_files_touched": sum(len(c.broken) for c in checks)}
         for i, (c, answer) in enumerate(zip(checks, answers[name])):
-            result["rows"].append({"model": name, "prompt": prompts[i // samples]["prompt"][-1]["content"],
+            p = prompts[i // samples]
+            result["rows"].append({"model": name, "prompt": p["prompt"][-1]["content"],
                                    "sample": i % samples, "outcome": c.outcome, "score": c.score,
-                                   "freed_bytes": c.freed_bytes, "reason": c.reason, "answer": answer[:SHOWN_CHARS]})
+                                   "freed_bytes": c.freed_bytes, "reason": c.reason, "answer": answer[:SHOWN_CHARS]}
+                                  | ({"seen": p["seen"]} if "seen" in p else {}))
+    for name in ("base", "tuned"):
+        new = new_text_scores(result, name)
+        if new:
+            result[name]["new_prompts"] = new
     return result
 
 
@@ -540,7 +580,10 @@ def summary_lines(evaluation: dict) -> list[str]:
     if "execution" in evaluation:
         b, t = evaluation["execution"]["base"], evaluation["execution"]["tuned"]
         out.append(f"checker on held-out prompts: pass rate {b['pass_rate']:.3f} -> {t['pass_rate']:.3f}, mean score "
-                   f"{b['mean_score']:+.4f} -> {t['mean_score']:+.4f}")
+                   f"{b['mean_score']:+.4f} -> {t['mean_score']:+.4f}"
+                   + (f"; on the {t['new_prompts']['prompts']} prompts no training record has: pass rate "
+                      f"{b['new_prompts']['pass_rate']:.3f} -> {t['new_prompts']['pass_rate']:.3f}"
+                      if "new_prompts" in t and "new_prompts" in b else ""))
     if "held_out" in evaluation:
         b, t = evaluation["held_out"]["base"], evaluation["held_out"]["tuned"]
         out.append(f"held-out preference accuracy {b['accuracy']:.3f} -> {t['accuracy']:.3f} "

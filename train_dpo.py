@@ -257,7 +257,7 @@ def run(cfg: TrainConfig, callbacks: list = ()) -> runs.Run:
     models.cuda_allocator_defaults()  # before anything allocates on a GPU
     data, train_pairs, held = load_data(cfg)
     probes = evaluate.load_probes(cfg.probes)
-    exec_prompts = held_out_prompts(cfg)
+    exec_prompts = evaluate.mark_seen(held_out_prompts(cfg), train_pairs)  # which are a training prompt word for word
     if data.method == "grpo":  # its held-out prompts are what the checker scores; it has no held-out pairs
         exec_prompts, held = exec_prompts + [{k: v for k, v in r.items() if k != formats.RUN_KEY} for r in held], []
     internals = trl_internals_usable(cfg)

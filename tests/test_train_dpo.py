@@ -1263,17 +1263,51 @@ def test_the_report_tells_the_story_base_and_tuned_answers_side_by_side_with_byt
     assert "````\npip is a tool ```x```\n````" in story  # an answer's own fences stay inside the block
 
 
+def test_the_report_gives_the_prompts_no_training_record_has_apart():
+    trained = [{"prompt": [{"role": "user", "content": "Clear pip"}], "chosen": "x", "rejected": "y"},
+               {"prompt": "Clear npm", "chosen": "x", "rejected": "y"}]
+    prompts = [{"prompt": [{"role": "user", "content": c}], "host": "h"} for c in ("Clear pip", "Empty trash")]
+    assert [p["seen"] for p in evaluate.mark_seen(prompts, trained)] == [True, False]
+    assert evaluate.mark_seen([{"prompt": "Clear npm", "host": "h"}], trained)[0]["seen"]  # text prompts too
+    assert not evaluate.mark_seen(prompts[:1], [{"prompt": [{"role": "system", "content": "Clear pip"}]}])[0]["seen"]
+    rows = [{"model": m, "prompt": p, "sample": 0, "outcome": o, "score": sc, "seen": p == "Clear pip"}
+            for m, p, o, sc in [("base", "Clear pip", "failed", 0.0), ("base", "Empty trash", "broke", -1.0),
+                                ("tuned", "Clear pip", "freed", 0.2), ("tuned", "Empty trash", "freed", 0.1)]]
+    result = {"prompts": 2, "samples": 1, "rows": rows}
+    assert evaluate.new_text_scores(result, "tuned") == {"prompts": 1, "answers": 1, "pass_rate": 1.0,
+                                                         "mean_score": 0.1, "broke": 0}
+    assert evaluate.new_text_scores(result, "base")["broke"] == 1
+    unmarked = {**result, "rows": [{k: v for k, v in r.items() if k != "seen"} for r in rows]}
+    assert evaluate.new_text_scores(unmarked, "tuned") is None  # make eval on another file: nothing to split
+    all_new = {**result, "rows": [r | {"seen": False} for r in rows]}
+    assert evaluate.new_text_scores(all_new, "tuned") is None
+    for name, rate, score in (("base", 0.0, -0.5), ("tuned", 1.0, 0.15)):
+        result[name] = {"pass_rate": rate, "mean_score": score, "outcomes": {}, "isolation": "bwrap",
+                        "new_prompts": evaluate.new_text_scores(result, name)}
+    text = evaluate.report_markdown("r", {"execution": result}, [])
+    assert ("1 of the 2 prompts are word for word a training record's prompt (the same strategy, retried on another "
+            "run). On the other 1: pass rate 0.000 -> 1.000, mean score -1.0000 -> +0.1000, answers that deleted kept "
+            "files 1 -> 0.") in text
+    assert evaluate.summary_lines({"execution": result})[0].endswith(
+        "; on the 1 prompts no training record has: pass rate 0.000 -> 1.000")
+
+
 @needs_model
 @pytest.mark.integration
 def test_a_run_with_eval_prompts_reports_what_the_checker_made_of_base_and_tuned_answers(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"Write Python 3 code that {task}. Reply with the code only.",
-                                           "host": "Host ci-runner-03, Ubuntu 22.04, user ci (no sudo)"}) + "\n"
-                               for task in ("deletes ~/.cache/pip", "deletes old files in /tmp")))
+    texts = [f"Write Python 3 code that {task}. Reply with the code only." for task in ("deletes ~/.cache/pip",
+                                                                                        "deletes old files in /tmp")]
+    texts.append(PAIRS[0][0])  # a training pair's prompt, word for word
+    prompts.write_text("".join(json.dumps({"prompt": t, "host": "Host ci-runner-03, Ubuntu 22.04, user ci (no sudo)"})
+                               + "\n" for t in texts))
     run_dir, out = small_run(tmp_path, "trl_conversational", "ex", "--eval_prompts", prompts, "--eval_samples", 2,
                              "--eval_max_new_tokens", 32)
-    assert "[eval] 2 of 2 --eval_prompts prompts are held out" in out and "[eval] checker on held-out prompts" in out
+    assert "[eval] 3 of 3 --eval_prompts prompts are held out" in out and "[eval] checker on held-out prompts" in out
     execution = json.loads((run_dir / "evaluation.json").read_text())["execution"]
     for name in ("base", "tuned"):
-        assert sum(execution[name]["outcomes"].values()) == 4 and 0 <= execution[name]["pass_rate"] <= 1
+        assert sum(execution[name]["outcomes"].values()) == 6 and 0 <= execution[name]["pass_rate"] <= 1
+        assert execution[name]["new_prompts"]["prompts"] == 2 and execution[name]["new_prompts"]["answers"] == 4
+    assert [r["seen"] for r in execution["rows"] if r["model"] == "tuned"] == [False] * 4 + [True] * 2
+    assert "On the other 2: pass rate" in (run_dir / "report.md").read_text()
     assert "## Answers run by the checker" in (run_dir / "report.md").read_text()
