@@ -453,19 +453,12 @@ def example_likelihoods(model, tokenizer, examples: list[dict], max_length: int)
 CODE_SAMPLING = {"temperature": 0.7, "top_p": 0.95}  # answers the checker runs: varied, but still code
 
 
-def prompt_text(prompt) -> str:
-    """A prompt as the model reads its words: the roles and contents of its messages (or the text itself)."""
-    if isinstance(prompt, str):
-        return prompt
-    return json.dumps([(m.get("role"), m.get("content")) for m in prompt], ensure_ascii=False)
-
-
 def mark_seen(prompts: list[dict], trained: list[dict]) -> list[dict]:
     """Each held-out prompt with "seen": whether its words are a training record's prompt word for word. A
     held-out run is never trained on, but agents retry a strategy on other hosts, and a code prompt is the
     strategy sentence alone: the report gives the pass rate on the new prompts apart."""
-    texts = {prompt_text(r["prompt"]) for r in trained if "prompt" in r}
-    return [p | {"seen": prompt_text(p["prompt"]) in texts} for p in prompts]
+    texts = {formats.prompt_text(r["prompt"], r.get("tools")) for r in trained}
+    return [p | {"seen": formats.prompt_text(p["prompt"]) in texts} for p in prompts]
 
 
 def new_text_scores(result: dict, name: str) -> dict | None:

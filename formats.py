@@ -814,13 +814,19 @@ def draw(records: list, n: int, seed: int) -> list:
     return [records[order[i % len(order)]] for i in range(n)]
 
 
+def prompt_text(prompt, tools: list | None = None) -> str:
+    """A loaded record's prompt (text or messages) and tools as canonical JSON: equal exactly when the model reads
+    the same prompt (roles, contents, tool use and tools; a message's tags are gone once loaded)."""
+    return _canon_prompt(prompt, tools) if isinstance(prompt, list) else _canon([prompt, tools])
+
+
 def distinct_chosen(pairs: list[dict]) -> list[dict]:
-    """The first pair of each (tools, prompt, chosen answer), in file order: what a loss that reads only the chosen
+    """The first pair of each (prompt, chosen answer), in file order: what a loss that reads only the chosen
     side trains on. build_pairs pairs a run's best answer with each worse one, so a run with seven failed attempts
     repeats its chosen answer seven times, and the SFT loss would train it seven times an epoch."""
     seen, out = set(), []
     for r in pairs:
-        key = json.dumps([r.get("tools"), r["prompt"], r["chosen"]], sort_keys=True, ensure_ascii=False)
+        key = (prompt_text(r["prompt"], r.get("tools")), _canon(r["chosen"]))
         if key not in seen:
             seen.add(key)
             out.append(r)

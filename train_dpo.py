@@ -283,7 +283,7 @@ def run(cfg: TrainConfig, callbacks: list = ()) -> runs.Run:
 
 def held_out_prompts(cfg: TrainConfig) -> list[dict]:
     """--eval_prompts, checked before anything loads: rows of a run (run_id) only when that run is held out (the
-    same rule as the pairs', so the checker scores answers to prompts the model never trained on)."""
+    same rule as the pairs', so the checker scores answers to runs the model never trained on)."""
     if not cfg.eval_prompts:
         return []
     import checker

@@ -185,8 +185,10 @@ def test_distinct_chosen_trains_each_prompt_and_chosen_answer_once(rows):
     pairs = [{"prompt": p, "chosen": c, "rejected": r} | ({"tools": [TOOL_LS]} if t else {}) for p, c, r, t in rows]
     kept = formats.distinct_chosen(pairs)
     key = lambda r: (r["prompt"], r["chosen"], "tools" in r)  # noqa: E731
-    assert [key(r) for r in kept] == list(dict.fromkeys(map(key, pairs)))  # each once, in file order
-    assert all(any(k is p for p in pairs) for k in kept)  # the first pair of each, as it was
+    first = {}
+    for i, r in enumerate(pairs):
+        first.setdefault(key(r), i)
+    assert [id(k) for k in kept] == [id(pairs[i]) for i in first.values()]  # the first of each, in file order
 
 
 def test_distinct_chosen_is_counted_and_the_mix_follows_what_is_left(tmp_path):
