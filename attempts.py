@@ -5,6 +5,7 @@ results as run logs in build_pairs.py's input format: the run's prompt and strat
 make the next round's pairs from them (mixed, first-try garbled, cross-run).
 
     python attempts.py data/runs.jsonl --model artifacts/<run> --output attempts.jsonl [--samples 4]
+    python attempts.py attempts.jsonl --rescore --output rescored.jsonl   # the checker as it is now, no model
     make iterate PLAN=configs/rounds.yaml      # the `attempts` stage: these logs, then build_pairs, then training
 
 Runs held out of training (train_dpo.py's split: a hash of the run id, --eval_fraction) are never attempted: their
@@ -12,6 +13,8 @@ prompts stay unseen, for the checker's held-out score. Each run written keeps it
 of the split), adds `round` and the model that wrote it, and each attempt keeps the answer as sampled (`answer`)
 beside the code that ran (`code`: its first ```python block, else all of it) and the checker's `outcome`.
 An answer that deleted what must be kept ran and freed nothing useful: `space_freed` 0, its `error` says what broke.
+When the checker changes, --rescore runs every attempt of such a file again and writes it with the new outcomes
+(the answers, rounds and models as they were), printing how many outcomes changed.
 """
 
 from __future__ import annotations
@@ -39,10 +42,14 @@ class AttemptsConfig:
     seed: int = field(0, "sampling seed")
     eval_fraction: float = field(0.2, "the training run's held-out share: those runs are never attempted")
     round: int = field(1, "the round these attempts belong to (written into each run)")
+    rescore: bool = field(False, "the logs are attempts (this tool's output): run each again with the checker as it "
+                          "is now and write them with its outcomes; no model")
 
     def problems(self) -> list[str]:
         p = [] if self.logs else ["give the run logs whose prompts are attempted"]
-        p += [] if self.model else ["--model is required (a finished run or a base model)"]
+        if self.rescore and self.model:
+            p.append("--rescore runs the logged attempts again: give no --model")
+        p += [] if self.model or self.rescore else ["--model is required (a finished run or a base model)"]
         if self.samples < 1 or self.max_new_tokens < 1 or self.round < 1:
             p.append("--samples, --max_new_tokens and --round must be at least 1")
         if not 0 < self.temperature or not 0 < self.top_p <= 1:
@@ -87,6 +94,12 @@ def run_record(run, attempts: list[dict], round_: int, model: str) -> dict:
     prompt = [{**m, "tag": t} if t else dict(m) for m, t in zip(run.messages, tags)]
     return {"run_id": run.run_id, "round": round_, "model": model, "prompt": prompt, "strategy": run.strategy,
             **({"tools": run.tools} if run.tools else {}), "attempts": attempts}
+
+
+def changes(before: list[dict], after: list[dict]) -> Counter:
+    """(old outcome, new outcome) -> how many attempts moved, between two versions of the same attempts."""
+    return Counter((a["outcome"], b["outcome"]) for r, s in zip(before, after)
+                   for a, b in zip(r["attempts"], s["attempts"]) if a["outcome"] != b["outcome"])
 
 
 def summary(records: list[dict], empty: int = 0) -> dict:
@@ -138,9 +151,38 @@ def make(cfg: AttemptsConfig) -> dict:
     return result
 
 
+def rescore(cfg: AttemptsConfig) -> dict:
+    """Every attempt of an attempts file run again by the checker as it is now; the file rewritten with its outcomes."""
+    import build_pairs
+    import checker
+
+    runs = list(build_pairs.read_runs(cfg.logs))
+    lines = [(n, line) for n, line in enumerate(Path(cfg.logs).read_text(encoding="utf-8").splitlines(), start=1)
+             if line.strip()]
+    records = [json.loads(line) for _, line in lines]  # read_runs has refused what is not a run
+    for (line, _), record in zip(lines, records):
+        if "round" not in record or not all("outcome" in a for a in record["attempts"]):
+            raise kit.UserError("not attempts.py's output: each run needs its round and each attempt its outcome",
+                                cfg.logs, line)
+    items = [(a["code"], build_pairs.host_of_run(run)) for run, r in zip(runs, records) for a in r["attempts"]]
+    found = iter(checker.check_many(items, label="rescore: check"))
+    after = [{**r, "attempts": [attempt_record(a.get("answer", a["code"]), a["code"], next(found))
+                                for a in r["attempts"]]} for r in records]
+    kit.atomic_write_text(Path(cfg.output), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in after))
+    moved = changes(records, after)
+    result = {"logs": cfg.logs, "output": cfg.output, "changed": {f"{a} -> {b}": n for (a, b), n in moved.items()},
+              **summary(after)}
+    if cfg.report:
+        kit.atomic_write_json(cfg.report, result)
+    print(f"[attempts] re-scored {result['attempts']} answers: {sum(moved.values())} outcomes changed"
+          f"{' (' + ', '.join(f'{k} {v}' for k, v in sorted(result['changed'].items())) + ')' if moved else ''}; "
+          f"pass rate {result['pass_rate']:.3f} -> {cfg.output}", flush=True)
+    return result
+
+
 def main(argv=None) -> int:
     cfg = kit.parse_config(AttemptsConfig, argv, __doc__, positional="logs")
-    make(cfg)
+    rescore(cfg) if cfg.rescore else make(cfg)
     return 0
 
 

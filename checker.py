@@ -107,6 +107,10 @@ SYSTEM_KEEP = {
     "/srv/app/data/uploads/2024/photo.jpg": 8,
     "/srv/app/src/app/views.py": 1, "/boot/vmlinuz-5.15.0-105-generic": 12,
 }
+# Kept files a running service writes all the time: on a real host they were modified moments ago, so an age filter
+# ("rotated logs older than two weeks", `find /var/log -mtime +14`) leaves them, as it does here.
+LIVE = ("/var/log/syslog", "/var/log/nginx/access.log", "/var/lib/postgresql/16/main/base/16384/1259",
+        "/var/lib/pgsql/16/data/pg_wal/000000010000000000000042", "/var/lib/mysql/ibdata1")
 # The demo's hosts as their logs show them: the tools each has beyond its distribution's, and caches it lacks.
 HOST_TOOLS = {"ci-runner-03": {"docker", "npm"}, "gpu-ws-02": {"conda"}, "lea-thinkpad": {"flatpak"}}
 HOST_ABSENT = {"ci-runner-03": ("~/.ccache",), "web-prod-11": ("/var/lib/systemd/coredump",),
@@ -116,7 +120,9 @@ USER_DIRS = ("/tmp",)  # beside the home: what a user without sudo may change on
 HEADER = 4096  # bytes of random content at the start of each kept file (the rest is sparse): what its digest sees
 BLOCK = 1 << 16  # a file's digest reads its data 64 KiB at a time and skips all-zero blocks (holes read as zeros)
 TOOLS_DIR = "/opt/kit-tools/bin"
-AGE_DAYS = 60  # every planted file was last modified this long ago (an answer's age filter keeps none of them)
+# Every tool a planted host may have (TOOL_SCRIPT's stand-ins): on a host without one, it is not found.
+KNOWN_TOOLS = ("apt-get", "apt", "dnf", "yum", "journalctl", "pip", "pip3", "npm", "docker", "conda", "flatpak", "sudo")
+AGE_DAYS = 60  # every planted file but LIVE's was last modified this long ago (an age filter keeps none of them)
 OUTCOMES = ("failed", "no_effect", "freed", "broke")
 CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
@@ -186,11 +192,12 @@ def planted(host: Host) -> tuple[dict, dict]:
 
 
 def plant(root: Path, files: dict, headed: tuple = ()) -> None:
-    """Sparse files of the given sizes under root (the workspace's view of /), last modified AGE_DAYS ago; those in
-    `headed` begin with HEADER random bytes (kept files: content their digest can tell apart)."""
+    """Sparse files of the given sizes under root (the workspace's view of /), last modified AGE_DAYS ago (LIVE's
+    a minute ago); those in `headed` begin with HEADER random bytes (kept files: content their digest can tell
+    apart)."""
     import time
 
-    old = time.time() - AGE_DAYS * 86400
+    now = time.time()
     for path, size in files.items():
         target = root / path.lstrip("/")
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -198,20 +205,25 @@ def plant(root: Path, files: dict, headed: tuple = ()) -> None:
             if path in headed:
                 f.write(os.urandom(min(HEADER, size)))
             f.truncate(size)
-        os.utime(target, (old, old))
+        when = now - (60 if path in LIVE else AGE_DAYS * 86400)
+        os.utime(target, (when, when))
     for sticky in ("tmp", "var/tmp"):  # as on a real host: anyone may write there, only the owner delete
         (root / sticky).chmod(0o1777) if (root / sticky).is_dir() else None
 
 
 def plant_tools(root: Path, host: Host) -> None:
-    """The host's package and service tools as small stand-ins in TOOLS_DIR (first on the code's PATH)."""
+    """The host's package and service tools as small stand-ins in TOOLS_DIR (first on the code's PATH). Each tool
+    the checker knows that the host lacks is there too, as a command that is not found (exit 127): the machine the
+    checker runs on may have its own apt-get, npm or docker on the system PATH, and the score must not depend on it."""
     bin_dir = root / TOOLS_DIR.lstrip("/")
     bin_dir.mkdir(parents=True)
     (bin_dir / "kit-tool").write_text(TOOL_SCRIPT.replace("PRIVILEGED", repr(host.user == "root"))
                                       .replace("SUDO_OK", repr(host.sudo)).replace("DOCKER_SPOOL", repr(DOCKER_SPOOL)))
-    (bin_dir / "kit-tool").chmod(0o755)
-    for name in host.tools:
-        (bin_dir / name).symlink_to("kit-tool")
+    (bin_dir / "kit-absent").write_text('#!/bin/sh\necho "${0##*/}: command not found" >&2\nexit 127\n')
+    for script in ("kit-tool", "kit-absent"):
+        (bin_dir / script).chmod(0o755)
+    for name in KNOWN_TOOLS:
+        (bin_dir / name).symlink_to("kit-tool" if name in host.tools else "kit-absent")
 
 
 TOOL_SCRIPT = '''#!/usr/bin/env python3

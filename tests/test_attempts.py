@@ -2,10 +2,14 @@
 import json
 from pathlib import Path
 
+import pytest
+
 import attempts
 import build_pairs
 import checker
 import formats
+import kit
+import sandbox
 
 LOGS = "data/runs.jsonl"
 
@@ -68,3 +72,34 @@ def test_the_bundled_rounds_of_attempts_never_touch_a_held_out_run_and_log_each_
                 assert logged == {"freed": (True, True), "no_effect": (True, False), "broke": (True, False),
                                   "failed": (a["ran"], False)}[a["outcome"]], (path, r["run_id"], a["outcome"])
                 assert a["outcome"] != "broke" or a["error"]  # what it deleted is said
+
+
+ROOT_RUN = {"run_id": "run-x", "round": 2, "model": "artifacts/r1", "strategy": "Remove rotated logs older than 2 weeks",
+            "prompt": [{"role": "user", "content": "Host web-prod-11, Debian 12, Python 3.11.2, running as root.",
+                        "tag": "get_basic_env_plist"}]}
+AGE_FILTER = ("import time\nfrom pathlib import Path\nfor f in Path('/var/log').rglob('*'):\n"
+              "    if f.is_file() and time.time() - f.stat().st_mtime > 14 * 86400:\n        f.unlink()\n")
+
+
+@pytest.mark.skipif(sandbox.isolation() not in ("bwrap", "unshare"), reason="the planted host's absolute paths need "
+                    "namespaces")
+def test_rescore_runs_each_logged_attempt_again_and_keeps_the_answers_rounds_and_models(tmp_path, capsys):
+    wrong = attempts.attempt_record("answer text", AGE_FILTER, check("broke", broken=["/var/log/syslog"]))
+    right = attempts.attempt_record("print(0)", "print(0)\n", check("no_effect"))
+    logs, out = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    logs.write_text(json.dumps({**ROOT_RUN, "attempts": [wrong, right]}) + "\n\n")
+    assert attempts.main([str(logs), "--rescore", "-o", str(out), "--report", str(tmp_path / "r.json")]) == 0
+    [record] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {k: v for k, v in record.items() if k != "attempts"} == ROOT_RUN
+    assert [(a["outcome"], a["answer"], a["code"]) for a in record["attempts"]] == [
+        ("freed", "answer text", AGE_FILTER), ("no_effect", "print(0)", "print(0)\n")]
+    assert record["attempts"][0]["space_freed"] > 0 and record["attempts"][0]["error"] is None
+    assert json.loads((tmp_path / "r.json").read_text())["changed"] == {"broke -> freed": 1}
+    assert "1 outcomes changed (broke -> freed 1)" in capsys.readouterr().out
+
+
+def test_rescore_refuses_logs_that_are_not_attempts_and_a_model(tmp_path, capsys):
+    assert attempts.AttemptsConfig(logs="a.jsonl", rescore=True, model="m").problems()
+    assert kit.run_cli(attempts.main, [LOGS, "--rescore", "-o", str(tmp_path / "o.jsonl")]) == 2
+    assert capsys.readouterr().err.startswith(f"{LOGS}:1: not attempts.py's output")
+    assert not (tmp_path / "o.jsonl").exists()
