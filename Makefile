@@ -9,9 +9,10 @@ SHELL := /bin/bash
 DATA ?=
 LOGS ?= data/runs.jsonl
 # Earlier rounds' attempts, read after LOGS when the pairs are built (build_pairs.py --extra_runs; comma-separated):
-# with the demo logs, a round of the bundled model's own attempts at their training runs, each run by the checker
-# (data/attempts.jsonl; data/README.md says how it was made). ATTEMPTS= leaves them out.
-ATTEMPTS ?= $(if $(filter data/runs.jsonl,$(LOGS)),data/attempts.jsonl)
+# with the demo logs, two rounds of the bundled model's own attempts at their training runs, each run by the checker
+# (data/attempts*.jsonl; data/README.md says how they were made). ATTEMPTS= leaves them out.
+comma := ,
+ATTEMPTS ?= $(if $(filter data/runs.jsonl,$(LOGS)),data/attempts.jsonl$(comma)data/attempts-round2.jsonl)
 MODEL ?=
 RUN ?=
 ARGS ?=

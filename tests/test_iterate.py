@@ -149,7 +149,8 @@ def test_make_train_rounds_1_runs_the_rounds_plan_and_the_recipe_with_the_demos_
     assert "entrypoint.py iterate configs/rounds.yaml --logs data/runs.jsonl --output_dir artifacts --name x" \
         in rounds and "-- --seed 2" in rounds and "train_dpo.py" not in rounds
     default = dry()  # the recipe, on the demo logs and the bundled model's earlier attempts after them
-    assert "build_pairs.py data/runs.jsonl --extra_runs data/attempts.jsonl -o artifacts/pairs/runs.pairs.jsonl" \
+    assert "build_pairs.py data/runs.jsonl --extra_runs data/attempts.jsonl,data/attempts-round2.jsonl -o " \
+        "artifacts/pairs/runs.pairs.jsonl" \
         in default and "train_dpo.py" in default and "--config configs/demo.yaml" in default
     assert "iterate" not in default and "--extra_runs" not in dry("ATTEMPTS=")
     assert "--extra_runs" not in dry("LOGS=data/sft.jsonl")  # another agent's logs: only the demo's own attempts

@@ -317,7 +317,8 @@ def test_make_train_in_the_container_builds_the_same_pairs_and_runs_rounds_as_it
     assert one[one.index("# train") + 1].endswith("--config configs/demo.yaml")
     pairs = one[one.index("# pairs") + 1]  # the demo's logs and, after them, the model's own earlier attempts
     assert f"{ROOT}/data/attempts.jsonl:/data/extra-0-attempts.jsonl:ro" in pairs.replace("'", "")
-    assert "--extra_runs /data/extra-0-attempts.jsonl" in pairs
+    assert f"{ROOT}/data/attempts-round2.jsonl:/data/extra-1-attempts-round2.jsonl:ro" in pairs.replace("'", "")
+    assert "--extra_runs /data/extra-0-attempts.jsonl,/data/extra-1-attempts-round2.jsonl" in pairs
     assert "--extra_runs" not in dry("ATTEMPTS=")[one.index("# pairs") + 1]
     with pytest.raises(kit.UserError, match="--rounds runs a plan on run logs in one process"):
         kit.parse_config(LaunchConfig, ["train", "--rounds", "configs/rounds.yaml", "--data", "p.jsonl"], "",
