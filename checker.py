@@ -12,10 +12,10 @@ documents, notebooks, experiment runs and keys, databases (PostgreSQL's data and
 data, the logs services are writing. Files are sparse: sizes are realistic, the disk is not used; what services
 write was modified a minute ago, the rest 60 days ago. The host's tools are stand-ins that take only the options,
 arguments and values the real tool takes (a command a real apt, pip, npm, dnf, journalctl or docker would refuse
-fails here too); one the host lacks is not found, whatever the machine running the checker has. A host's user without sudo owns only the home and what is
-in /tmp: the rest (/var, /var/lib, /srv, /opt, the parents of every system directory) is root's, so the answer can
-change it no more than on a real host (as root, by ownership and Landlock; as any other user, by Landlock). The
-score, with build_pairs' outcome labels:
+fails here too); one the host lacks is not found, whatever the machine running the checker has. A host's user
+without sudo owns only the home and what is in /tmp: the rest (/var, /var/lib, /srv, /opt, the parents of every
+system directory) is root's, so the answer can change it no more than on a real host (as root, by ownership and
+Landlock; as any other user, by Landlock). The score, with build_pairs' outcome labels:
 
   failed     it did not compile, raised, or hit a limit             0
   no_effect  it ran and freed nothing                               0

@@ -74,7 +74,7 @@ def test_the_bundled_rounds_of_attempts_never_touch_a_held_out_run_and_log_each_
                 assert a["outcome"] != "broke" or a["error"]  # what it deleted is said
 
 
-ROOT_RUN = {"run_id": "run-x", "round": 2, "model": "artifacts/r1", "strategy": "Remove rotated logs older than 2 weeks",
+ROOT_RUN = {"run_id": "run-x", "round": 2, "model": "artifacts/r1", "strategy": "Remove logs older than 14 days",
             "prompt": [{"role": "user", "content": "Host web-prod-11, Debian 12, Python 3.11.2, running as root.",
                         "tag": "get_basic_env_plist"}]}
 AGE_FILTER = ("import time\nfrom pathlib import Path\nfor f in Path('/var/log').rglob('*'):\n"
