@@ -291,7 +291,9 @@ def host_of_run(run: Run) -> str:
 def read_runs(path: str, score_key: str = PairsConfig.score_key, skip_invalid: bool = False):
     """Each run of a run-log file, checked as the pairs are (FILE:LINE errors; with skip_invalid, a bad line is
     passed over as build_pairs passes it over)."""
-    for line_no, raw in enumerate(io.BytesIO(Path(path).read_bytes()), start=1):
+    with open_runs(path) as f:
+        data = f.read()
+    for line_no, raw in enumerate(io.BytesIO(data), start=1):
         try:
             run = _parse_line(raw, path, line_no, score_key)
         except UserError:

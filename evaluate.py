@@ -458,7 +458,7 @@ def mark_seen(prompts: list[dict], trained: list[dict]) -> list[dict]:
     held-out run is never trained on, but agents retry a strategy on other hosts, and a code prompt is the
     strategy sentence alone: the report gives the pass rate on the new prompts apart."""
     texts = {formats.prompt_text(r["prompt"], r.get("tools")) for r in trained}
-    return [p | {"seen": formats.prompt_text(p["prompt"]) in texts} for p in prompts]
+    return [p | {"seen": formats.prompt_text(p["prompt"], p.get("tools")) in texts} for p in prompts]
 
 
 def new_text_scores(result: dict, name: str) -> dict | None:

@@ -103,3 +103,5 @@ def test_rescore_refuses_logs_that_are_not_attempts_and_a_model(tmp_path, capsys
     assert kit.run_cli(attempts.main, [LOGS, "--rescore", "-o", str(tmp_path / "o.jsonl")]) == 2
     assert capsys.readouterr().err.startswith(f"{LOGS}:1: not attempts.py's output")
     assert not (tmp_path / "o.jsonl").exists()
+    assert kit.run_cli(attempts.main, [str(tmp_path / "none.jsonl"), "--rescore"]) == 2  # a missing file: no traceback
+    assert capsys.readouterr().err.startswith(f"{tmp_path / 'none.jsonl'}: cannot read the run logs")

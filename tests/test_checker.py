@@ -101,12 +101,13 @@ def test_an_age_filter_keeps_what_services_are_writing_and_nothing_else(code, ou
 FEDORA_SUDO = "Host lea-thinkpad, Fedora 39, Python 3.12.1, user lea (sudo)."
 
 
-@needs_bwrap
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("host, missing", [
     (FEDORA_SUDO, ("apt-get", "apt", "npm", "docker", "conda")),
     ("Host ci-runner-03, Ubuntu 22.04.4 LTS, user ci (no sudo)", ("dnf", "yum", "sudo", "conda", "flatpak")),
 ])
-def test_a_tool_the_host_lacks_is_not_found_whatever_the_machine_has(host, missing):
+def test_a_tool_the_host_lacks_is_not_found_whatever_the_machine_has(host, missing, mode, monkeypatch):
+    monkeypatch.setenv(sandbox.ENV, mode)
     # the machine running the checker may have its own npm, apt-get or docker on the system PATH (this one has npm
     # and node): run there, `npm cache clean --force` freed the planted cache on a host that has no npm
     code = ("import subprocess\nfor tool in {!r}:\n"
