@@ -9,10 +9,15 @@ The host the prompt describes (its user, or root) gets a small planted filesyste
 absolute paths): a home with pip, npm, gradle, ccache and browser caches, a Trash and half-downloaded files; /var
 with rotated logs, apt and dnf caches, core dumps and temporary files; and what must be kept: the user's projects,
 documents, notebooks, experiment runs and keys, databases (PostgreSQL's data and WAL, MySQL), a service's code and
-data, the logs services are writing. Files are sparse: sizes are realistic, the disk is not used; what services
-write was modified a minute ago, the rest 60 days ago. The host's tools are stand-ins that take only the options,
-arguments and values the real tool takes (a command a real apt, pip, npm, dnf, journalctl or docker would refuse
-fails here too); one the host lacks is not found, whatever the machine running the checker has. A host's user
+data, the logs services are writing. Where junk sits beside something needed on a real host, it does here too, so
+that wiping a whole directory is not scored as cleaning it: finished downloads beside the partial ones, the journal
+systemd is writing beside its archived files, a CI job's checked-out code beside its bytecode, a user's tmux socket
+in /tmp and a service's session store in /var/tmp. Files are sparse: sizes are realistic, the disk is not used;
+what services, sessions and jobs write was modified a minute ago, the rest 60 days ago. The host's tools are
+stand-ins that take only the options, arguments and values the real tool takes (a command a real apt, pip, npm, dnf,
+journalctl or docker would refuse fails here too); one the host lacks is not found, whatever the machine running
+the checker has, by name or by the machine's own path (`/usr/bin/npm`: sandbox.py binds the host's over it, in
+bwrap and unshare modes). A host's user
 without sudo owns only the home and what is in /tmp: the rest (/var, /var/lib, /srv, /opt, the parents of every
 system directory) is root's, so the answer can change it no more than on a real host (as root, by ownership and
 Landlock; as any other user, by Landlock). The score, with build_pairs' outcome labels:
@@ -99,6 +104,8 @@ TOOL_JUNK = {
 HOME_KEEP = {
     "~/projects/app/main.py": 1, "~/Documents/thesis.odt": 25, "~/notebooks/analysis.ipynb": 3,
     "~/runs/exp42/checkpoint.pt": 800, "~/.ssh/id_ed25519": 1, "~/actions-runner/.runner": 1,
+    "~/actions-runner/_work/app/app/pkg/models.py": 1, "~/Downloads/paper-final.pdf": 3,
+    "~/Téléchargements/facture-2024.pdf": 1,
 }
 SYSTEM_KEEP = {
     "/var/log/syslog": 20, "/var/log/nginx/access.log": 40,
@@ -107,11 +114,15 @@ SYSTEM_KEEP = {
     "/var/lib/mysql/ibdata1": 500,
     "/srv/app/data/uploads/2024/photo.jpg": 8,
     "/srv/app/src/app/views.py": 1, "/boot/vmlinuz-5.15.0-105-generic": 12,
+    "/var/log/journal/3f9a1c/system.journal": 64, "/tmp/tmux-1000/default": 1, "/var/tmp/sessions/active.db": 2,
 }
-# Kept files a running service writes all the time: on a real host they were modified moments ago, so an age filter
-# ("rotated logs older than two weeks", `find /var/log -mtime +14`) leaves them, as it does here.
+# Kept files a running service (or a session, or a CI job) writes all the time: on a real host they were modified
+# moments ago, so an age filter ("rotated logs older than two weeks", `find /var/log -mtime +14`) leaves them, as it
+# does here. Absolute, or under the host's home as ~/.
 LIVE = ("/var/log/syslog", "/var/log/nginx/access.log", "/var/lib/postgresql/16/main/base/16384/1259",
-        "/var/lib/pgsql/16/data/pg_wal/000000010000000000000042", "/var/lib/mysql/ibdata1")
+        "/var/lib/pgsql/16/data/pg_wal/000000010000000000000042", "/var/lib/mysql/ibdata1",
+        "/var/log/journal/3f9a1c/system.journal", "/tmp/tmux-1000/default", "/var/tmp/sessions/active.db",
+        "~/actions-runner/_work/app/app/pkg/models.py")
 # The demo's hosts as their logs show them: the tools each has beyond its distribution's, and caches it lacks.
 HOST_TOOLS = {"ci-runner-03": {"docker", "npm"}, "gpu-ws-02": {"conda"}, "lea-thinkpad": {"flatpak"}}
 HOST_ABSENT = {"ci-runner-03": ("~/.ccache",), "web-prod-11": ("/var/lib/systemd/coredump",),
@@ -192,6 +203,11 @@ def planted(host: Host) -> tuple[dict, dict]:
     return junk, place(HOME_KEEP) | place(SYSTEM_KEEP)
 
 
+def live(path: str) -> bool:
+    """A planted path a running service or session writes (LIVE: absolute, or under the home as ~/...)."""
+    return path in LIVE or any(p.startswith("~/") and path.endswith(p[1:]) for p in LIVE)
+
+
 def plant(root: Path, files: dict, headed: tuple = ()) -> None:
     """Sparse files of the given sizes under root (the workspace's view of /), last modified AGE_DAYS ago (LIVE's
     a minute ago); those in `headed` begin with HEADER random bytes (kept files: content their digest can tell
@@ -206,7 +222,7 @@ def plant(root: Path, files: dict, headed: tuple = ()) -> None:
             if path in headed:
                 f.write(os.urandom(min(HEADER, size)))
             f.truncate(size)
-        when = now - (60 if path in LIVE else AGE_DAYS * 86400)
+        when = now - (60 if live(path) else AGE_DAYS * 86400)
         os.utime(target, (when, when))
     for sticky in ("tmp", "var/tmp"):  # as on a real host: anyone may write there, only the owner delete
         (root / sticky).chmod(0o1777) if (root / sticky).is_dir() else None
@@ -518,7 +534,8 @@ def check(code: str, host: str = CheckConfig.host, limits=None) -> Check:
         kept = {p: state(root, p) for p in watched}
         before = total_bytes(root)
         result = sandbox.run_code(code, tmp, host.home, limits or sandbox.Limits(), path=(TOOLS_DIR,),
-                                  writable=None if host.privileged else (host.home, *USER_DIRS, *spool))
+                                  writable=None if host.privileged else (host.home, *USER_DIRS, *spool),
+                                  shadow=KNOWN_TOOLS)
         if spool:
             docker_daemon(root.resolve())
         kept_after = {p: state(root, p) for p in watched}

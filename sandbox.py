@@ -68,6 +68,7 @@ RESERVED = {"usr", "bin", "lib", "lib64", "etc", "sbin", "dev", "proc", "run", "
 SANDBOX_TASKS = 3  # the sandbox's own processes of the run's user: the first process, bubblewrap's two
 PARALLEL = 4  # answers checked at once (rewards.Checked): the no-cgroup memory bound leaves room for them all
 SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
+COMMAND_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")  # where shadow looks
 _WARNED: set = set()
 _PROBED: dict = {}  # mode -> "" (runs here) or why not
 
@@ -100,6 +101,8 @@ if spec["chroot"]:
     for d in c["system"]:
         os.makedirs(root + d, exist_ok=True)
         ro_bind(d, root + d)
+    for source, target in c["shadow"]:
+        ro_bind(source, root + target)
     os.makedirs(root + "/dev", exist_ok=True)
     mount("tmpfs", root + "/dev", "tmpfs", NOSUID, "mode=755,size=64k")
     for name in c["devices"]:
@@ -514,7 +517,8 @@ def bounds(limits: Limits, uid: int, cgroup: bool) -> tuple[dict, str]:
 # Running code
 # ---------------------------------------------------------------------------------------------
 
-def _bwrap_argv(root: Path, kit_dir: Path, home: str, path: str, inner: list[str]) -> list[str]:
+def _bwrap_argv(root: Path, kit_dir: Path, home: str, path: str, inner: list[str],
+                shadowed: list = ()) -> list[str]:
     proc = [] if _PROBED.get("bwrap_no_proc") else ["--proc", "/proc"]  # without it the code has no /proc at all
     argv = [shutil.which("bwrap"), "--unshare-all", "--die-with-parent", "--new-session", *proc,
             "--dev", "/dev", "--clearenv", "--setenv", "HOME", home, "--setenv", "TMPDIR", "/tmp",
@@ -522,11 +526,31 @@ def _bwrap_argv(root: Path, kit_dir: Path, home: str, path: str, inner: list[str
     for system in SYSTEM_DIRS:
         if os.path.exists(system):
             argv += ["--ro-bind", system, system]
+    for source, target in shadowed:
+        argv += ["--ro-bind", source, target]
     for top in sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and p.name not in RESERVED):
         argv += ["--bind", str(top), f"/{top.name}"]
     if not (root / "tmp").is_dir():
         argv += ["--tmpfs", "/tmp"]
     return argv + ["--ro-bind", str(kit_dir), KIT_DIR, "--chdir", home, "--", *inner]
+
+
+def shadows(root: Path, first: str, names: tuple) -> list[tuple[str, str]]:
+    """(the workspace's file, the machine's path) for each command in `names` that the machine has in its system
+    directories: bound read-only over it (bwrap and unshare modes), so that the code calling it by absolute path
+    (`/usr/bin/npm`) gets what `first` (a directory on its PATH, as the code sees it) holds under that name, not the
+    machine's own. The machine's path is resolved (a symlink's target is what is bound over)."""
+    out, seen = [], set()
+    for name in names:
+        source = root / first.lstrip("/") / name
+        if not source.exists():
+            continue
+        for d in COMMAND_DIRS:
+            target = os.path.realpath(os.path.join(d, name))
+            if os.path.isfile(target) and target not in seen and target.startswith(tuple(s + "/" for s in SYSTEM_DIRS)):
+                seen.add(target)
+                out.append((str(source.resolve()), target))
+    return out
 
 
 def _confine_spec(mode: str, root: Path, kit_dir: Path, writable: tuple | None) -> dict:
@@ -557,7 +581,7 @@ def _own(root: Path, uid: int, writable: tuple | None) -> None:
 
 
 def _run(code: str, mode: str, workspace: Path | None, home: str, limits: Limits, path: tuple,
-         writable: tuple | None) -> Result:
+         writable: tuple | None, shadow: tuple = ()) -> Result:
     own = workspace is None
     workspace = Path(tempfile.mkdtemp(prefix="dpo-kit-sandbox-")) if own else Path(workspace)
     cgroup = None
@@ -581,15 +605,15 @@ def _run(code: str, mode: str, workspace: Path | None, home: str, limits: Limits
         cgroup = make_cgroup(limits.memory_mb << 20, limits.processes)
         rlimits, how = bounds(limits, uid if uid is not None else os.getuid(), cgroup is not None)
         spec = {"cgroup": cgroup.procs if cgroup else [], "rlimits": rlimits, "uid": uid, "chroot": None}
-        prefix = ()
+        prefix, shadowed = (), shadows(root, path[0], shadow) if path and mode != "limits" else []
         if mode == "bwrap":
-            spec |= {"argv": _bwrap_argv(root, kit_dir, home, search, inner), "env": {}, "cwd": str(root)}
+            spec |= {"argv": _bwrap_argv(root, kit_dir, home, search, inner, shadowed), "env": {}, "cwd": str(root)}
         elif mode == "unshare":
             prefix = ("unshare", "--mount", "--ipc", "--net", "--pid", "--uts", "--fork", "--kill-child")
             spec |= {"argv": inner, "cwd": home, "env": {"HOME": home, "TMPDIR": "/tmp", "LANG": "C.UTF-8",
                                                          "PATH": search},
                      "chroot": {"root": str(root), "system": [d for d in SYSTEM_DIRS if os.path.exists(d)],
-                                "devices": list(DEVICES), "kit": str(kit_dir), "kit_at": KIT_DIR,
+                                "devices": list(DEVICES), "kit": str(kit_dir), "kit_at": KIT_DIR, "shadow": shadowed,
                                 "shm_kb": limits.file_mb << 10}}
         else:
             outside = ":".join(str(root / p.lstrip("/")) for p in path)  # no namespace: the workspace's real paths
@@ -700,16 +724,18 @@ def _reason(rc: int, timed_out: bool, stderr: str, limits: Limits) -> str:
 
 
 def run_code(code: str, workspace: Path | None = None, home: str = "/tmp", limits: Limits | None = None,
-             path: tuple = (), writable: tuple | None = None) -> Result:
+             path: tuple = (), writable: tuple | None = None, shadow: tuple = ()) -> Result:
     """Run `code` (Python) in the sandbox. workspace: a directory whose root/ holds what the code may see (absolute
     paths in bwrap and unshare modes; see the module docstring); a fresh one, removed after, when None. home: HOME
     inside it. path: directories (as the code sees them) put first on its PATH. writable: the directories under
     root/ (as the code sees them) that the host's user may change; None: all of root/. The rest is the system's:
-    Landlock keeps the code from writing there, and as root the run's user does not own it."""
+    Landlock keeps the code from writing there, and as root the run's user does not own it. shadow: command names
+    whose copies in the machine's system directories the code sees replaced by path[0]'s (bwrap and unshare modes;
+    `limits` has no mount namespace to do it in)."""
     limits = limits or Limits()
     mode = isolation()
     _warn_once()
-    return _run(code, mode, workspace, home, limits, path, writable)
+    return _run(code, mode, workspace, home, limits, path, writable, shadow)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -98,6 +98,16 @@ def test_rescore_runs_each_logged_attempt_again_and_keeps_the_answers_rounds_and
     assert "1 outcomes changed (broke -> freed 1)" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(sandbox.isolation() not in ("bwrap", "unshare"),
+                    reason="the planted hosts at their absolute paths need bubblewrap, or root for unshare")
+@pytest.mark.parametrize("path", ["data/attempts.jsonl", "data/attempts-round2.jsonl"])
+def test_the_bundled_attempts_are_scored_as_the_checker_scores_them_now(path, tmp_path, capsys):
+    """make train trains on these outcomes: a change to the checker that moves one must re-score the file
+    (attempts.py --rescore), or the default trains on answers the checker no longer passes."""
+    result = attempts.rescore(attempts.AttemptsConfig(logs=path, rescore=True, output=str(tmp_path / "o.jsonl")))
+    assert result["changed"] == {}, f"{path}: run attempts.py {path} --rescore -o {path}"
+
+
 def test_rescore_refuses_logs_that_are_not_attempts_and_a_model(tmp_path, capsys):
     assert attempts.AttemptsConfig(logs="a.jsonl", rescore=True, model="m").problems()
     assert kit.run_cli(attempts.main, [LOGS, "--rescore", "-o", str(tmp_path / "o.jsonl")]) == 2

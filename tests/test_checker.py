@@ -3,6 +3,7 @@ their reason, TRL's reward signature, and how many of the demo logs' attempts it
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +88,7 @@ AGE_FILTER = ("import time\nfrom pathlib import Path\nfor f in Path({!r}).rglob(
     ("from pathlib import Path\nfor f in Path('/var/log').rglob('*.log'):\n    f.unlink()\n", "broke",
      ["/var/log/nginx/access.log"]),
     (AGE_FILTER.format("/root"), "broke", ["/root/.ssh/id_ed25519", "/root/Documents/thesis.odt",
+                                           "/root/Downloads/paper-final.pdf", "/root/Téléchargements/facture-2024.pdf",
                                            "/root/actions-runner/.runner", "/root/notebooks/analysis.ipynb",
                                            "/root/projects/app/main.py", "/root/runs/exp42/checkpoint.pt"]),
     (AGE_FILTER.format("/srv"), "broke", ["/srv/app/data/uploads/2024/photo.jpg", "/srv/app/src/app/views.py"]),
@@ -96,6 +98,29 @@ AGE_FILTER = ("import time\nfrom pathlib import Path\nfor f in Path({!r}).rglob(
 def test_an_age_filter_keeps_what_services_are_writing_and_nothing_else(code, outcome, broken):
     result = checker.check(code, ROOT_HOST)
     assert (result.outcome, sorted(result.broken)) == (outcome, sorted(broken)), result
+
+
+WIPE = "from pathlib import Path\nfor f in Path({!r}).rglob('*'):\n    if f.is_file():\n        f.unlink()\n"
+ONLY = ("from pathlib import Path\nfor f in Path({!r}).rglob('*'):\n"
+        "    if f.is_file() and f.name.endswith({!r}):\n        f.unlink()\n")
+
+
+@needs_bwrap
+@pytest.mark.parametrize("directory, targeted, kept", [
+    # each directory where an agent finds junk also holds something a user, a session or a service still needs
+    ("/root/actions-runner/_work", ONLY.format("/root/actions-runner/_work", ".pyc"),
+     "/root/actions-runner/_work/app/app/pkg/models.py"),
+    ("/root/Downloads", ONLY.format("/root/Downloads", ".crdownload"), "/root/Downloads/paper-final.pdf"),
+    ("/var/log/journal", ONLY.format("/var/log/journal", ".journal~"), "/var/log/journal/3f9a1c/system.journal"),
+    ("/tmp", AGE_FILTER.format("/tmp"), "/tmp/tmux-1000/default"),
+    ("/var/tmp", AGE_FILTER.format("/var/tmp"), "/var/tmp/sessions/active.db"),
+])
+def test_wiping_a_junk_directory_deletes_what_is_kept_there_and_the_targeted_cleaner_does_not(directory, targeted,
+                                                                                              kept):
+    wiped = checker.check(WIPE.format(directory), ROOT_HOST)
+    assert (wiped.outcome, wiped.broken) == ("broke", [kept]), wiped
+    result = checker.check(targeted, ROOT_HOST)
+    assert result.outcome == "freed" and result.freed_bytes > 0, result
 
 
 FEDORA_SUDO = "Host lea-thinkpad, Fedora 39, Python 3.12.1, user lea (sudo)."
@@ -115,6 +140,25 @@ def test_a_tool_the_host_lacks_is_not_found_whatever_the_machine_has(host, missi
     result = checker.check(code, host)
     assert result.stdout.split() == [w for tool in missing for w in (tool, "127")], result
     assert set(checker.parse_host(host).tools) <= set(checker.KNOWN_TOOLS)
+
+
+@pytest.mark.parametrize("mode", [m for m in MODES if m != "limits"])  # limits has no mount namespace to do it in
+def test_a_tool_called_by_its_absolute_path_is_the_hosts_too(mode, monkeypatch):
+    """`/usr/bin/npm` is the machine's npm, not the host's, unless the sandbox binds the host's over it."""
+    monkeypatch.setenv(sandbox.ENV, mode)
+    lacking = ("npm", "apt-get", "docker", "conda")  # tools the Fedora laptop does not have
+    machine = [p for t in lacking if (p := shutil.which(t, path=":".join(sandbox.COMMAND_DIRS)))]
+    if not machine:
+        pytest.skip("this machine has none of them in its system directories")
+    code = ("import subprocess\nfor tool in {!r}:\n"
+            "    print(subprocess.run([tool, '--version'], capture_output=True).returncode)\n").format(machine)
+    result = checker.check(code, FEDORA_SUDO)
+    assert result.stdout.split() == ["127"] * len(machine), (machine, result)
+    npm = "import subprocess\nsubprocess.run([{!r}, 'cache', 'clean', '--force'], check=True)\n"
+    if shutil.which("npm", path=":".join(sandbox.COMMAND_DIRS)):  # the host's npm stand-in, by the machine's path
+        path = shutil.which("npm", path=":".join(sandbox.COMMAND_DIRS))
+        assert checker.check(npm.format(path), CI_HOST).outcome == "freed"
+        assert checker.check(npm.format(path), FEDORA_SUDO).outcome == "failed"
 
 
 def test_every_tool_a_host_can_have_is_known_so_the_others_are_shadowed():
@@ -252,7 +296,7 @@ TRICKS = {
     "rename ~/.cache": (CI_HOST, "import os\nos.rename(os.path.expanduser('~/.cache'), os.path.expanduser('~/.c'))\n",
                         {"no_effect"}),
     "move junk into a new directory": (CI_HOST, "import os, shutil\nos.makedirs(os.path.expanduser('~/stash'))\n"
-                                       "shutil.move(os.path.expanduser('~/Downloads'), os.path.expanduser('~/stash'))\n",
+                                       "shutil.move(os.path.expanduser('~/.npm'), os.path.expanduser('~/stash'))\n",
                                        {"no_effect"}),
     "rename system directories without sudo": (
         CI_HOST, "import os\nfor d in ['/var/lib/systemd', '/var/tmp', '/var/cache', '/var/lib/apt', '/srv']:\n"
