@@ -109,6 +109,14 @@ RECIPE := $(if $(MODEL)$(filter-out dpo,$(METHOD)),,--config configs/demo.yaml)
 ROUNDS ?= 0
 ROUNDS_PLAN ?= configs/rounds.yaml
 USE_ROUNDS := $(if $(RECIPE),$(if $(DATA)$(DISTRIBUTED)$(filter-out 1,$(ROUNDS)),,1))
+# ROUNDS=1 where a round cannot run is refused, not quietly trained as one run.
+ROUNDS_BLOCKER = $(if $(DATA),DATA= (a round builds its pairs from LOGS),$(if $(filter-out dpo,$(METHOD)),METHOD=$(METHOD) \
+  (a round trains the recipe),$(if $(MODEL),MODEL= (the plan is the bundled model's recipe),$(if $(DISTRIBUTED),several \
+  processes or nodes,$(if $(filter slurm,$(RUNNER)),RUNNER=slurm (its stages run here or in the kit's container; on a \
+  cluster: srun make train ROUNDS=1 RUNNER=local))))))
+ifneq ($(filter train,$(MAKECMDGOALS)),)
+$(if $(filter 1,$(ROUNDS)),$(if $(strip $(ROUNDS_BLOCKER)),$(error ROUNDS=1 does not run with $(strip $(ROUNDS_BLOCKER)))))
+endif
 
 .PHONY: help
 help: ## list the targets

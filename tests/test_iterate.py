@@ -138,7 +138,7 @@ def test_the_command_line_puts_its_logs_seed_name_and_train_flags_in_place_of_th
         iterate.train_flags(["--output_dir", "x"])
 
 
-def test_make_train_rounds_1_runs_the_rounds_plan_and_the_recipe_with_the_demos_attempts_otherwise():
+def test_make_train_rounds_1_runs_the_rounds_plan_refuses_what_it_cannot_and_the_recipe_otherwise():
     def dry(*args):
         out = subprocess.run(["make", "-n", "--no-print-directory", "train", "RUNNER=local", *args], cwd=ROOT,
                              capture_output=True, text=True)
@@ -154,9 +154,13 @@ def test_make_train_rounds_1_runs_the_rounds_plan_and_the_recipe_with_the_demos_
         in default and "train_dpo.py" in default and "--config configs/demo.yaml" in default
     assert "iterate" not in default and "--extra_runs" not in dry("ATTEMPTS=")
     assert "--extra_runs" not in dry("LOGS=data/sft.jsonl")  # another agent's logs: only the demo's own attempts
-    for alone in (["DATA=pairs.jsonl"], ["METHOD=kto"], ["MODEL=random:tiny"], ["NPROC=2"]):
-        text = dry("ROUNDS=1", *alone)
-        assert "iterate" not in text and ("train_dpo.py" in text or "scaleout.py" in text), alone
+    for alone, why in (("DATA=pairs.jsonl", "DATA="), ("METHOD=kto", "METHOD=kto"), ("MODEL=random:tiny", "MODEL="),
+                       ("NPROC=2", "several processes"), ("RUNNER=slurm", "RUNNER=slurm")):
+        # where a round cannot run, ROUNDS=1 is refused (before: quietly trained as one run)
+        out = subprocess.run(["make", "-n", "--no-print-directory", "train", "RUNNER=local", "ROUNDS=1", alone],
+                             cwd=ROOT, capture_output=True, text=True)
+        assert out.returncode == 2 and f"ROUNDS=1 does not run with {why}" in out.stderr, (alone, out.stderr)
+        assert "iterate" not in dry(alone)  # and without ROUNDS=1 each of them trains as it did
 
 
 def test_sft_pairs():
