@@ -17,10 +17,9 @@ what services, sessions and jobs write was modified a minute ago, the rest 60 da
 stand-ins that take only the options, arguments and values the real tool takes (a command a real apt, pip, npm, dnf,
 journalctl or docker would refuse fails here too); one the host lacks is not found, whatever the machine running
 the checker has, by name or by the machine's own path (`/usr/bin/npm`: sandbox.py binds the host's over it, in
-bwrap and unshare modes). A host's user
-without sudo owns only the home and what is in /tmp: the rest (/var, /var/lib, /srv, /opt, the parents of every
-system directory) is root's, so the answer can change it no more than on a real host (as root, by ownership and
-Landlock; as any other user, by Landlock). The score, with build_pairs' outcome labels:
+bwrap and unshare modes). A host's user without sudo owns only the home and what is in /tmp: the rest (/var,
+/var/lib, /srv, /opt, the parents of every system directory) is root's, so the answer can change it no more than on
+a real host (as root, by ownership and Landlock; as any other user, by Landlock). The score, with build_pairs' outcome labels:
 
   failed     it did not compile, raised, or hit a limit             0
   no_effect  it ran and freed nothing                               0
