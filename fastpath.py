@@ -648,6 +648,7 @@ def apply_liger(model, autocast_dtype=None) -> dict:
     try:
         before = _model_probe(model, autocast_dtype)
         apply_liger_kernel(model, dict(LIGER_LAYERS))
+        scope_module_patches(namespace, saved, next(model.parameters()).device.type)
         for module in model.modules():
             forward = vars(module).get("forward")
             if forward is None or getattr(forward, "__func__", None) in OURS:
@@ -676,6 +677,40 @@ def apply_liger(model, autocast_dtype=None) -> dict:
     return out
 
 
+def scope_module_patches(namespace: dict, saved: dict, device_type: str) -> list[str]:
+    """Keep Liger's patches of a modeling module to the model it was applied to. Liger swaps the module's
+    classes (LlamaRMSNorm, LlamaMLP) for its own and its RoPE function for a Triton one, process-wide: every
+    model of that architecture built later in the process, a CPU one too, got Triton layers that raise on a CPU
+    tensor (on an H200, a CPU model sampled after a CUDA run with Liger failed so). The model's own layers are
+    patched by instance, so each swapped class goes back; each swapped function becomes one that takes Liger's
+    path for tensors on the patched model's device type and the original's for any other. Returns the names
+    put back or wrapped."""
+    changed = []
+    for name, before in saved.items():
+        after = namespace.get(name)
+        if after is before:
+            continue
+        changed.append(name)
+        if isinstance(before, type) or not callable(before) or not callable(after):
+            namespace[name] = before
+        else:
+            namespace[name] = _on_device(after, before, device_type)
+    return changed
+
+
+def _on_device(fast, own, device_type: str):
+    """fast where the first tensor argument is on device_type ("cuda"), own otherwise (same signature)."""
+    import functools
+
+    @functools.wraps(own)
+    def either(*args, **kwargs):
+        first = next((a for a in (*args, *kwargs.values()) if hasattr(a, "device")), None)
+        return (fast if first is not None and first.device.type == device_type else own)(*args, **kwargs)
+
+    either.liger = fast
+    return either
+
+
 def _model_probe(model, autocast_dtype):
     """The logits of an 8-token probe through the whole model (LoRA on, dropout off), after a backward through
     them (a kernel whose backward cannot run raises here, not at the first step)."""
@@ -699,8 +734,8 @@ def _model_probe(model, autocast_dtype):
 
 def disable_liger(model) -> None:
     """Undo apply_liger where it got part way: every instance forward that is not the kit's goes (Liger patches
-    instances' forwards; its RoPE patch of the modeling module stays, and is only used by those forwards'
-    attention, which Liger leaves to the model)."""
+    instances' forwards; its RoPE patch of the modeling module stays, for that model's device type, and is only used by
+    those forwards' attention, which Liger leaves to the model)."""
     for module in model.modules():
         forward = vars(module).get("forward")
         if forward is not None and getattr(forward, "__func__", None) not in OURS and (

@@ -2,7 +2,7 @@
 # One command for a lent GPU machine: install the wheels carried in .whl/, print the versions, then
 # run the kit's CUDA checks and benchmarks in order, each step's output in $OUT/<step>.log.
 #
-#   bench/gpu.sh [STEP ...]       STEP: tests e2e bench-1b bench-8b bench-8b-4k, or all (the default: each in turn)
+#   bench/gpu.sh [STEP ...]       STEP: tests e2e recipe bench-1b bench-8b bench-8b-4k, or all (the default: each in turn)
 #   GPU_BUDGET_S=570 bench/gpu.sh bench-8b     # start no work after 570 s (a device call ends at 600)
 #   GPU_BENCH_ARGS="--prompt_fractions 0.75 --grpo_steps 0" bench/gpu.sh bench-8b   # more bench.py flags (they win)
 #
@@ -114,6 +114,23 @@ EOF
   return $rc
 }
 
+step_recipe() {  # make train's command line (make -n train), the model swapped for its random shape
+  local art=$WORK/recipe stem=$WORK/recipe-pairs t0 extra=()
+  read -ra extra <<<"${GPU_RECIPE_ARGS:-}"  # more train_dpo flags, last (they win)
+  rm -rf "$art"
+  "$PY" build_pairs.py data/runs.jsonl --extra_runs data/attempts.jsonl,data/attempts-round2.jsonl -o "$stem.pairs.jsonl" \
+    --report "$stem.report.json" --prompts "$stem.prompts.jsonl" || return 1
+  t0=$(date +%s)
+  timeout "$(left)" "$PY" train_dpo.py --data "$stem.pairs.jsonl" --output_dir "$art" --eval_prompts "$stem.prompts.jsonl" \
+    --config configs/demo.yaml --model_name_or_path random:smollm2-135m --run_name gpu-recipe \
+    ${extra[@]+"${extra[@]}"} || return 1
+  echo "== train_dpo.py took $(($(date +%s) - t0)) s"
+  ls -la "$art/gpu-recipe"
+  "$PY" -c 'import json, sys; e = json.load(open(sys.argv[1])); print(json.dumps(e, indent=1, default=str)[:8000])' \
+    "$art/gpu-recipe/evaluation.json"
+  cp "$art/gpu-recipe/report.md" "$OUT/recipe-report.md" 2>/dev/null || true
+}
+
 bench() {  # bench MODEL STEM [bench.py flags]
   local model=$1 stem=$2
   shift 2
@@ -126,9 +143,9 @@ step_bench-8b() { bench random:llama-3-8b results-gpu --lengths 1024 --max_token
 step_bench-8b-4k() { bench random:llama-3-8b results-gpu-8b-4k --lengths 4096 --max_tokens 8192; }
 
 STEPS=("$@")
-[ ${#STEPS[@]} -eq 0 ] || [ "${STEPS[*]}" = all ] && STEPS=(tests e2e bench-1b bench-8b bench-8b-4k)
+[ ${#STEPS[@]} -eq 0 ] || [ "${STEPS[*]}" = all ] && STEPS=(tests e2e recipe bench-1b bench-8b bench-8b-4k)
 for s in "${STEPS[@]}"; do
-  declare -F "step_$s" >/dev/null || { echo "gpu.sh: unknown step $s (tests e2e bench-1b bench-8b bench-8b-4k all)" >&2; exit 2; }
+  declare -F "step_$s" >/dev/null || { echo "gpu.sh: unknown step $s (tests e2e recipe bench-1b bench-8b bench-8b-4k all)" >&2; exit 2; }
 done
 
 setup

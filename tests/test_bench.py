@@ -220,7 +220,7 @@ def test_gpu_script_parses_and_refuses_an_unknown_step(tmp_path):
     script = ROOT / "bench" / "gpu.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     out = subprocess.run([str(script), "bench-9b"], capture_output=True, text=True, env={**os.environ, "OUT": str(tmp_path)})
-    assert out.returncode == 2 and "unknown step bench-9b (tests e2e bench-1b bench-8b bench-8b-4k all)" in out.stderr
+    assert out.returncode == 2 and "unknown step bench-9b (tests e2e recipe bench-1b bench-8b bench-8b-4k all)" in out.stderr
     assert not list(tmp_path.iterdir())  # refused before installing or running anything
 
 

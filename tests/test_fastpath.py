@@ -719,3 +719,42 @@ def test_shared_prompts_and_lean_head_under_bfloat16_autocast_give_the_eager_val
 
     assert rel(got_grads, bf16_grads) < 5e-2
     assert rel(got_grads, exact_grads) <= 2 * rel(bf16_grads, exact_grads) + 1e-3
+
+
+def test_liger_module_patches_go_back_for_classes_and_take_the_fast_path_only_for_cuda_tensors():
+    """scope_module_patches on a stand-in for a modeling module's namespace after Liger's swaps: a class goes
+    back, a function runs Liger's version only where its first tensor argument is on the patched model's device
+    type, and what Liger did not touch stays."""
+    class OwnNorm:
+        pass
+
+    class LigerNorm:
+        pass
+
+    def own_rope(q, k, cos=None):
+        return "own"
+
+    def liger_rope(q, k, cos=None):
+        return "liger"
+
+    def untouched():
+        return "x"
+
+    saved = {"LlamaRMSNorm": OwnNorm, "apply_rotary_pos_emb": own_rope, "other": untouched, "EPS": 1e-6}
+    namespace = {**saved, "LlamaRMSNorm": LigerNorm, "apply_rotary_pos_emb": liger_rope, "EPS": 1e-5}
+    changed = fastpath.scope_module_patches(namespace, saved, "cuda")
+    assert sorted(changed) == ["EPS", "LlamaRMSNorm", "apply_rotary_pos_emb"]
+    assert namespace["LlamaRMSNorm"] is OwnNorm and namespace["other"] is untouched and namespace["EPS"] == 1e-6
+    rope = namespace["apply_rotary_pos_emb"]
+    cpu = torch.zeros(2)
+
+    class OnCuda:  # what the wrapper reads of a CUDA tensor, which this machine cannot make
+        device = torch.device("cuda")
+
+    assert rope(cpu, cpu) == "own" and rope(OnCuda(), cpu) == "liger" and rope(q=OnCuda(), k=cpu) == "liger"
+    assert rope.__wrapped__ is own_rope and rope.liger is liger_rope
+    assert fastpath.scope_module_patches(namespace, dict(namespace), "cuda") == []  # nothing swapped: no change
+    namespace["apply_rotary_pos_emb"] = liger_rope
+    fastpath.scope_module_patches(namespace, saved, "cpu")  # a model patched on the CPU (the interpreter's Triton)
+    rope = namespace["apply_rotary_pos_emb"]
+    assert rope(cpu, cpu) == "liger" and rope(OnCuda(), cpu) == "own"

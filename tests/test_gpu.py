@@ -53,6 +53,27 @@ def test_liger_kernels_replace_norms_and_mlps_after_a_probe_and_keep_the_loss():
     assert_as_accurate_as_the_library(model, ids, kernels)
 
 
+def test_liger_on_one_model_leaves_models_built_later_on_the_cpu_their_own_layers():
+    """Liger swaps the modeling module's norm and MLP classes and its RoPE function process-wide; on an H200 a
+    CPU model built after a CUDA model got Liger then raised in Triton ('cpu tensor?'). The CUDA model keeps
+    its kernels; a CPU model built afterwards has the library's classes and gives the same logits as before."""
+    pytest.importorskip("liger_kernel", reason="needs liger-kernel (the CUDA lock has it)")
+    from transformers.models.llama import modeling_llama
+
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        before = tiny_llama_with_lora().eval()(input_ids=ids).logits
+    norm_class, rope = modeling_llama.LlamaRMSNorm, modeling_llama.apply_rotary_pos_emb
+    model = tiny_llama_with_lora().cuda()
+    assert fastpath.apply_liger(model, torch.bfloat16)["checked"] == 5 + 2
+    assert modeling_llama.LlamaRMSNorm is norm_class and modeling_llama.apply_rotary_pos_emb.__wrapped__ is rope
+    assert "liger" in modeling_llama.apply_rotary_pos_emb.liger.__module__
+    later = tiny_llama_with_lora().eval()
+    assert type(later.get_base_model().model.norm) is norm_class
+    with torch.no_grad():
+        assert torch.equal(later(input_ids=ids).logits, before)
+
+
 def test_on_a_4_bit_bfloat16_base_as_trained_on_a_gpu_every_kernel_applies_and_keeps_the_loss(tmp_path):
     """The GPU default: NF4 base computing in bfloat16, float32 LoRA weights, bfloat16 autocast. peft's 4-bit
     LoRA layers take the kit's fused forward, Liger (where installed) the norms and MLPs, else the kit."""
