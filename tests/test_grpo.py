@@ -240,6 +240,21 @@ def test_grpo_in_4bit_stops_on_sigterm_resumes_and_hands_off_a_tarball_that_veri
 
     again = json.loads((evaluate.evaluate_run(str(run_dir), "", str(tmp_path / "re")) / "evaluation.json").read_text())
     assert again["execution"]["prompts"] == 2 and again["execution"]["samples"] == 1
+    # make eval RUN=g DATA=<run logs it never saw>: every run's prompt, on its own host, base against tuned
+    first = json.loads((ROOT / "data" / "runs.jsonl").read_text().splitlines()[0])
+    unseen = [("Host build-07, Debian 12, Python 3.11.2, user jenkins (no sudo).", "Delete Gradle's caches"),
+              ("Host db-01, Rocky Linux 9.3, Python 3.9.18, user root.", "Vacuum the journal to 200M"),
+              ("Host dev-laptop, Fedora 39, Python 3.12.1, user alice (sudo).", "Clear npm's cache")]
+    logs = tmp_path / "unseen.jsonl"
+    logs.write_text("".join(json.dumps({
+        "run_id": f"unseen-{i}", "strategy": strategy, "attempts": [{"code": "print(0)", "ran": True}],
+        "prompt": [first["prompt"][0], {"role": "user", "content": host + "\n$ df -h /"}, *first["prompt"][2:]]}) + "\n"
+        for i, (host, strategy) in enumerate(unseen)))
+    other = json.loads((evaluate.evaluate_run(str(run_dir), str(logs), str(tmp_path / "unseen")) /
+                        "evaluation.json").read_text())["execution"]
+    assert other["prompts"] == 3 and sorted((r["model"], r["prompt"]) for r in other["rows"]) == sorted(
+        (m, s) for m in ("base", "tuned") for _, s in unseen)
+    assert "evaluated on all 3 prompts of" in (tmp_path / "unseen" / "report.md").read_text()
     # Stopped and resumed, it trained what the same command trains uninterrupted (sampling's RNG is checkpointed)
     whole = subprocess.run(list(map(str, command("whole"))), cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
