@@ -184,13 +184,13 @@ $(OUT)/pairs/%.kto.jsonl: FORCE | $(STAMP)
 PLAN ?= data/plan.yaml
 
 .PHONY: iterate
-iterate: $(STAMP) $(BUNDLED_MODEL)/config.json ## rounds from PLAN=plan.yaml (SPIN, self-reward, DPO, SFT, attempts stages), each from the last adapter
+iterate: $(STAMP) $(BUNDLED_MODEL)/config.json ## rounds from PLAN=plan.yaml (SPIN, self-reward, DPO, SFT, attempts, GRPO stages), each from the last adapter
 	$(PY) entrypoint.py iterate $(PLAN) --output_dir $(OUT) $(ARGS)
 
 .PHONY: rounds
 rounds: $(STAMP) $(BUNDLED_MODEL)/config.json ## a new round: the recipe, then the model's own scored attempts as run logs, trained on (configs/rounds.yaml on LOGS)
-	$(PY) entrypoint.py iterate $(ROUNDS_PLAN) --logs $(LOGS) --output_dir $(OUT) $(if $(RUN),--name $(RUN)) \
-	  -- $(if $(MIX),--mix $(MIX)) $(ARGS)
+	$(PY) entrypoint.py iterate $(ROUNDS_PLAN) --logs $(LOGS) $(if $(ATTEMPTS),--extra_runs $(ATTEMPTS)) --output_dir $(OUT) \
+	  $(if $(RUN),--name $(RUN)) -- $(if $(MIX),--mix $(MIX)) $(ARGS)
 
 .PHONY: train
 train: train-$(RUNNER) ## train an adapter: DATA= or LOGS=, METHOD=kto|grpo, MODEL=, RUN=, ARGS=; RUNNER=local|docker|slurm; GPUS=N NPROC= NNODES= DIST=
@@ -201,8 +201,8 @@ train-auto: train-local
 .PHONY: train-local
 train-local: $(STAMP) $(if $(filter-out random:%,$(MODEL)),,$(BUNDLED_MODEL)/config.json) $(if $(DATA)$(USE_ROUNDS),,$(PAIRS))
 ifeq ($(USE_ROUNDS),1)
-	$(PY) entrypoint.py iterate $(ROUNDS_PLAN) --logs $(LOGS) --output_dir $(OUT) $(if $(RUN),--name $(RUN)) \
-	  -- $(if $(MIX),--mix $(MIX)) $(ARGS)
+	$(PY) entrypoint.py iterate $(ROUNDS_PLAN) --logs $(LOGS) $(if $(ATTEMPTS),--extra_runs $(ATTEMPTS)) --output_dir $(OUT) \
+	  $(if $(RUN),--name $(RUN)) -- $(if $(MIX),--mix $(MIX)) $(ARGS)
 else
 	$(PY) $(if $(DISTRIBUTED),scaleout.py $(if $(GPUS),--gpus $(GPUS)) $(DIST_FLAGS) $(if $(DRY_RUN),--dry_run) --,train_dpo.py) \
 	  --data $(PAIRS) --output_dir $(OUT) $(if $(MODEL),--model_name_or_path $(MODEL)) \
@@ -220,7 +220,7 @@ train-slurm: $(STAMP) $(if $(filter-out random:%,$(MODEL)),,$(BUNDLED_MODEL)/con
 .PHONY: train-docker
 train-docker: $(if $(DRY_RUN),,$(LAUNCHER_STAMP))
 	$(LAUNCHER_PY) launcher.py train $(LAUNCH_RUN) $(if $(DATA),--data $(DATA),--logs $(LOGS)) \
-	  $(if $(USE_ROUNDS),--rounds $(ROUNDS_PLAN),$(if $(DATA)$(filter grpo,$(METHOD)),,$(if $(ATTEMPTS),--extra_runs $(ATTEMPTS)))) \
+	  $(if $(USE_ROUNDS),--rounds $(ROUNDS_PLAN)) $(if $(DATA)$(filter grpo,$(METHOD)),,$(if $(ATTEMPTS),--extra_runs $(ATTEMPTS))) \
 	  $(if $(MODEL),--model $(MODEL)) $(if $(RUN),--run_name $(RUN)) $(if $(METHOD),--method $(METHOD)) \
 	  $(if $(filter 0,$(PRUNE)),--no_prune) -- $(if $(MIX),--mix $(MIX)) $(if $(USE_ROUNDS),,$(RECIPE)) $(ARGS)
 

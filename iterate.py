@@ -1,11 +1,12 @@
 """Run a plan of training rounds: each stage starts from the previous stage's adapter and uses it, frozen, as its reference.
 
-    python iterate.py data/plan.yaml [--output_dir artifacts] [--logs runs.jsonl] [--seed N] [--name N] [-- FLAGS]
+    python iterate.py data/plan.yaml [--output_dir artifacts] [--logs runs.jsonl [--extra_runs a.jsonl,...]]
+                      [--seed N] [--name N] [-- FLAGS]
     make iterate [PLAN=plan.yaml]
     make rounds | make train ROUNDS=1   # configs/rounds.yaml on LOGS (the demo's by default)
 
 --logs puts agent run logs in place of the plan's data (its `dpo` stages train on their pairs, its `attempts`
-stages attempt their prompts, the last stage's report scores their held-out prompts); FLAGS after `--` are
+and `grpo` stages take their prompts, the last stage's report scores their held-out prompts); FLAGS after `--` are
 train_dpo.py options for every stage, over the plan's (`-- --learning_rate 1e-3`).
 
 A plan is YAML: a `name`, an optional base `model`, `train` options for every stage (train_dpo.py's
@@ -20,6 +21,10 @@ names) and a list of `stages`, in any order, each with a `kind`, its `data`, and
   attempts     the current model's own attempts at run logs' training prompts, each run by the checker and
                written as run logs (attempts.py); build_pairs.py makes the pairs from the logs, the earlier
                rounds' attempts and this one's. `pairs:` takes attempts.py's options (samples, temperature, ...)
+  grpo         GRPO (train_dpo.py --method grpo) on run logs or a prompts file: answers sampled from the current
+               model, scored by running them (the checker by default), from the last stage's adapter; its
+               `train:` takes GRPO's options (num_generations, reward, ...). Its report scores the data's own
+               held-out runs.
 
 Stage i trains `<name>-<i>-<kind>-<hash>` in the output directory with `--init_adapter` = stage i-1's
 run (stage 1 starts from a fresh LoRA on the base); the hash covers the stage, its data and its
@@ -40,7 +45,7 @@ from pathlib import Path
 
 import kit
 
-KINDS = ("dpo", "spin", "self_reward", "sft", "attempts")
+KINDS = ("dpo", "spin", "self_reward", "sft", "attempts", "grpo")
 PLAN_KEYS = {"name", "model", "train", "stages"}
 STAGE_KEYS = {"kind", "data", "pairs", "train"}
 # Options the runner sets itself: a plan giving them would be silently overridden.
@@ -55,12 +60,16 @@ class IterateConfig:
     logs: str = kit.field("", "agent run logs in place of the plan's data: its `dpo` stages train on the pairs "
                           "build_pairs.py makes of them, its `attempts` stages attempt their runs' prompts, and the "
                           "last stage's report scores their held-out runs' prompts with the checker ('' = the plan's)")
+    extra_runs: str = kit.field("", "more run log files, comma-separated, for the pairs of --logs (build_pairs.py "
+                                "--extra_runs: earlier rounds' attempts); the attempts and grpo stages take --logs alone")
     seed: int = kit.field(-1, "every stage's training seed and its attempts' sampling seed (-1 = the plan's)")
     name: str = kit.field("", "the plan's name in place of its own: the prefix of its runs' names")
 
     def problems(self) -> list[str]:
         bad = self.name and ("/" in self.name or self.name.startswith("."))
-        return [f"--name must be a plain name (it prefixes the run names), got {self.name!r}"] if bad else []
+        p = [f"--name must be a plain name (it prefixes the run names), got {self.name!r}"] if bad else []
+        return p + (["--extra_runs goes with --logs (it adds to their pairs)"] if self.extra_runs and not self.logs
+                    else [])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +157,10 @@ def chain(plan: dict, stage_lines: list[int], data_sha256: dict[str, str]) -> li
     base = plan.get("model", "")
     for i, st in enumerate(plan["stages"], 1):
         train = {**plan.get("train", {}), **st.get("train", {})}
+        if st["kind"] == "grpo":  # the plan-wide DPO recipe (loss_type: sft, mix, ...) is not GRPO's; its own are
+            import methods
+
+            train = {k: v for k, v in train.items() if k not in methods.DPO_ONLY or k in st.get("train", {})}
         ident = json.dumps([st["kind"], data_sha256[st["data"]], st.get("pairs", {}), train, base, parent],
                            sort_keys=True)
         name = f"{plan['name']}-{i}-{st['kind']}-{hashlib.sha256(ident.encode()).hexdigest()[:8]}"
@@ -178,11 +191,11 @@ def overridden(plan: dict, name: str = "", seed: int = -1, logs: tuple[str, str,
                                                                            **(train or {})}}
         if logs and stage["kind"] == "dpo":
             stage["data"] = logs[1]
-        elif logs and stage["kind"] == "attempts":
+        elif logs and stage["kind"] in ("attempts", "grpo"):
             stage["data"] = logs[0]
         if stage["kind"] == "attempts" and seed >= 0:
             stage["pairs"]["seed"] = seed
-        if logs and i == len(plan["stages"]) - 1:
+        if logs and i == len(plan["stages"]) - 1 and stage["kind"] != "grpo":  # GRPO scores its logs' held-out runs
             stage["train"]["eval_prompts"] = logs[2]
         elif logs:
             stage["train"].pop("eval_prompts", None)
@@ -266,35 +279,39 @@ def check_data(plan: dict, lines: list[int], path: str) -> None:
             raise kit.UserError(f"stage data {st['data']} not found", path, line)
 
 
-def logs_data(logs: str, folder: Path) -> tuple[str, str, str]:
-    """(logs, pairs, prompts): build_pairs.py's pairs of the run logs and their runs' prompts, in the plan's folder
-    (built again on every run: the same logs give the same pairs, so complete stages are found again)."""
+def logs_data(logs: str, folder: Path, extra_runs: str = "") -> tuple[str, str, str]:
+    """(logs, pairs, prompts): build_pairs.py's pairs of the run logs (and of extra_runs after them) and their runs'
+    prompts, in the plan's folder (built again on every run: the same logs give the same pairs, so complete stages
+    are found again)."""
     import build_pairs
 
     if not Path(logs).is_file():
         raise kit.UserError(f"--logs {logs}: no such file")
     stem = Path(logs).name.rsplit(".", 1)[0]
     pairs, prompts = folder / f"{stem}.pairs.jsonl", folder / f"{stem}.prompts.jsonl"
-    if build_pairs.main([logs, "-o", str(pairs), "--report", str(folder / f"{stem}.pairs.report.json"),
+    extra = ["--extra_runs", extra_runs] if extra_runs else []
+    if build_pairs.main([logs, *extra, "-o", str(pairs), "--report", str(folder / f"{stem}.pairs.report.json"),
                          "--prompts", str(prompts)]) != 0:
         raise kit.UserError(f"--logs {logs}: build_pairs.py made no pairs of them (its report says why)")
     return logs, str(pairs), str(prompts)
 
 
-def attempt_logs(stage: Stage, earlier: list[Stage], folder: Path) -> list[Path]:
-    """The run logs an attempts stage's pairs are built from: its data, every earlier attempts stage's logs, its own."""
-    return [Path(stage.data), *(folder / f"{st.run_name}.attempts.jsonl" for st in earlier if st.kind == "attempts"),
-            folder / f"{stage.run_name}.attempts.jsonl"]
+def attempt_logs(stage: Stage, earlier: list[Stage], folder: Path, extra_runs: str = "") -> list[Path]:
+    """The run logs an attempts stage's pairs are built from: its data, the --extra_runs files (earlier rounds'
+    attempts), every earlier attempts stage's logs, its own."""
+    extra = [Path(x.strip()) for x in extra_runs.split(",") if x.strip()]
+    return [Path(stage.data), *extra, *(folder / f"{st.run_name}.attempts.jsonl" for st in earlier
+                                        if st.kind == "attempts"), folder / f"{stage.run_name}.attempts.jsonl"]
 
 
 def build_attempts_pairs(stage: Stage, earlier: list[Stage], policy: str, folder: Path, plan_path: str,
-                         out: Path, report: Path) -> None:
+                         out: Path, report: Path, extra_runs: str = "") -> None:
     """attempts.py's logs of the policy's answers, then build_pairs.py on every log so far."""
     import attempts
     import build_pairs
     import train_dpo
 
-    logs = attempt_logs(stage, earlier, folder)
+    logs = attempt_logs(stage, earlier, folder, extra_runs)
     mine = logs[-1]
     summary_file = mine.with_suffix(".json")
     if not (mine.exists() and summary_file.exists()):
@@ -314,9 +331,9 @@ def build_attempts_pairs(stage: Stage, earlier: list[Stage], policy: str, folder
 
 
 def build_stage_pairs(stage: Stage, policy: str, folder: Path, plan_path: str,
-                      earlier: list[Stage] = ()) -> tuple[str, dict | None]:
+                      earlier: list[Stage] = (), extra_runs: str = "") -> tuple[str, dict | None]:
     """The stage's pairs file (built once; an existing one is reused so a resumed run sees the same data)."""
-    if stage.kind == "dpo":
+    if stage.kind in ("dpo", "grpo"):  # a pairs file, or GRPO's run logs / prompts, as they are
         return stage.data, None
     out = folder / f"{stage.run_name}.pairs.jsonl"
     report = folder / f"{stage.run_name}.pairs.report.json"
@@ -324,7 +341,7 @@ def build_stage_pairs(stage: Stage, policy: str, folder: Path, plan_path: str,
         print(f"[iterate] stage {stage.index}: reusing {out}", flush=True)
         return str(out), json.loads(report.read_text())
     if stage.kind == "attempts":
-        build_attempts_pairs(stage, list(earlier), policy, folder, plan_path, out, report)
+        build_attempts_pairs(stage, list(earlier), policy, folder, plan_path, out, report, extra_runs)
         return str(out), json.loads(report.read_text())
     if stage.kind == "sft":
         import supervised
@@ -357,7 +374,7 @@ def run_plan(cfg: IterateConfig, train: dict | None = None) -> Path:
     folder = out / (cfg.name or plan["name"])
     folder.mkdir(parents=True, exist_ok=True)
     seed = cfg.seed if cfg.seed >= 0 else (train or {}).get("seed", -1)  # `-- --seed N` seeds the attempts too
-    plan = overridden(plan, cfg.name, seed, logs_data(cfg.logs, folder) if cfg.logs else None, train)
+    plan = overridden(plan, cfg.name, seed, logs_data(cfg.logs, folder, cfg.extra_runs) if cfg.logs else None, train)
     check_data(plan, lines, cfg.plan)
     base = plan.get("model", models.BUNDLED_MODEL_DIR)
     shas = {st["data"]: kit.sha256_file(st["data"]) for st in plan["stages"]}
@@ -372,7 +389,7 @@ def run_plan(cfg: IterateConfig, train: dict | None = None) -> Path:
             lineage = json.loads((run_dir / "lineage.json").read_text())
             continue
         policy = str(out / st.parent) if st.parent else base
-        pairs, report = build_stage_pairs(st, policy, folder, cfg.plan, stages[:st.index - 1])
+        pairs, report = build_stage_pairs(st, policy, folder, cfg.plan, stages[:st.index - 1], cfg.extra_runs)
         lineage = lineage + [lineage_entry(st, shas[st.data], pairs, kit.sha256_file(pairs), report)]
         lineage_file = folder / f"{st.run_name}.lineage.json"
         kit.atomic_write_json(lineage_file, lineage)
@@ -382,6 +399,8 @@ def run_plan(cfg: IterateConfig, train: dict | None = None) -> Path:
             options["init_adapter"] = str(out / st.parent)
         if st.kind == "sft":
             options["loss_type"] = "sft"
+        if st.kind == "grpo":
+            options["method"] = "grpo"
         done = train_dpo.run(kit.config_from(train_dpo.TrainConfig, options, f"{cfg.plan}:{st.line}"))
         if done.state != "succeeded" or not (run_dir / "manifest.json").exists():
             raise kit.UserError(f"stage {st.index} ({st.run_name}) did not finish ({done.state}); "
@@ -390,7 +409,7 @@ def run_plan(cfg: IterateConfig, train: dict | None = None) -> Path:
     digest = final.with_name(final.name + ".sha256").read_text().split()[0]
     handoff = handoff_copy(final, out / f"{plan['name']}.tar.gz", digest)
     summary = {"plan": cfg.plan, "plan_sha256": kit.sha256_file(cfg.plan), "base_model": base,
-               "overrides": {"logs": cfg.logs or None, "seed": seed if seed >= 0 else None, "name": cfg.name or None,
+               "overrides": {"logs": cfg.logs or None, "extra_runs": cfg.extra_runs or None, "seed": seed if seed >= 0 else None, "name": cfg.name or None,
                              "train": train or {}}, "stages": lineage,
                "final_run": stages[-1].run_name, "tarball": str(final), "tarball_sha256": digest,
                "handoff": str(handoff)}

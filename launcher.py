@@ -218,7 +218,9 @@ def job_command(cfg: LaunchConfig, data_in: str, extra: list[str], model_in: str
     if cfg.action == "shell":
         return extra
     if cfg.rounds:  # iterate.py on the logs: it builds the pairs itself; the plan and its model are in the image
+        more = [f"{IN_DATA}/extra-{i}-{Path(x).name}" for i, x in enumerate(extra_runs(cfg))]
         return ["iterate", cfg.rounds, "--logs", data_in, "--output_dir", IN_ARTIFACTS,
+                *(["--extra_runs", ",".join(more)] if more else []),
                 *(["--name", cfg.run_name] if cfg.run_name else []), "--", *extra]
     cmd = ["--data", data_in, "--output_dir", IN_ARTIFACTS]
     if model_in:
@@ -244,7 +246,7 @@ def run_spec(cfg: LaunchConfig, ref: str, paths: dict[str, str], extra: list[str
     if paths.get("data"):
         data_in = f"{IN_DATA}/{Path(paths['data']).name}"
         mounts.append({"source": paths["data"], "target": data_in, "read_only": True})
-    if cfg.action == "pairs":
+    if cfg.action == "pairs" or (cfg.action == "train" and cfg.rounds):  # the pairs are built in this container
         mounts += [{"source": os.path.abspath(x), "target": f"{IN_DATA}/extra-{i}-{Path(x).name}", "read_only": True}
                    for i, x in enumerate(extra_runs(cfg))]
     model_in = cfg.model

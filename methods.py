@@ -93,11 +93,12 @@ UNITS = {"dpo": "pairs", "kto": "examples", "grpo": "prompts"}
 # ---------------------------------------------------------------------------------------------
 
 
+DPO_ONLY = {"loss_type": "sigmoid", "sft_weight": 0.0, "mix": "", "distinct_chosen": False}  # option: its default
+
+
 def dpo_only_problems(cfg, method: str) -> list[str]:
     return [f"--{name} is for DPO; --method {method} does not take it"
-            for name, default in (("loss_type", "sigmoid"), ("sft_weight", 0.0), ("mix", ""),
-                                  ("distinct_chosen", False))
-            if getattr(cfg, name) != default]
+            for name, default in DPO_ONLY.items() if getattr(cfg, name) != default]
 
 
 def distinct_applies(cfg, method: str) -> bool:
@@ -123,8 +124,7 @@ def kto_problems(cfg) -> list[str]:
 def grpo_problems(cfg) -> list[str]:
     """What does not go with GRPO, and GRPO's own options."""
     p = dpo_only_problems(cfg, "grpo")
-    for name in ("init_adapter", "ref_model_name_or_path", "precompute_ref_log_probs", "use_liger_kernel",
-                 "early_stopping_patience"):
+    for name in ("ref_model_name_or_path", "precompute_ref_log_probs", "use_liger_kernel", "early_stopping_patience"):
         if getattr(cfg, name):
             p.append(f"--{name} is for DPO and KTO; --method grpo does not take it")
     if cfg.num_generations < 2:

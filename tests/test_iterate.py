@@ -146,8 +146,9 @@ def test_make_train_rounds_1_runs_the_rounds_plan_refuses_what_it_cannot_and_the
         return " ".join(out.stdout.replace("\\\n", " ").split())
 
     rounds = dry("ROUNDS=1", "RUN=x", "ARGS=--seed 2")
-    assert "entrypoint.py iterate configs/rounds.yaml --logs data/runs.jsonl --output_dir artifacts --name x" \
-        in rounds and "-- --seed 2" in rounds and "train_dpo.py" not in rounds
+    assert "entrypoint.py iterate configs/rounds.yaml --logs data/runs.jsonl --extra_runs data/attempts.jsonl," \
+        "data/attempts-round2.jsonl --output_dir artifacts --name x" in rounds and "-- --seed 2" in rounds \
+        and "train_dpo.py" not in rounds  # stage 1 trains on make train's pairs: the logs, then the attempts
     default = dry()  # the recipe, on the demo logs and the bundled model's earlier attempts after them
     assert "build_pairs.py data/runs.jsonl --extra_runs data/attempts.jsonl,data/attempts-round2.jsonl -o " \
         "artifacts/pairs/runs.pairs.jsonl" \
@@ -322,7 +323,7 @@ stages:
                          "--", "--max_steps", "1"]) == 0
     summary = json.loads((out / "mine.lineage.json").read_text())
     first, stage = summary["stages"]
-    assert summary["overrides"] == {"logs": str(logs), "seed": 3, "name": "mine", "train": {"max_steps": 1}}
+    assert summary["overrides"] == {"logs": str(logs), "extra_runs": None, "seed": 3, "name": "mine", "train": {"max_steps": 1}}
     assert first["data"] == str(out / "mine" / "runs.pairs.jsonl") and stage["data"] == str(logs)
     assert stage["parent"] == first["run_name"] and runs.verify_tarball(out / "mine.tar.gz")
     report = stage["pairs_report"]
@@ -337,3 +338,85 @@ stages:
     assert final["execution"]["samples"] == 1  # the last stage is scored on the logs' held-out prompts
     assert list(build_pairs.read_runs(str(tried)))  # build_pairs.py reads them back
     assert report["logs_used"] == [str(logs), str(tried)] and report["pairs_written"] >= 1
+
+
+def test_a_grpo_stage_takes_the_logs_leaves_the_plans_dpo_recipe_and_scores_its_own_held_out_runs(tmp_path):
+    """Supervised first, then RL: a `grpo` stage trains train_dpo.py --method grpo from the last stage's adapter on
+    run logs (configs/sft-grpo.yaml: the bundled model's recipe, then GRPO). The plan-wide DPO recipe (loss_type: sft, mix, distinct_chosen) is not passed to it, a stage's own
+    options are (and GRPO then refuses them); --logs gives it the logs; its report scores the logs' own held-out
+    runs, so no --eval_prompts is put on it."""
+    import methods
+    import yaml
+
+    data = write(tmp_path, "{}\n", "d.jsonl")
+    plan, lines = iterate.load_plan(write(tmp_path, f"""\
+name: g
+train: {{loss_type: sft, mix: "0.2", distinct_chosen: true, learning_rate: 2.0e-3, num_train_epochs: 3}}
+stages:
+  - kind: dpo
+    data: {data}
+  - kind: grpo
+    data: {data}
+    train: {{num_generations: 4, learning_rate: 2.0e-4, num_train_epochs: 1}}
+"""))
+    assert not iterate.plan_problems(plan, lines)
+    dpo, grpo = iterate.chain(plan, lines, {data: "a" * 64})
+    assert dpo.train == {"loss_type": "sft", "mix": "0.2", "distinct_chosen": True, "learning_rate": 2e-3,
+                         "num_train_epochs": 3}
+    assert grpo.train == {"learning_rate": 2e-4, "num_train_epochs": 1, "num_generations": 4}
+    assert grpo.parent == dpo.run_name
+    plan["stages"][1]["train"]["mix"] = "0.1"  # given by the stage itself: passed on, for GRPO to refuse
+    assert iterate.chain(plan, lines, {data: "a" * 64})[1].train["mix"] == "0.1"
+    got = iterate.overridden(plan, logs=("/logs.jsonl", "/w/runs.pairs.jsonl", "/w/runs.prompts.jsonl"))
+    assert [st["data"] for st in got["stages"]] == ["/w/runs.pairs.jsonl", "/logs.jsonl"]
+    assert [st["train"].get("eval_prompts") for st in got["stages"]] == [None, None]
+    bundled, lines = iterate.load_plan(str(ROOT / "configs" / "sft-grpo.yaml"))  # the recipe, then GRPO
+    assert not iterate.plan_problems(bundled, lines) and [st["kind"] for st in bundled["stages"]] == ["dpo", "grpo"]
+    recipe, rl = iterate.chain(bundled, lines, {st["data"]: "a" * 64 for st in bundled["stages"]})
+    demo = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    assert all(recipe.train[k] == demo[k] for k in ("loss_type", "learning_rate", "mix", "num_train_epochs",
+                                                    "distinct_chosen"))
+    assert not set(rl.train) & set(methods.DPO_ONLY) and rl.train["learning_rate"] == 2e-4
+
+
+@pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="bundled model not converted (make model)")
+def test_supervised_then_grpo_from_its_adapter_runs_to_a_tarball(tmp_path, monkeypatch):
+    logs = tmp_path / "runs.jsonl"
+    logs.write_text("\n".join((ROOT / "data" / "runs.jsonl").read_text().splitlines()[:8]) + "\n")
+    plan = write(tmp_path, f"""\
+name: rl
+model: {MODEL}
+train: {{max_length: 128, lora_r: 4, lora_alpha: 8, probes: "", save_steps: 50, eval_samples: 1,
+         eval_max_new_tokens: 8, loss_type: sft, max_steps: 1}}
+stages:
+  - kind: dpo
+    data: not-here.pairs.jsonl
+  - kind: grpo
+    data: not-here.jsonl
+    train: {{num_generations: 2, max_completion_length: 8, per_device_train_batch_size: 1, reward: ran}}
+""")
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "art"
+    assert iterate.main([plan, "--output_dir", str(out), "--logs", str(logs)]) == 0
+    summary = json.loads((out / "rl.lineage.json").read_text())
+    first, rl = summary["stages"]
+    assert rl["kind"] == "grpo" and rl["data"] == str(logs) and rl["parent"] == first["run_name"]
+    manifest = runs.verify_tarball(out / "rl.tar.gz")
+    assert manifest["method"] == "grpo" and manifest["init_adapter"]["run_name"] == first["run_name"]
+    config = json.loads((out / rl["run_name"] / "config.json").read_text())
+    assert config["loss_type"] == "sigmoid" and config["init_adapter"] == str(out / first["run_name"])
+    assert json.loads((out / rl["run_name"] / "evaluation.json").read_text())["execution"]["samples"] == 1
+
+
+def test_the_logs_pairs_take_extra_run_files_after_them_and_extra_runs_needs_logs(tmp_path):
+    """make train ROUNDS=1 builds stage 1's pairs as make train does: the logs, then the bundled attempts."""
+    logs, attempts = str(ROOT / "data" / "runs.jsonl"), str(ROOT / "data" / "attempts.jsonl")
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    alone = iterate.logs_data(logs, tmp_path / "a")
+    both = iterate.logs_data(logs, tmp_path / "b", attempts)
+    report = json.loads((tmp_path / "b" / "runs.pairs.report.json").read_text())
+    assert report["extra_runs"] == [attempts]
+    count = lambda f: len(Path(f).read_text().splitlines())  # noqa: E731
+    assert count(both[1]) > count(alone[1]) and count(both[2]) == count(alone[2])  # more pairs, the same prompts
+    with pytest.raises(kit.UserError, match="--extra_runs goes with --logs"):
+        kit.config_from(iterate.IterateConfig, {"extra_runs": "a.jsonl"}, "test")

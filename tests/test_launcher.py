@@ -311,8 +311,11 @@ def test_make_train_in_the_container_builds_the_same_pairs_and_runs_rounds_as_it
     assert "# pairs" not in lines  # iterate.py builds the pairs itself
     train = lines[lines.index("# train") + 1]
     assert " -v " in train and "/data/runs.jsonl:ro" in train.replace("'", "")
+    assert f"{ROOT}/data/attempts.jsonl:/data/extra-0-attempts.jsonl:ro" in train.replace("'", "")
     assert train.endswith("dpo-kit:t1 iterate configs/rounds.yaml --logs /data/runs.jsonl --output_dir /artifacts "
-                          "--name r1 -- --seed 2")  # the plan and the bundled model are the image's own
+                          "--extra_runs /data/extra-0-attempts.jsonl,/data/extra-1-attempts-round2.jsonl "
+                          "--name r1 -- --seed 2")  # the plan and the bundled model are the image's own; stage 1's
+    # pairs are make train's: the logs, then the bundled attempts
     one = dry()
     assert one[one.index("# train") + 1].endswith("--config configs/demo.yaml")
     pairs = one[one.index("# pairs") + 1]  # the demo's logs and, after them, the model's own earlier attempts
