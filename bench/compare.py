@@ -8,12 +8,14 @@ over several seeds, each scored by running its sampled answers to the held-out r
 An arm is NAME=METHOD [train_dpo.py flags], arms separated by ';'. The default arms: `default` (what `make train`
 runs on the bundled model: the recipe, configs/demo.yaml, on the pairs of the logs and --extra_runs after them),
 `dpo-no-sft` (the same recipe with DPO's preference loss instead of the chosen answers' likelihood), `kto` and
-`grpo` (`make train METHOD=...`), and `rounds` (`make rounds`: the recipe, then the model's own attempts). Every
+`grpo` (`make train METHOD=...`), `rounds` (`make rounds`: the recipe, then the model's own attempts), and `sft-grpo`
+(the recipe, then GRPO from its adapter: configs/sft-grpo.yaml). Every
 DPO, KTO or GRPO run is one `train_dpo.py` with the arm's flags, TRAIN_FLAGS (every arm) and the seed, on what
 build_pairs.py makes of the logs (pairs for DPO, --emit kto examples for KTO, the logs' own prompts for GRPO), and
 the same held-out runs (the split is by run). A `rounds` arm's one argument is a plan, run by `iterate.py --logs
 LOGS --seed SEED -- TRAIN_FLAGS` (its `dpo` stages on the logs' pairs, its `attempts` stages on the logs, every
-stage trained and sampled with the seed); its last stage is the run read back. A run's report's execution
+stage trained and sampled with the seed, --extra_runs given to it as to the other arms); its last stage is the run
+read back. A run's report's execution
 section is read back: `--eval_samples` sampled answers (seeded) to each
 held-out prompt from the base (adapter off) and from the tuned model, each run on the prompt's host. The base's
 numbers come from every run; with the same seed they are the same samples, so they are shown once per seed.
@@ -38,7 +40,7 @@ import kit  # noqa: E402
 
 DEFAULT_ARMS = ("default=dpo --config configs/demo.yaml; "
                 "dpo-no-sft=dpo --config configs/demo.yaml --loss_type sigmoid; "
-                "kto=kto; grpo=grpo; rounds=rounds configs/rounds.yaml")
+                "kto=kto; grpo=grpo; rounds=rounds configs/rounds.yaml; sft-grpo=rounds configs/sft-grpo.yaml")
 METHODS = ("dpo", "kto", "grpo", "rounds")
 
 
@@ -134,12 +136,12 @@ def findings(rows: list[dict]) -> list[str]:
 
 
 def run_rounds(plan_file: str, name: str, seed: int, logs: str, work: Path,
-               extra: list[str] = ()) -> tuple[Path, int]:
+               extra: list[str] = (), extra_runs: str = "") -> tuple[Path, int]:
     """iterate.py on the arm's plan with the compared logs and this seed (--logs, --seed: every stage trained and
     sampled with it, the last one scored on the logs' held-out prompts; complete stages are found again, not trained
     again): the last stage's run directory, and the steps of every stage."""
     cmd = [sys.executable, str(ROOT / "iterate.py"), str(ROOT / plan_file), "--logs", logs, "--seed", str(seed),
-           "--name", name, "--output_dir", str(work), *(["--", *extra] if extra else [])]
+           *(["--extra_runs", extra_runs] if extra_runs else []), "--name", name, "--output_dir", str(work), *(["--", *extra] if extra else [])]
     print(f"[compare] {name}: {' '.join(cmd[1:])}", flush=True)
     code = subprocess.run(cmd, cwd=ROOT).returncode
     if code:
@@ -186,10 +188,10 @@ def main(argv=None) -> int:
         for arm, method, flags in parse_arms(cfg.arms):
             name = f"{arm}-s{seed}"
             t0 = time.time()
+            more = ",".join(str(Path(x.strip()).resolve()) for x in cfg.extra_runs.split(",") if x.strip())
             if method == "rounds":
-                run_dir, steps = run_rounds(flags[0], name, seed, str(Path(cfg.logs).resolve()), work, extra)
+                run_dir, steps = run_rounds(flags[0], name, seed, str(Path(cfg.logs).resolve()), work, extra, more)
             else:
-                more = ",".join(str(Path(x.strip()).resolve()) for x in cfg.extra_runs.split(",") if x.strip())
                 data, prompts = data_for(method, str(Path(cfg.logs).resolve()), work, more)
                 cmd = [sys.executable, str(ROOT / "train_dpo.py"), "--data", data, "--method", method, "--seed",
                        str(seed), "--output_dir", str(work), "--run_name", name, "--probes", "",

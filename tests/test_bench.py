@@ -287,9 +287,10 @@ def test_compare_arms_name_a_method_and_its_flags_and_a_bad_arm_is_a_user_error(
     assert compare.parse_arms("default=dpo; dpo-no-sft=dpo --sft_weight 0;kto=kto --beta '0.2'") == [
         ("default", "dpo", []), ("dpo-no-sft", "dpo", ["--sft_weight", "0"]), ("kto", "kto", ["--beta", "0.2"])]
     arms = compare.parse_arms(compare.DEFAULT_ARMS)
-    assert [a[0] for a in arms] == ["default", "dpo-no-sft", "kto", "grpo", "rounds"]
-    # the default arm is what make train runs on the bundled model, and rounds what make rounds runs
-    assert arms[0][2] == ["--config", "configs/demo.yaml"] and arms[-1][1:] == ("rounds", ["configs/rounds.yaml"])
+    assert [a[0] for a in arms] == ["default", "dpo-no-sft", "kto", "grpo", "rounds", "sft-grpo"]
+    # the default arm is what make train runs on the bundled model, rounds what make rounds runs, then the recipe + GRPO
+    assert arms[0][2] == ["--config", "configs/demo.yaml"] and arms[-2][1:] == ("rounds", ["configs/rounds.yaml"])
+    assert arms[-1][1:] == ("rounds", ["configs/sft-grpo.yaml"])
     for bad in ("dpo", "x=", "=dpo", "a=dpo; a=kto", "a=sft", "r=rounds", "r=rounds a.yaml b.yaml", "r=rounds no.yaml"):
         with pytest.raises(kit.UserError, match="--arms"):
             compare.parse_arms(bad)

@@ -370,12 +370,15 @@ stages:
     got = iterate.overridden(plan, logs=("/logs.jsonl", "/w/runs.pairs.jsonl", "/w/runs.prompts.jsonl"))
     assert [st["data"] for st in got["stages"]] == ["/w/runs.pairs.jsonl", "/logs.jsonl"]
     assert [st["train"].get("eval_prompts") for st in got["stages"]] == [None, None]
-    bundled, lines = iterate.load_plan(str(ROOT / "configs" / "sft-grpo.yaml"))  # the recipe, then GRPO
-    assert not iterate.plan_problems(bundled, lines) and [st["kind"] for st in bundled["stages"]] == ["dpo", "grpo"]
-    recipe, rl = iterate.chain(bundled, lines, {st["data"]: "a" * 64 for st in bundled["stages"]})
     demo = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
-    assert all(recipe.train[k] == demo[k] for k in ("loss_type", "learning_rate", "mix", "num_train_epochs",
-                                                    "distinct_chosen"))
+    later = {}
+    for name, kinds in (("sft-grpo.yaml", ["dpo", "grpo"]), ("rounds.yaml", ["dpo", "attempts"])):
+        bundled, lines = iterate.load_plan(str(ROOT / "configs" / name))  # the recipe first, as make train trains it
+        assert not iterate.plan_problems(bundled, lines) and [st["kind"] for st in bundled["stages"]] == kinds
+        first, later[name] = iterate.chain(bundled, lines, {st["data"]: "a" * 64 for st in bundled["stages"]})
+        assert all(first.train[k] == demo[k] for k in ("loss_type", "learning_rate", "mix", "num_train_epochs",
+                                                       "distinct_chosen")), name
+    rl = later["sft-grpo.yaml"]
     assert not set(rl.train) & set(methods.DPO_ONLY) and rl.train["learning_rate"] == 2e-4
 
 
