@@ -60,8 +60,9 @@ class IterateConfig:
     logs: str = kit.field("", "agent run logs in place of the plan's data: its `dpo` stages train on the pairs "
                           "build_pairs.py makes of them, its `attempts` stages attempt their runs' prompts, and the "
                           "last stage's report scores their held-out runs' prompts with the checker ('' = the plan's)")
-    extra_runs: str = kit.field("", "more run log files, comma-separated, for the pairs of --logs (build_pairs.py "
-                                "--extra_runs: earlier rounds' attempts); the attempts and grpo stages take --logs alone")
+    extra_runs: str = kit.field("", "more run log files, comma-separated, read after --logs wherever pairs are built "
+                                "from them (build_pairs.py --extra_runs: earlier rounds' attempts); the runs attempted "
+                                "and GRPO's prompts are --logs' own")
     seed: int = kit.field(-1, "every stage's training seed and its attempts' sampling seed (-1 = the plan's)")
     name: str = kit.field("", "the plan's name in place of its own: the prefix of its runs' names")
 
@@ -409,8 +410,9 @@ def run_plan(cfg: IterateConfig, train: dict | None = None) -> Path:
     digest = final.with_name(final.name + ".sha256").read_text().split()[0]
     handoff = handoff_copy(final, out / f"{plan['name']}.tar.gz", digest)
     summary = {"plan": cfg.plan, "plan_sha256": kit.sha256_file(cfg.plan), "base_model": base,
-               "overrides": {"logs": cfg.logs or None, "extra_runs": cfg.extra_runs or None, "seed": seed if seed >= 0 else None, "name": cfg.name or None,
-                             "train": train or {}}, "stages": lineage,
+               "overrides": {"logs": cfg.logs or None, "extra_runs": cfg.extra_runs or None,
+                             "seed": seed if seed >= 0 else None, "name": cfg.name or None, "train": train or {}},
+               "stages": lineage,
                "final_run": stages[-1].run_name, "tarball": str(final), "tarball_sha256": digest,
                "handoff": str(handoff)}
     kit.atomic_write_json(out / f"{plan['name']}.lineage.json", summary)

@@ -141,7 +141,8 @@ def run_rounds(plan_file: str, name: str, seed: int, logs: str, work: Path,
     sampled with it, the last one scored on the logs' held-out prompts; complete stages are found again, not trained
     again): the last stage's run directory, and the steps of every stage."""
     cmd = [sys.executable, str(ROOT / "iterate.py"), str(ROOT / plan_file), "--logs", logs, "--seed", str(seed),
-           *(["--extra_runs", extra_runs] if extra_runs else []), "--name", name, "--output_dir", str(work), *(["--", *extra] if extra else [])]
+           *(["--extra_runs", extra_runs] if extra_runs else []), "--name", name, "--output_dir", str(work),
+           *(["--", *extra] if extra else [])]
     print(f"[compare] {name}: {' '.join(cmd[1:])}", flush=True)
     code = subprocess.run(cmd, cwd=ROOT).returncode
     if code:
