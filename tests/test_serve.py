@@ -606,6 +606,15 @@ def test_openai_sdk_runs_a_reinforcement_job_with_a_python_grader_to_succeeded(s
     assert all("rewards/has-answer/mean" in r for r in rows if "reward" in r)  # the grader scored every answer
     config = json.loads((service.out / job.id / "config.json").read_text())
     assert config["num_generations"] == 2 and json.loads(config["reward_grader"])["source"] == source
+    # RL on a fine-tuned model continues from its adapter (it used to fail: GRPO refused --init_adapter)
+    more = client.fine_tuning.jobs.create(model=job.fine_tuned_model, training_file=f.id, method={
+        "type": "reinforcement", "reinforcement": {
+            "grader": {"type": "python", "name": "has-answer", "source": source},
+            "hyperparameters": {"batch_size": 2, "n_epochs": 1, "compute_multiplier": 0.5}}})
+    more = wait_for(lambda: client.fine_tuning.jobs.retrieve(more.id), lambda j: j.status in jobs.TERMINAL)
+    assert more.status == "succeeded", (more.error, job_log(service.out, more.id)[-3000:])
+    manifest = runs.verify_tarball(service.out / f"{more.id}.tar.gz")
+    assert manifest["method"] == "grpo" and manifest["init_adapter"]["run_name"] == job.id
     from openai import BadRequestError
 
     with pytest.raises(BadRequestError) as e:  # the service's own chat judges, and it serves no model "m"
