@@ -323,7 +323,8 @@ stages:
                          "--", "--max_steps", "1"]) == 0
     summary = json.loads((out / "mine.lineage.json").read_text())
     first, stage = summary["stages"]
-    assert summary["overrides"] == {"logs": str(logs), "extra_runs": None, "seed": 3, "name": "mine", "train": {"max_steps": 1}}
+    assert summary["overrides"] == {"logs": str(logs), "extra_runs": None, "seed": 3, "name": "mine",
+                                    "train": {"max_steps": 1}}
     assert first["data"] == str(out / "mine" / "runs.pairs.jsonl") and stage["data"] == str(logs)
     assert stage["parent"] == first["run_name"] and runs.verify_tarball(out / "mine.tar.gz")
     report = stage["pairs_report"]
@@ -342,9 +343,9 @@ stages:
 
 def test_a_grpo_stage_takes_the_logs_leaves_the_plans_dpo_recipe_and_scores_its_own_held_out_runs(tmp_path):
     """Supervised first, then RL: a `grpo` stage trains train_dpo.py --method grpo from the last stage's adapter on
-    run logs (configs/sft-grpo.yaml: the bundled model's recipe, then GRPO). The plan-wide DPO recipe (loss_type: sft, mix, distinct_chosen) is not passed to it, a stage's own
-    options are (and GRPO then refuses them); --logs gives it the logs; its report scores the logs' own held-out
-    runs, so no --eval_prompts is put on it."""
+    run logs (configs/sft-grpo.yaml: the bundled model's recipe, then GRPO). The plan-wide DPO recipe (loss_type:
+    sft, mix, distinct_chosen) is not passed to it, a stage's own options are (and GRPO then refuses them); --logs
+    gives it the logs; its report scores the logs' own held-out runs, so no --eval_prompts is put on it."""
     import methods
     import yaml
 
