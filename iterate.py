@@ -364,6 +364,21 @@ def build_stage_pairs(stage: Stage, policy: str, folder: Path, plan_path: str,
     return str(out), json.loads(report.read_text())
 
 
+def stage_config(st: Stage, pairs: str, out: Path, base: str, plan_path: str, lineage: str = ""):
+    """The TrainConfig a stage trains with, its problems raised as `PLAN:LINE: ...`."""
+    import train_dpo
+
+    options = {**st.train, "data": pairs, "output_dir": str(out), "run_name": st.run_name,
+               "model_name_or_path": base, "lineage": lineage}
+    if st.parent:
+        options["init_adapter"] = str(out / st.parent)
+    if st.kind == "sft":
+        options["loss_type"] = "sft"
+    if st.kind == "grpo":
+        options["method"] = "grpo"
+    return kit.config_from(train_dpo.TrainConfig, options, f"{plan_path}:{st.line}")
+
+
 def run_plan(cfg: IterateConfig, train: dict | None = None) -> Path:
     """Every stage of the plan in order (complete ones found again), with cfg's and `train`'s (train_dpo.py
     options for every stage) overrides; the last stage's tarball."""
@@ -380,6 +395,8 @@ def run_plan(cfg: IterateConfig, train: dict | None = None) -> Path:
     base = plan.get("model", models.BUNDLED_MODEL_DIR)
     shas = {st["data"]: kit.sha256_file(st["data"]) for st in plan["stages"]}
     stages = chain(plan, lines, shas)
+    for st in stages:  # every stage's options checked before the first trains (not when a late one starts)
+        stage_config(st, st.data, out, base, cfg.plan)
     lineage = []
     for st in stages:
         run_dir = out / st.run_name
@@ -394,15 +411,7 @@ def run_plan(cfg: IterateConfig, train: dict | None = None) -> Path:
         lineage = lineage + [lineage_entry(st, shas[st.data], pairs, kit.sha256_file(pairs), report)]
         lineage_file = folder / f"{st.run_name}.lineage.json"
         kit.atomic_write_json(lineage_file, lineage)
-        options = {**st.train, "data": pairs, "output_dir": str(out), "run_name": st.run_name,
-                   "model_name_or_path": base, "lineage": str(lineage_file)}
-        if st.parent:
-            options["init_adapter"] = str(out / st.parent)
-        if st.kind == "sft":
-            options["loss_type"] = "sft"
-        if st.kind == "grpo":
-            options["method"] = "grpo"
-        done = train_dpo.run(kit.config_from(train_dpo.TrainConfig, options, f"{cfg.plan}:{st.line}"))
+        done = train_dpo.run(stage_config(st, pairs, out, base, cfg.plan, str(lineage_file)))
         if done.state != "succeeded" or not (run_dir / "manifest.json").exists():
             raise kit.UserError(f"stage {st.index} ({st.run_name}) did not finish ({done.state}); "
                                 "run the same plan again to resume it")

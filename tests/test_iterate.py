@@ -424,3 +424,43 @@ def test_the_logs_pairs_take_extra_run_files_after_them_and_extra_runs_needs_log
     assert count(both[1]) > count(alone[1]) and count(both[2]) == count(alone[2])  # more pairs, the same prompts
     with pytest.raises(kit.UserError, match="--extra_runs goes with --logs"):
         kit.config_from(iterate.IterateConfig, {"extra_runs": "a.jsonl"}, "test")
+
+
+def test_a_late_stage_that_refuses_an_option_given_for_every_stage_stops_the_plan_before_the_first_trains(tmp_path):
+    """`make train ROUNDS=1 ARGS="--mix 0.3"` on a plan ending in GRPO: the option reaches every stage, and GRPO
+    refuses it. That is said at the start, with the stage's line, not after the earlier stages have trained."""
+    data = write(tmp_path, "{}\n", "d.jsonl")
+    plan = write(tmp_path, f"""\
+name: late
+stages:
+  - kind: dpo
+    data: {data}
+  - kind: grpo
+    data: {data}
+""")
+    out = tmp_path / "art"
+    cfg = kit.config_from(iterate.IterateConfig, {"plan": plan, "output_dir": str(out)}, "test")
+    with pytest.raises(kit.UserError, match="--mix is for DPO; --method grpo does not take it") as e:
+        iterate.run_plan(cfg, {"mix": "0.3"})
+    assert str(e.value).startswith(f"{plan}:5: ")  # the grpo stage's line
+    assert not [p for p in out.rglob("*") if p.is_dir() and p.name.startswith("late-")]  # no stage started
+
+
+def test_an_attempts_stage_reads_its_logs_the_extra_runs_every_earlier_rounds_attempts_then_its_own(tmp_path):
+    data = write(tmp_path, "{}\n", "d.jsonl")
+    plan, lines = iterate.load_plan(write(tmp_path, f"""\
+name: r
+stages:
+  - kind: dpo
+    data: {data}
+  - kind: attempts
+    data: {data}
+  - kind: attempts
+    data: {data}
+"""))
+    first, a1, a2 = iterate.chain(plan, lines, {data: "a" * 64})
+    folder = tmp_path / "r"
+    got = iterate.attempt_logs(a2, [first, a1], folder, " x.jsonl, y.jsonl,")
+    assert got == [Path(data), Path("x.jsonl"), Path("y.jsonl"), folder / f"{a1.run_name}.attempts.jsonl",
+                   folder / f"{a2.run_name}.attempts.jsonl"]
+    assert iterate.attempt_logs(a1, [first], folder) == [Path(data), folder / f"{a1.run_name}.attempts.jsonl"]
