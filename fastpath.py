@@ -925,6 +925,52 @@ def _lower_right_sdpa(module, query, key, value, attention_mask, dropout=0.0, sc
 _LOWER_RIGHT_FAILED = False
 
 
+GQA_ATTENTION = "dpo_kit_gqa_sdpa"  # its name in transformers' AttentionInterface (and its mask interface)
+
+
+def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' sdpa attention, but with a padding mask on a CPU the key and value heads are not copied
+    out to one per query head (repeat_kv): SDPA reads them grouped (enable_gqa, torch >= 2.5), the same values.
+    transformers takes that path only without a mask (CUDA's kernels fall back to the math one with both); a
+    sampling batch of left-padded prompts always has a mask, and repeating a growing cache per layer and token
+    was the largest cost of a decode step after the matmuls. Anything else goes to transformers' own."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if getattr(module, "num_key_value_groups", 1) == 1 or query.device.type != "cpu" or attention_mask is None \
+            or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    b, heads, q, d = query.shape
+    if q == 1:  # a decode step: each key/value head's query heads as that head's query rows (no GQA kernel needed)
+        groups = heads // key.shape[1]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query.reshape(b, key.shape[1], groups, d), key, value, attn_mask=attention_mask, dropout_p=dropout,
+            scale=scaling)
+        return out.reshape(b, 1, heads, d), None  # [b, heads, 1, d] transposed, as the layer takes it
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                           dropout_p=dropout, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def grouped_kv_attention(model):
+    """The model's sdpa attention as _gqa_sdpa while the block runs (sampler.decode_loop's attention); a model on
+    a GPU, or on another attention implementation (eager, flash), is left as it is."""
+    config = model.config
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    if getattr(config, "_attn_implementation", None) != "sdpa" or not on_cpu or any(
+            getattr(config, k, None) for k in ("sliding_window", "attn_logit_softcapping")):
+        yield
+        return
+    from transformers import AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionMaskInterface.register(GQA_ATTENTION, sdpa_mask)  # the same masks sdpa gets
+    with _attention_implementation(config, GQA_ATTENTION):
+        yield
+
+
 @contextlib.contextmanager
 def _attention_implementation(config, name: str | None):
     """config's attention implementation set to name (registered with transformers) while the block runs."""
@@ -934,6 +980,7 @@ def _attention_implementation(config, name: str | None):
     from transformers import AttentionInterface
 
     AttentionInterface.register(LOWER_RIGHT_ATTENTION, _lower_right_sdpa)
+    AttentionInterface.register(GQA_ATTENTION, _gqa_sdpa)
     old = config._attn_implementation
     config._attn_implementation = name
     try:
@@ -1155,7 +1202,8 @@ def grpo_trainer_class():
             self.model.eval()
             try:
                 ids = sampler.sample_ids(self.model, prompt_ids, self._tokenizer.pad_token_id, g.max_new_tokens,
-                                         set(self.eos_token_ids), sampling, kv_cache=preallocated_kv_cache)
+                                         set(self.eos_token_ids), sampling, kv_cache=preallocated_kv_cache,
+                                         attention=grouped_kv_attention)
             finally:
                 self.model.train(was_training)
             return ids, None

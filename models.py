@@ -669,7 +669,7 @@ def generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, s
     import sampler
 
     return sampler.sample(model, tokenizer, prompts, max_new_tokens, sampling, seed, n, label=label,
-                          kv_cache=fastpath.preallocated_kv_cache)
+                          kv_cache=fastpath.preallocated_kv_cache, attention=fastpath.grouped_kv_attention)
 
 
 def hf_generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, sampling: dict | None = None,

@@ -310,3 +310,14 @@ def test_grpo_signal_counts_steps_with_no_advantage_and_the_findings_say_so():
     assert said[0].startswith("No held-out answer") and "in 1 of its 2 steps" in said[1]
     rows[0]["tuned"] = {"mean_score": 0.2, "pass_rate": 0.25, "outcomes": {"freed": 1}}
     assert not compare.findings(rows)[0].startswith("No held-out answer")
+
+
+def test_the_sampling_speed_up_pairs_each_run_with_the_one_before_it():
+    """A machine that slows down halfway (both paths at half speed in the second pair) still gives 3x a pair;
+    the ratio of the two paths' medians would mix runs from different halves."""
+    import sampling
+
+    generate = [(100.0, 5000), (200.0, 5000), (100.0, 5000)]  # 50, 25, 50 tokens/s
+    ours = [(40.0, 6000), (80.0, 6000), (40.0, 6000)]  # 150, 75, 150 tokens/s
+    assert sampling.paired_speedups(generate, ours) == pytest.approx([3.0, 3.0, 3.0])
+    assert sampling.paired_speedups(generate, [(40.0, 6000), (40.0, 6000)]) == pytest.approx([3.0, 6.0])

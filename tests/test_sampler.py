@@ -141,3 +141,44 @@ def test_the_preallocated_cache_gives_the_dynamic_caches_logits_and_grows_past_i
             logits.append(model(input_ids=steps[[0, 2], :1], past_key_values=cache, use_cache=True).logits[:, -1])
         outs.append(logits)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(*outs))
+
+
+def test_grouped_key_value_attention_gives_sdpas_logits_on_a_padded_batch_and_is_put_back():
+    """The decode loop on a CPU reads a GQA model's key and value heads grouped, not repeated per query head:
+    the same logits as transformers' sdpa for left-padded rows (prompt pass and decode steps), and the model's
+    own attention implementation afterwards."""
+    import fastpath
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    model = tiny_llama_with_lora()
+    assert model.config._attn_implementation == "sdpa" and model.config.num_key_value_heads == 2
+    ids = torch.randint(0, 64, (3, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :3], mask[2, :1] = 0, 0  # left padding, as a sampling batch has
+    steps = torch.randint(0, 64, (3, 4), generator=torch.Generator().manual_seed(2))
+
+    def logits():
+        cache, m, out = fastpath.preallocated_kv_cache(16), mask, []
+        with torch.no_grad():
+            out.append(model(input_ids=ids, attention_mask=m, past_key_values=cache, use_cache=True).logits[:, -1])
+            for i in range(steps.shape[1]):
+                m = torch.cat([m, m.new_ones(3, 1)], 1)
+                out.append(model(input_ids=steps[:, i:i + 1], attention_mask=m, past_key_values=cache,
+                                 use_cache=True).logits[:, -1])
+        return torch.stack(out)
+
+    want = logits()
+    with fastpath.grouped_kv_attention(model):
+        assert model.config._attn_implementation == fastpath.GQA_ATTENTION
+        got = logits()
+    assert model.config._attn_implementation == "sdpa"
+    assert torch.allclose(got, want, atol=1e-5)
+    # the grouped call itself, against transformers' (which repeats the heads when there is a mask)
+    layer = model.base_model.model.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(3, 4, 1, 8, generator=g), torch.randn(3, 2, 9, 8, generator=g), torch.randn(3, 2, 9, 8,
+                                                                                                        generator=g)
+    pad = torch.ones(3, 1, 1, 9, dtype=torch.bool)
+    pad[1, ..., :4] = False
+    ours, theirs = fastpath._gqa_sdpa(layer, q, k, v, pad), sdpa_attention_forward(layer, q, k, v, pad)
+    assert ours[0].shape == theirs[0].shape == (3, 1, 4, 8) and torch.allclose(ours[0], theirs[0], atol=1e-6)
