@@ -179,37 +179,29 @@ def decode_loop(model, input_ids, attention_mask, max_new_tokens: int, stop_ids:
     step_input, step_position = input_ids, position
     stops = torch.tensor(sorted(stop_ids), device=device) if stop_ids else None
     with attention(model) if attention else contextlib.nullcontext():
-        return _decode(model, out, alive, cache, mask, position, step_input, step_position, stops, max_new_tokens,
-                       sampling, progress, keep_stop)
-
-
-def _decode(model, out, alive, cache, mask, position, step_input, step_position, stops, max_new_tokens, sampling,
-            progress, keep_stop):
-    import torch
-
-    for _ in range(max_new_tokens):
-        logits = model(input_ids=step_input, attention_mask=mask, position_ids=step_position, past_key_values=cache,
-                       use_cache=True, logits_to_keep=1).logits[:, -1, :].float()
-        token = draw(logits, sampling)
-        done = torch.isin(token, stops) if stops is not None else torch.zeros_like(token, dtype=torch.bool)
-        for row, t, d in zip(alive.tolist(), token.tolist(), done.tolist()):
-            if keep_stop or not d:
-                out[row].append(t)
-        keep = (~done).nonzero().squeeze(1)
-        if progress:
-            progress.add(done=int(done.sum()), tokens=int(keep.numel()))
-        if keep.numel() == 0:
-            break
-        if keep.numel() < alive.numel():
-            alive, token = alive[keep], token[keep]
-            mask, position = mask[keep], position[keep]
-            cache.batch_select_indices(keep)
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-        position = position[:, -1:] + 1
-        step_input, step_position = token[:, None], position
-    else:
-        if progress:  # the rows that reached max_new_tokens
-            progress.add(done=int(alive.numel()))
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=step_input, attention_mask=mask, position_ids=step_position,
+                           past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :].float()
+            token = draw(logits, sampling)
+            done = torch.isin(token, stops) if stops is not None else torch.zeros_like(token, dtype=torch.bool)
+            for row, t, d in zip(alive.tolist(), token.tolist(), done.tolist()):
+                if keep_stop or not d:
+                    out[row].append(t)
+            keep = (~done).nonzero().squeeze(1)
+            if progress:
+                progress.add(done=int(done.sum()), tokens=int(keep.numel()))
+            if keep.numel() == 0:
+                break
+            if keep.numel() < alive.numel():
+                alive, token = alive[keep], token[keep]
+                mask, position = mask[keep], position[keep]
+                cache.batch_select_indices(keep)
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            position = position[:, -1:] + 1
+            step_input, step_position = token[:, None], position
+        else:
+            if progress:  # the rows that reached max_new_tokens
+                progress.add(done=int(alive.numel()))
     return out
 
 
