@@ -27,7 +27,8 @@ from kit import UserError
 ROOT = Path(__file__).resolve().parent.parent
 TOOL_LS = {"type": "function", "function": {"name": "ls", "parameters": {"type": "object", "properties": {}}}}
 # configs/demo.yaml's measured keys
-RECIPE_KEYS = {"loss_type", "learning_rate", "num_train_epochs", "eval_steps", "mix", "distinct_chosen"}
+RECIPE_KEYS = {"loss_type", "learning_rate", "num_train_epochs", "eval_steps", "eval_samples", "mix",
+               "distinct_chosen"}
 MODEL = ROOT / models.BUNDLED_MODEL_DIR
 
 
