@@ -307,7 +307,7 @@ def parse(args):
     return words, given
 
 
-SIZE = r"[0-9]+(\.[0-9]+)?[KMGTPE]?"
+SIZE = r"[0-9]+(\\.[0-9]+)?[KMGTPE]?"
 TIME = r"[0-9]+(s|sec|m|min|h|hours?|d|days?|w|weeks?|months?|y|years?)"
 
 if name == "sudo":

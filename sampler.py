@@ -141,24 +141,45 @@ def merged(model):
                     layer.forward = forward
 
 
-class Progress:
-    """A line every PROGRESS_EVERY seconds on stderr: items done of how many, tokens/s (sampling), time left."""
+def time_left(done: int, total: int, elapsed: float, steps: int = 0, steps_total: int = 0) -> float | None:
+    """Seconds left, or None before anything can be said. By answers done, the rate so far; where decode steps
+    are counted too, at most the steps left at the time a step has taken so far: a batch's rows mostly finish
+    together near its end, so 1 answer of 64 after 10 s does not mean 630 s more."""
+    if done >= total:
+        return 0.0
+    estimates = []
+    if done:
+        estimates.append((total - done) * elapsed / done)
+    if steps and steps_total > steps:
+        estimates.append((steps_total - steps) * elapsed / steps)
+    return min(estimates) if estimates else None
 
-    def __init__(self, label: str, total: int, unit: str):
+
+class Progress:
+    """A line every PROGRESS_EVERY seconds on stderr: items done of how many, tokens/s (sampling), time left.
+    steps_total: decode steps the work takes at most (batches x max_new_tokens), 0 = not counted; a decode loop
+    adds its steps, which bound the time left (time_left)."""
+
+    def __init__(self, label: str, total: int, unit: str, steps_total: int = 0):
         self.label, self.total, self.unit, self.done, self.tokens = label, total, unit, 0, 0
+        self.steps, self.steps_total = 0, steps_total
         self.start = self.last = time.monotonic()
 
-    def add(self, done: int = 0, tokens: int = 0, force: bool = False) -> None:
-        self.done, self.tokens = self.done + done, self.tokens + tokens
+    def add(self, done: int = 0, tokens: int = 0, force: bool = False, steps: int = 0) -> None:
+        self.done, self.tokens, self.steps = self.done + done, self.tokens + tokens, self.steps + steps
         now = time.monotonic()
         if not self.label or not (force or now - self.last >= PROGRESS_EVERY):
             return
         self.last, elapsed = now, max(now - self.start, 1e-9)
-        left = (self.total - self.done) * elapsed / self.done if self.done else 0
+        left = time_left(self.done, self.total, elapsed, self.steps, self.steps_total)
         rate = f"  {self.tokens / elapsed:.0f} tokens/s" if self.tokens else ""
         print(f"[{self.label}] {self.done}/{self.total} {self.unit}{rate}  {int(elapsed)} s"
-              + (f", ~{int(left)} s left" if self.done < self.total and self.done else ""),
+              + (f", ~{int(left)} s left" if left and self.done < self.total else ""),
               file=sys.stderr, flush=True)
+
+    def skip_steps(self, steps: int) -> None:
+        """A batch ended before max_new_tokens: its unused steps leave the bound."""
+        self.steps_total = max(self.steps, self.steps_total - steps)
 
 
 def decode_loop(model, input_ids, attention_mask, max_new_tokens: int, stop_ids: set[int], sampling: dict | None,
@@ -179,7 +200,7 @@ def decode_loop(model, input_ids, attention_mask, max_new_tokens: int, stop_ids:
     step_input, step_position = input_ids, position
     stops = torch.tensor(sorted(stop_ids), device=device) if stop_ids else None
     with attention(model) if attention else contextlib.nullcontext():
-        for _ in range(max_new_tokens):
+        for step in range(max_new_tokens):
             logits = model(input_ids=step_input, attention_mask=mask, position_ids=step_position,
                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :].float()
             token = draw(logits, sampling)
@@ -189,8 +210,10 @@ def decode_loop(model, input_ids, attention_mask, max_new_tokens: int, stop_ids:
                     out[row].append(t)
             keep = (~done).nonzero().squeeze(1)
             if progress:
-                progress.add(done=int(done.sum()), tokens=int(keep.numel()))
+                progress.add(done=int(done.sum()), tokens=int(keep.numel()), steps=1)
             if keep.numel() == 0:
+                if progress:
+                    progress.skip_steps(max_new_tokens - step - 1)
                 break
             if keep.numel() < alive.numel():
                 alive, token = alive[keep], token[keep]
@@ -266,7 +289,8 @@ def sample(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, sam
     stop_ids |= set(extra if isinstance(extra, list) else [extra] if extra is not None else [])
     if seed is not None:
         torch.manual_seed(seed)
-    progress = Progress(label, len(texts), "answers") if label else None
+    steps_total = -(-len(texts) // batch_size) * max_new_tokens
+    progress = Progress(label, len(texts), "answers", steps_total) if label else None
     answers: list[str] = []
     was_training = model.training
     model.eval()

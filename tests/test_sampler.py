@@ -99,6 +99,16 @@ def test_sampled_answers_are_seeded_and_rows_leave_the_batch_when_they_finish(ca
     assert lines and lines[-1].startswith("[sample] 6/6 answers")
 
 
+def test_time_left_is_bounded_by_the_decode_steps_left_when_a_batch_finishes_together():
+    # 1 answer of 64 after 10 s of a 256-step batch at step 80: the answers' rate says 630 s, the steps 22 s
+    assert sampler.time_left(1, 64, 10.0, steps=80, steps_total=256) == pytest.approx(176 * 10.0 / 80)
+    assert sampler.time_left(1, 64, 10.0) == pytest.approx(630.0)  # no steps counted: the answers' rate
+    assert sampler.time_left(32, 64, 10.0, steps=10, steps_total=1000) == pytest.approx(10.0)  # the smaller one
+    assert sampler.time_left(0, 64, 10.0) is None  # nothing done, nothing counted: no guess
+    assert sampler.time_left(0, 64, 10.0, steps=5, steps_total=10) == pytest.approx(10.0)
+    assert sampler.time_left(64, 64, 10.0, steps=5, steps_total=10) == 0.0
+
+
 def test_rows_per_batch_fills_as_few_equal_batches_as_the_budget_holds():
     assert sampler.rows_per_batch(164, 10, budget=10_000) == 164  # all fit: one batch
     assert sampler.rows_per_batch(164, 100, budget=15_500) == 82  # 155 fit: two batches of 82, not 155 + 9
