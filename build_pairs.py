@@ -6,7 +6,9 @@ A run: {"run_id", "prompt": [msgs, or [msg, tag] pairs], "strategy", "attempts":
 "tools"?}; an agent's tool calls and their results in the prompt (OpenAI's shapes) and its tools list reach the
 pairs unchanged. An attempt *succeeded* when it ran and scored > 0 (`--score_key`, default space_freed). Per run:
   never_ran, never_succeeded  no pair of its own (its strategy can still be a cross_run rejected)
-  mixed                       strategy -> best successful code  vs  each failed attempt's code
+  mixed                       strategy -> best successful code  vs  each failed attempt's code (meta.rejected_broke
+                              when that attempt deleted what must be kept: its outcome "broke", or its error
+                              starting "deleted or changed what must be kept", as attempts.py logs it)
   first_try_strategy          run's prompt -> strategy          vs  a garbled strategy
   first_try_code              strategy -> best code             vs  garbled code that never compiles
   cross_run                   shared prompt -> best run's strategy vs each never-succeeded run's strategy
@@ -153,6 +155,7 @@ class Attempt:
     code: str
     ran: bool
     score: int | float | None  # None: did not run, or ran with no score recorded
+    broke: bool = False  # it deleted or changed what must be kept (broke_in_log): a mixed pair marks it rejected_broke
 
     @property
     def succeeded(self) -> bool:
@@ -226,6 +229,16 @@ def _parse_prompt(prompt, bad, surrogates: bool = True) -> tuple[list, list | No
     return messages, (None if tags.count(None) == len(tags) else tags)
 
 
+BROKE_ERROR = "deleted or changed what must be kept"  # how attempts.py's logs begin such an attempt's error
+
+
+def broke_in_log(a: dict) -> bool:
+    """An attempt's log says it deleted or changed what must be kept: the checker's outcome "broke" (attempts.py
+    writes it), or an error that says so in attempts.py's words (logs without an outcome)."""
+    error = a.get("error")
+    return a.get("outcome") == "broke" or (isinstance(error, str) and error.startswith(BROKE_ERROR))
+
+
 def _parse_attempt(a, i: int, score_key: str, bad, surrogates: bool = True) -> Attempt:
     if not isinstance(a, dict):
         raise bad(f"attempts[{i}]: expected an object, got {_kind(a)}")
@@ -240,7 +253,7 @@ def _parse_attempt(a, i: int, score_key: str, bad, surrogates: bool = True) -> A
         raise bad(f"attempts[{i}]: {score_key} must be a finite number, got {short(score)}")
     if surrogates:
         _checked(code, f"attempts[{i}].code", bad)
-    return Attempt(code, ran, score)
+    return Attempt(code, ran, score, broke_in_log(a))
 
 
 def parse_run(obj, path, line: int, score_key: str = "space_freed", surrogates: bool = True) -> Run:
@@ -368,7 +381,8 @@ def pairs_for_run(run: Run, cfg: PairsConfig, garbler=None, stats: Counter | Non
             stats["pairs_capped"] += 1
         else:
             seen.add(a.code.strip())
-            pairs.append(Pair(ask, best.code, a.code, _meta(run.run_id, "mixed", best.score, a.score)))
+            extra = {"rejected_broke": True} if a.broke else {}  # train_dpo --broke_weight reads it
+            pairs.append(Pair(ask, best.code, a.code, _meta(run.run_id, "mixed", best.score, a.score, **extra)))
     return pairs
 
 

@@ -88,6 +88,7 @@ class Compute:
     fused: dict | None = None  # None = off
     liger: int = 0  # modules running Liger's Triton kernels (CUDA), each checked on a probe
     chosen_only: bool = False  # sft loss alone: training steps forward the chosen rows only (chosen_only_sft_loss)
+    broke: dict | None = None  # --broke_weight: {"weight", "pairs"} (broke_preference_loss); None = off
 
 
 def version_problem(versions: dict[str, str] | None = None) -> str | None:
@@ -1129,6 +1130,14 @@ def arm(cfg, built) -> None:
         if compute.chosen_only:
             print("[model] sft loss alone: training steps forward the chosen rows only (no rejected rows, no "
                   "reference pass; --no_chosen_only: TRL's whole pass); held-out evaluation runs TRL's whole loss")
+        if cfg.broke_weight:
+            ds = trainer.train_dataset
+            flagged = sum(ds[BROKE_COLUMN]) if BROKE_COLUMN in ds.column_names else 0
+            trainer.kit_broke_weight = cfg.broke_weight
+            compute.broke = {"weight": cfg.broke_weight, "pairs": flagged}
+            print(f"[model] --broke_weight {cfg.broke_weight}: DPO's sigmoid term (beta {trainer.beta}) on the "
+                  f"{flagged} training pairs whose rejected answer deleted what must be kept (build_pairs' "
+                  "meta.rejected_broke)" + ("" if flagged else ": none here, so the term never runs"))
     if cfg.fused_ops:
         autocast = torch.bfloat16 if trainer.args.bf16 else torch.float16 if trainer.args.fp16 else None
         if liger_applies(built.on_gpu, built.targets):  # CUDA: Liger's norms and MLPs, not the kit's
@@ -1286,6 +1295,70 @@ def chosen_only_sft_loss(trainer, model, inputs):
     return loss
 
 
+BROKE_COLUMN = "kit_broke"  # formats.BROKE_COLUMN: a pair whose rejected answer deleted what must be kept
+
+
+class BrokeCollator:
+    """TRL's preference collator, with BROKE_COLUMN (formats.trainable's column) as a bool tensor beside its
+    batch, where the examples have it: TRL's collator reads only the columns it knows."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, examples):
+        import torch
+
+        batch = self.inner(examples)
+        if examples and BROKE_COLUMN in examples[0]:
+            batch[BROKE_COLUMN] = torch.tensor([bool(e[BROKE_COLUMN]) for e in examples])
+        return batch
+
+
+def broke_preference_loss(trainer, model, inputs, flags, parent_loss):
+    """--broke_weight: DPO's sigmoid term on the pairs of the batch whose rejected answer deleted what must be
+    kept, added to the step's loss. A loss that reads only the chosen answers (sft) never sees such an answer, so
+    nothing pushes the model away from it; the term is TRL 1.14's own loss (parent_loss: DPOTrainer._compute_loss,
+    reference pass included) on those pairs' rows alone, with loss_types ["sigmoid"] while it runs. Scaled by
+    weight x flagged / batch: a flagged pair weighs `weight` times what a pair of the sft mean does. Its metrics
+    are logged under broke/ (rewards/margins etc. of those pairs), not as the step's own."""
+    b = inputs["input_ids"].shape[0] // 2
+    idx = flags.to(inputs["input_ids"].device).nonzero().squeeze(1)
+    rows = idx.new_tensor(idx.tolist() + [i + b for i in idx.tolist()])
+    sub = {k: inputs[k][rows] for k in ("input_ids", "attention_mask", "completion_mask")}
+    width = chosen_width(sub["attention_mask"], trainer.args.pad_to_multiple_of)
+    sub = {k: v[:, :width] for k, v in sub.items()}
+    for k in ("ref_chosen_logps", "ref_rejected_logps"):
+        if k in inputs:
+            sub[k] = inputs[k][idx]
+    metrics = trainer._metrics["train"]
+    before = {k: len(v) for k, v in metrics.items()}
+    saved = trainer.loss_types, trainer.loss_weights
+    trainer.loss_types, trainer.loss_weights = ["sigmoid"], [1.0]
+    try:
+        loss = parent_loss(model, sub)
+    finally:
+        trainer.loss_types, trainer.loss_weights = saved
+    for k in [k for k in metrics if not k.startswith("broke/") and len(metrics[k]) > before.get(k, 0)]:
+        new = metrics[k][before.get(k, 0):]
+        del metrics[k][before.get(k, 0):]
+        if not metrics[k]:
+            del metrics[k]
+        metrics[f"broke/{k}"].extend(new)
+    trainer.kit_broke_batches += 1
+    return loss * trainer.kit_broke_weight * idx.numel() / b
+
+
+def print_counts(trainer) -> None:
+    """After training: how many passes each of the kit's paths took (none printed for a path not taken)."""
+    for attr, what in (("kit_lean_batches", "forward passes took their log-probs through the lean head"),
+                       ("kit_chosen_batches", "training batches forwarded their chosen rows only (sft loss)"),
+                       ("kit_broke_batches", "training batches ran DPO's term on pairs whose rejected answer "
+                                             "deleted what must be kept (--broke_weight)"),
+                       ("kit_shared_batches", "forward passes ran each prompt once for both completions")):
+        if getattr(trainer, attr, 0):
+            print(f"[model] {getattr(trainer, attr)} {what}")
+
+
 def dpo_trainer_class(cache_dir: Path | None, keys: dict, record: dict):
     """DPOTrainer with two hooks into TRL 1.14's internals. Dataset preparation is tokenization.prepare_pairs
     (chat template, tokenisation at the prompt's own end, dropping prompts that fill max_length) through the
@@ -1304,16 +1377,35 @@ def dpo_trainer_class(cache_dir: Path | None, keys: dict, record: dict):
         kit_shared_batches = 0  # of those, the ones that shared their prompts
         kit_chosen_only = True  # sft loss alone: training steps forward the chosen rows only (chosen_only_sft_loss)
         kit_chosen_batches = 0  # training batches that did
+        kit_broke_weight = 0.0  # --broke_weight (broke_preference_loss); 0 = off
+        kit_broke_batches = 0  # training batches that ran it
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.data_collator = BrokeCollator(self.data_collator)
+
+        def _set_signature_columns_if_needed(self):  # keep BROKE_COLUMN through the Trainer's column pruning
+            super()._set_signature_columns_if_needed()
+            if BROKE_COLUMN not in self._signature_columns:
+                self._signature_columns = [*self._signature_columns, BROKE_COLUMN]
 
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
             return token_cache.cached(cache_dir, keys.get(dataset_name), dataset_name, record,
                                       lambda: tokenization.prepare_pairs(dataset, processing_class, args, dataset_name))
 
         def _compute_loss(self, model, inputs, return_outputs):
+            flags = inputs.get(BROKE_COLUMN)
+            inputs = {k: v for k, v in inputs.items() if k != BROKE_COLUMN}  # not a model input
             if (self.kit_chosen_only and model.training and not return_outputs
                     and chosen_only_applies(self, inputs)):
-                return chosen_only_sft_loss(self, model, inputs)
-            return super()._compute_loss(model, inputs, return_outputs)
+                loss = chosen_only_sft_loss(self, model, inputs)
+            else:
+                loss = super()._compute_loss(model, inputs, return_outputs)
+            if (self.kit_broke_weight and flags is not None and bool(flags.any()) and model.training
+                    and not return_outputs):
+                loss = loss + broke_preference_loss(
+                    self, model, inputs, flags, lambda m, sub: DPOTrainer._compute_loss(self, m, sub, False))
+            return loss
 
         def _get_per_token_logps_and_entropies(self, model, model_kwargs, input_ids, completion_mask):
             out = None

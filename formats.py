@@ -65,6 +65,8 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a function's name, as OpenAI t
 _HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
 GENERAL_MIX = "data/general.jsonl"  # bundled general-purpose pairs: the default co-training source
 RUN_KEY = "_run"  # on a loaded record: its build_pairs meta.run_id (see held_out); `trainable` drops it
+BROKE_KEY = "_broke"  # on a loaded pair: build_pairs' meta.rejected_broke (its rejected answer deleted what must
+BROKE_COLUMN = "kit_broke"  # be kept); `trainable` turns it into this column when any record has it
 
 
 @dataclasses.dataclass
@@ -664,6 +666,8 @@ def load_rows(path: str, rows, sha256: str, skip_invalid: bool, columns: dict,
         run_id = record.get("meta", {}).get("run_id") if isinstance(record.get("meta"), dict) else None
         if isinstance(run_id, (str, int)) and not isinstance(run_id, bool):
             pair[RUN_KEY] = str(run_id)  # build_pairs' meta: the held-out share is drawn by run
+        if "rejected" in pair and isinstance(record.get("meta"), dict) and record["meta"].get("rejected_broke") is True:
+            pair[BROKE_KEY] = True  # train_dpo --broke_weight's preference term reads this pair
         used = FORMAT_COLUMNS[fmt] | ({c for pair_ in SCORE_COLUMNS for c in pair_} if min_score_gap else set())
         ignored.update(k for k in record if k not in used)
         if gap is not None and gap < min_score_gap:
@@ -741,8 +745,12 @@ def unpair(pairs: list[dict]) -> list[dict]:
 
 
 def trainable(records: list[dict]) -> list[dict]:
-    """The records as the trainer sees them: without the kit's own keys (the run key)."""
-    return [{k: v for k, v in r.items() if k != RUN_KEY} for r in records]
+    """The records as the trainer sees them: without the kit's own keys (the run key); where any pair's rejected
+    answer broke what must be kept (BROKE_KEY), every record carries BROKE_COLUMN, true or false (the kit's DPO
+    trainer hands it to its loss; TRL's own drops the column as one its model does not take)."""
+    column = any(BROKE_KEY in r for r in records)
+    return [{k: v for k, v in r.items() if k not in (RUN_KEY, BROKE_KEY)}
+            | ({BROKE_COLUMN: r.get(BROKE_KEY, False)} if column else {}) for r in records]
 
 
 def preference_pairs(examples: list[dict], per_prompt: int = 4) -> list[dict]:
@@ -820,28 +828,31 @@ def prompt_text(prompt, tools: list | None = None) -> str:
     return _canon_prompt(prompt, tools) if isinstance(prompt, list) else _canon([prompt, tools])
 
 
-def distinct_chosen(pairs: list[dict]) -> list[dict]:
+def distinct_chosen(pairs: list[dict], keep_broke: bool = False) -> list[dict]:
     """The first pair of each (prompt, chosen answer), in file order: what a loss that reads only the chosen
     side trains on. build_pairs pairs a run's best answer with each worse one, so a run with seven failed attempts
-    repeats its chosen answer seven times, and the SFT loss would train it seven times an epoch."""
+    repeats its chosen answer seven times, and the SFT loss would train it seven times an epoch. keep_broke: a
+    pair whose rejected answer broke what must be kept (BROKE_KEY) stays, as --broke_weight's preference term reads
+    that side (its chosen answer is then trained once more)."""
     seen, out = set(), []
     for r in pairs:
         key = (prompt_text(r["prompt"], r.get("tools")), _canon(r["chosen"]))
-        if key not in seen:
+        if key not in seen or (keep_broke and r.get(BROKE_KEY)):
             seen.add(key)
             out.append(r)
     return out
 
 
 def split_and_mix(pairs: list[dict], data: TrainingData, eval_fraction: float, mix_spec: str, seed: int,
-                  skip_invalid: bool, distinct: bool = False) -> tuple[list[dict], list[dict]]:
-    """Hold out a stable share of the pairs; with `distinct`, train each (prompt, chosen) once (distinct_chosen);
+                  skip_invalid: bool, distinct: bool = False, keep_broke: bool = False) -> tuple[list[dict], list[dict]]:
+    """Hold out a stable share of the pairs; with `distinct`, train each (prompt, chosen) once (distinct_chosen,
+    keep_broke as there);
     mix further files into the rest in their stated shares. Records all three in data. Returns (training pairs,
     held-out pairs)."""
     held = [r for r in pairs if held_out(r, eval_fraction)]
     train_pairs = [r for r in pairs if not held_out(r, eval_fraction)]
     if distinct:
-        n, train_pairs = len(train_pairs), distinct_chosen(train_pairs)
+        n, train_pairs = len(train_pairs), distinct_chosen(train_pairs, keep_broke)
         data.chosen_repeats = n - len(train_pairs)
     if not train_pairs:
         raise UserError(f"every pair fell in the held-out share (--eval_fraction {eval_fraction}); "

@@ -40,6 +40,10 @@ class DPOOptions:
     distinct_chosen: bool = field(False, "with --loss_type sft alone: train each (prompt, chosen answer) once, not "
                                   "once for each rejected answer it was paired with (the loss reads nothing else; "
                                   "build_pairs pairs a run's best answer with each worse one)")
+    broke_weight: float = field(0.0, "weight of DPO's sigmoid term on the pairs whose rejected answer deleted what "
+                                "must be kept (build_pairs' meta.rejected_broke), added to any loss; with "
+                                "--loss_type sft, the one push away from such answers, at the cost of a reference "
+                                "pass over those pairs alone; 0 = off")
 
 
 @dataclasses.dataclass
@@ -93,7 +97,8 @@ UNITS = {"dpo": "pairs", "kto": "examples", "grpo": "prompts"}
 # ---------------------------------------------------------------------------------------------
 
 
-DPO_ONLY = {"loss_type": "sigmoid", "sft_weight": 0.0, "mix": "", "distinct_chosen": False}  # option: its default
+DPO_ONLY = {"loss_type": "sigmoid", "sft_weight": 0.0, "mix": "", "distinct_chosen": False,  # option: its default
+            "broke_weight": 0.0}
 
 
 def dpo_only_problems(cfg, method: str) -> list[str]:
@@ -151,6 +156,7 @@ def method_problems(cfg, method: str) -> list[str]:
     p = [] if cfg.desirable_weight >= 0 and cfg.undesirable_weight >= 0 else [
         "--desirable_weight and --undesirable_weight must not be negative (0 = from the class balance)"]
     p += [] if cfg.sft_weight >= 0 else [f"--sft_weight must not be negative (got {cfg.sft_weight})"]
+    p += [] if cfg.broke_weight >= 0 else [f"--broke_weight must not be negative (got {cfg.broke_weight})"]
     return p + (kto_problems(cfg) if method == "kto" else grpo_problems(cfg) if method == "grpo" else [])
 
 

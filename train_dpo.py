@@ -319,7 +319,7 @@ def load_data(cfg: TrainConfig) -> tuple[formats.TrainingData, list[dict], list[
             print(f"[data] --method kto: {stats['pairs']:,} pairs unpaired into {len(pairs):,} examples")
         data.labels = {"desirable": sum(e["label"] for e in pairs), "undesirable": sum(not e["label"] for e in pairs)}
     train_pairs, held = formats.split_and_mix(pairs, data, cfg.eval_fraction, cfg.mix, cfg.seed, cfg.skip_invalid,
-                                              methods.distinct_applies(cfg, data.method))
+                                              methods.distinct_applies(cfg, data.method), cfg.broke_weight > 0)
     if data.method == "kto":  # TRL's KTO samples in order (its KL term pairs each example with its neighbours)
         import random
 
@@ -585,7 +585,7 @@ def data_record(data: formats.TrainingData, compute: fastpath.Compute, cfg: Trai
     """data.json: what the run trained on, and how it computed (and, on a random:<shape> base, that it is one)."""
     random_base = shapes.describe(cfg.model_name_or_path) if shapes.is_random(cfg.model_name_or_path) else None
     return dataclasses.asdict(data) | {"compute": compute.matmuls, "logps": compute.logps, "fused_ops": compute.fused,
-                                       "chosen_only": compute.chosen_only,
+                                       "chosen_only": compute.chosen_only, "broke_term": compute.broke,
                                        "random_base": random_base}
 
 
@@ -596,12 +596,7 @@ def train(run: runs.Run, trainer, resume_from: str, interrupt: Interrupt) -> Non
     interrupt.training = True
     trainer.train(resume_from_checkpoint=resume_from or None)
     interrupt.training = False
-    if getattr(trainer, "kit_lean_batches", 0):
-        print(f"[model] {trainer.kit_lean_batches} forward passes took their log-probs through the lean head")
-    if getattr(trainer, "kit_chosen_batches", 0):
-        print(f"[model] {trainer.kit_chosen_batches} training batches forwarded their chosen rows only (sft loss)")
-    if getattr(trainer, "kit_shared_batches", 0):
-        print(f"[model] {trainer.kit_shared_batches} forward passes ran each prompt once for both completions")
+    fastpath.print_counts(trainer)
     if interrupt.signum is not None:
         run.set_status("cancelled", error=f"signal {interrupt.signum}", step=trainer.state.global_step)
         run.stopped_by = interrupt.signum

@@ -99,6 +99,22 @@ def test_mixed_best_code_wins_and_earliest_wins_ties():
     assert pairs[1].meta["rejected_score"] == 0
 
 
+def test_a_mixed_pair_whose_rejected_attempt_broke_what_must_be_kept_is_marked():
+    wipe = {"code": "import shutil\nshutil.rmtree('/srv/app')", "ran": True, "space_freed": 0, "outcome": "broke"}
+    said = {"code": "import os\nos.remove('/var/log/syslog')", "ran": True, "space_freed": 0,
+            "error": f"{bp.BROKE_ERROR}: /var/log/syslog"}  # a log without outcomes, in attempts.py's words
+    late = {"code": "x = (", "ran": False, "error": f"SyntaxError, not {bp.BROKE_ERROR}"}
+    pairs = bp.pairs_for_run(parsed(run(attempts=[wipe, said, late, ok(ZERO, 0), ok()])), bp.PairsConfig(runs="x"))
+    assert [p.meta.get("rejected_broke", False) for p in pairs] == [True, True, False, False]
+    assert bp.broke_in_log({"outcome": "broke"}) and not bp.broke_in_log({"outcome": "failed", "error": None})
+
+
+def test_the_demo_logs_mark_each_keep_part_runs_wipe_and_nothing_else():
+    pairs = [p for r in bp.read_runs(str(DEMO)) for p in bp.pairs_for_run(r, bp.PairsConfig(runs="x"))]
+    marked = sorted(p.meta["run_id"] for p in pairs if p.meta.get("rejected_broke"))
+    assert marked == ["run-0153", "run-0156", "run-0157", "run-0158", "run-0160"]  # the runs that keep part
+
+
 def test_mixed_cap_keeps_the_earliest_failures():
     attempts = [failed(f"x{i} = (") for i in range(6)] + [ok()]
     stats = Counter()
@@ -857,3 +873,11 @@ def test_extra_run_files_read_after_the_first_give_what_the_files_joined_give(tm
     assert code3 == 2 and f"{third}:3:" in capsys.readouterr().err  # the file and its own line
     code4, _, _ = build(tmp_path, first, "--extra_runs", "-")
     assert code4 == 2 and "only RUNS may be -" in capsys.readouterr().err
+
+
+def test_the_demo_holds_out_the_same_8_runs_the_readme_and_bench_results_were_measured_on():
+    """make train's report scores these runs' prompts; a run added to data/runs.jsonl must land on the training
+    side of the hash split, or every measured number in the README and bench/results-recipe.md stops comparing."""
+    ids = [r.run_id for r in bp.read_runs(str(DEMO))]
+    held = sorted(i for i in ids if formats.held_out({formats.RUN_KEY: i}, 0.2))
+    assert held == ["run-0101", "run-0106", "run-0112", "run-0113", "run-0122", "run-0125", "run-0146", "run-0149"]

@@ -193,6 +193,33 @@ def test_distinct_chosen_trains_each_prompt_and_chosen_answer_once(rows):
     assert [id(k) for k in kept] == [id(pairs[i]) for i in first.values()]  # the first of each, in file order
 
 
+@given(st.lists(st.tuples(st.sampled_from(["q1", "q2"]), st.sampled_from(["a", "b"]), st.sampled_from(["x", "y"]),
+                          st.booleans()), max_size=30))
+def test_distinct_chosen_keeps_the_pairs_whose_rejected_answer_broke_what_must_be_kept(rows):
+    pairs = [{"prompt": p, "chosen": c, "rejected": r} | ({formats.BROKE_KEY: True} if b else {}) for p, c, r, b in rows]
+    kept = formats.distinct_chosen(pairs, keep_broke=True)
+    first = {}
+    for i, r in enumerate(pairs):
+        first.setdefault((r["prompt"], r["chosen"]), i)
+    want = [i for i, r in enumerate(pairs) if r.get(formats.BROKE_KEY) or first[(r["prompt"], r["chosen"])] == i]
+    assert [id(k) for k in kept] == [id(pairs[i]) for i in want]  # every flagged pair, and the first of the rest
+    assert formats.distinct_chosen(pairs) == [pairs[i] for i in first.values()]  # without keep_broke: as before
+
+
+def test_a_pairs_broke_mark_reaches_the_trainer_as_a_column_only_where_some_pair_has_it(tmp_path):
+    rows = [r | {"meta": {"run_id": f"run-{i}", **({"rejected_broke": True} if i == 1 else {})}}
+            for i, r in enumerate(pairs_in("trl_conversational"))]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pairs, _ = formats.load_pairs(str(path))
+    assert [formats.BROKE_KEY in p for p in pairs] == [i == 1 for i in range(len(pairs))]
+    rows_in = formats.trainable(pairs)
+    assert [r[formats.BROKE_COLUMN] for r in rows_in] == [i == 1 for i in range(len(pairs))]
+    assert not any(formats.BROKE_KEY in r or formats.RUN_KEY in r for r in rows_in)
+    assert all(formats.BROKE_COLUMN not in r for r in formats.trainable(pairs[:1] + pairs[2:]))  # none flagged
+    assert formats.BROKE_COLUMN == fastpath.BROKE_COLUMN
+
+
 def test_distinct_chosen_is_counted_and_the_mix_follows_what_is_left(tmp_path):
     pairs = [{"prompt": [{"role": "user", "content": f"q{i % 40}"}], "chosen": [{"role": "assistant", "content": "a"}],
               "rejected": [{"role": "assistant", "content": f"r{i}"}], formats.RUN_KEY: f"run-{i % 40}"}
@@ -639,6 +666,38 @@ def test_the_sft_loss_on_the_chosen_rows_alone_learns_what_trls_whole_pass_learn
         (run / "README.md").read_text()
     for ra, rw in zip(rows(run), rows(whole), strict=True):
         assert ra["loss"] == pytest.approx(rw["loss"], rel=1e-4)
+
+
+@needs_model
+@pytest.mark.integration
+def test_the_broke_term_is_trls_sigmoid_loss_on_the_flagged_pairs_added_to_the_sft_loss(tmp_path):
+    """--broke_weight W with --loss_type sft: a batch whose pairs all rejected an answer that deleted what must be
+    kept trains on sft + W x DPO's sigmoid loss, which TRL's own pass computes as loss_type [sigmoid, sft]; with no
+    pair flagged the term never runs and the run is the sft run."""
+    def rows(run):
+        return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+    flagged = tmp_path / "flagged.jsonl"
+    flagged.write_text("".join(json.dumps(r | {"meta": {"rejected_broke": True}}) + "\n"
+                               for r in pairs_in("trl_conversational")))
+    trl, _ = small_run(tmp_path, "trl_conversational", "trl", "--sft_weight", "1.0", data=flagged)
+    ours, out = small_run(tmp_path, "trl_conversational", "ours", "--loss_type", "sft", "--broke_weight", "1.0",
+                          data=flagged)
+    assert f"on the {len(PAIRS)} training pairs whose rejected answer deleted" in out
+    assert "2 training batches ran DPO's term on pairs whose rejected answer" in out
+    assert json.loads((ours / "data.json").read_text())["broke_term"] == {"weight": 1.0, "pairs": len(PAIRS)}
+    for ra, rt in zip(rows(ours), rows(trl), strict=True):
+        assert ra["loss"] == pytest.approx(rt["loss"], rel=1e-3)
+        assert ra["broke/rewards/margins"] == pytest.approx(rt["rewards/margins"], rel=1e-2, abs=1e-3)
+        assert "rewards/margins" not in ra  # the step's own metrics stay the sft loss's
+    half, _ = small_run(tmp_path, "trl_conversational", "half", "--loss_type", "sft", "--broke_weight", "0.5",
+                        data=flagged)
+    sft, _ = small_run(tmp_path, "trl_conversational", "sft", "--loss_type", "sft")
+    first = [rows(run)[0]["loss"] for run in (sft, half, ours)]
+    assert first[1] - first[0] == pytest.approx((first[2] - first[0]) / 2, rel=1e-3)  # the weight scales the term
+    plain, out = small_run(tmp_path, "trl_conversational", "plain", "--loss_type", "sft", "--broke_weight", "1.0")
+    assert "none here, so the term never runs" in out and "ran DPO's term" not in out
+    assert [r["loss"] for r in rows(plain)] == pytest.approx([r["loss"] for r in rows(sft)], rel=1e-5)
 
 
 def test_the_chosen_rows_need_only_their_own_width():
