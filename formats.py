@@ -65,8 +65,10 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a function's name, as OpenAI t
 _HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
 GENERAL_MIX = "data/general.jsonl"  # bundled general-purpose pairs: the default co-training source
 RUN_KEY = "_run"  # on a loaded record: its build_pairs meta.run_id (see held_out); `trainable` drops it
-BROKE_KEY = "_broke"  # on a loaded pair: build_pairs' meta.rejected_broke (its rejected answer deleted what must
-BROKE_COLUMN = "kit_broke"  # be kept); `trainable` turns it into this column when any record has it
+# On a loaded pair: build_pairs' meta.rejected_broke (its rejected answer deleted what must be kept); `trainable`
+# turns it into BROKE_COLUMN (fastpath.BROKE_COLUMN) when any record has it.
+BROKE_KEY = "_broke"
+BROKE_COLUMN = "kit_broke"
 
 
 @dataclasses.dataclass
@@ -666,7 +668,8 @@ def load_rows(path: str, rows, sha256: str, skip_invalid: bool, columns: dict,
         run_id = record.get("meta", {}).get("run_id") if isinstance(record.get("meta"), dict) else None
         if isinstance(run_id, (str, int)) and not isinstance(run_id, bool):
             pair[RUN_KEY] = str(run_id)  # build_pairs' meta: the held-out share is drawn by run
-        if "rejected" in pair and isinstance(record.get("meta"), dict) and record["meta"].get("rejected_broke") is True:
+        meta = record.get("meta")
+        if "rejected" in pair and isinstance(meta, dict) and meta.get("rejected_broke") is True:
             pair[BROKE_KEY] = True  # train_dpo --broke_weight's preference term reads this pair
         used = FORMAT_COLUMNS[fmt] | ({c for pair_ in SCORE_COLUMNS for c in pair_} if min_score_gap else set())
         ignored.update(k for k in record if k not in used)
@@ -844,7 +847,8 @@ def distinct_chosen(pairs: list[dict], keep_broke: bool = False) -> list[dict]:
 
 
 def split_and_mix(pairs: list[dict], data: TrainingData, eval_fraction: float, mix_spec: str, seed: int,
-                  skip_invalid: bool, distinct: bool = False, keep_broke: bool = False) -> tuple[list[dict], list[dict]]:
+                  skip_invalid: bool, distinct: bool = False,
+                  keep_broke: bool = False) -> tuple[list[dict], list[dict]]:
     """Hold out a stable share of the pairs; with `distinct`, train each (prompt, chosen) once (distinct_chosen,
     keep_broke as there);
     mix further files into the rest in their stated shares. Records all three in data. Returns (training pairs,

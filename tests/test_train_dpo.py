@@ -196,7 +196,8 @@ def test_distinct_chosen_trains_each_prompt_and_chosen_answer_once(rows):
 @given(st.lists(st.tuples(st.sampled_from(["q1", "q2"]), st.sampled_from(["a", "b"]), st.sampled_from(["x", "y"]),
                           st.booleans()), max_size=30))
 def test_distinct_chosen_keeps_the_pairs_whose_rejected_answer_broke_what_must_be_kept(rows):
-    pairs = [{"prompt": p, "chosen": c, "rejected": r} | ({formats.BROKE_KEY: True} if b else {}) for p, c, r, b in rows]
+    pairs = [{"prompt": p, "chosen": c, "rejected": r} | ({formats.BROKE_KEY: True} if b else {})
+             for p, c, r, b in rows]
     kept = formats.distinct_chosen(pairs, keep_broke=True)
     first = {}
     for i, r in enumerate(pairs):
