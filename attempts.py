@@ -79,9 +79,11 @@ def training_runs(runs, eval_fraction: float) -> list:
 
 def attempt_record(answer: str, code: str, check) -> dict:
     """One attempt as the environment logs it: ran, error, space_freed (bytes), and the checker's outcome."""
+    import build_pairs  # its reader marks such an attempt's pair by these words (build_pairs.broke_in_log)
+
     ran = check.outcome != "failed"
     error = None if check.outcome in ("freed", "no_effect") else (
-        f"deleted or changed what must be kept: {', '.join(check.broken[:3])}" if check.outcome == "broke"
+        f"{build_pairs.BROKE_ERROR}: {', '.join(check.broken[:3])}" if check.outcome == "broke"
         else check.reason or "failed")
     return {"code": code, "ran": ran, "error": error,
             "space_freed": check.freed_bytes if check.outcome == "freed" else 0 if ran else None,

@@ -155,7 +155,7 @@ class Attempt:
     code: str
     ran: bool
     score: int | float | None  # None: did not run, or ran with no score recorded
-    broke: bool = False  # it deleted or changed what must be kept (broke_in_log): a mixed pair marks it rejected_broke
+    broke: bool = False  # it deleted or changed what must be kept (broke_in_log): its mixed pair is rejected_broke
 
     @property
     def succeeded(self) -> bool:
@@ -229,7 +229,7 @@ def _parse_prompt(prompt, bad, surrogates: bool = True) -> tuple[list, list | No
     return messages, (None if tags.count(None) == len(tags) else tags)
 
 
-BROKE_ERROR = "deleted or changed what must be kept"  # how attempts.py's logs begin such an attempt's error
+BROKE_ERROR = "deleted or changed what must be kept"  # how attempts.attempt_record begins such an attempt's error
 
 
 def broke_in_log(a: dict) -> bool:

@@ -49,7 +49,7 @@ import time
 import types
 from pathlib import Path
 
-from kit import field
+from kit import BROKE_COLUMN, field
 
 LOGP_TOKEN_CHUNK = 1024  # tokens per head tile: 1,024 x 2,048 x 4 bytes = 8 MB of logits at a time
 LOGP_VOCAB_CHUNK = 2048  # vocabulary rows per head tile
@@ -1293,9 +1293,6 @@ def chosen_only_sft_loss(trainer, model, inputs):
     metrics["logps/chosen"].append(gather(per_token_logps.detach().sum(1)).mean().item())
     trainer.kit_chosen_batches += 1
     return loss
-
-
-BROKE_COLUMN = "kit_broke"  # formats.BROKE_COLUMN: a pair whose rejected answer deleted what must be kept
 
 
 class BrokeCollator:

@@ -42,7 +42,7 @@ import tempfile
 from array import array
 from collections import Counter
 
-from kit import UserError
+from kit import BROKE_COLUMN, UserError
 
 FORMATS = ("trl_standard", "trl_conversational", "implicit_prompt", "openai", "hh", "ultrafeedback",
            "system_question")
@@ -65,10 +65,7 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a function's name, as OpenAI t
 _HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
 GENERAL_MIX = "data/general.jsonl"  # bundled general-purpose pairs: the default co-training source
 RUN_KEY = "_run"  # on a loaded record: its build_pairs meta.run_id (see held_out); `trainable` drops it
-# On a loaded pair: build_pairs' meta.rejected_broke (its rejected answer deleted what must be kept); `trainable`
-# turns it into BROKE_COLUMN (fastpath.BROKE_COLUMN) when any record has it.
-BROKE_KEY = "_broke"
-BROKE_COLUMN = "kit_broke"
+BROKE_KEY = "_broke"  # on a loaded pair: build_pairs' meta.rejected_broke; `trainable` turns it into BROKE_COLUMN
 
 
 @dataclasses.dataclass

@@ -18,6 +18,9 @@ import typing
 from pathlib import Path
 
 EXIT_USAGE = 2  # a user's mistake: bad flag, bad file, bad combination
+# The column that marks a pair whose rejected answer deleted what must be kept: formats.trainable writes it,
+# the kit's DPO trainer (fastpath.py) hands it to --broke_weight's term.
+BROKE_COLUMN = "kit_broke"
 
 # bitsandbytes (0.50, the pinned one), on a CPU with AVX-512 bf16, tries at import to fetch an optional 4-bit GEMM
 # kernel from the Hugging Face hub (the `kernels` package, not a dependency of the kit) and warns on stderr when it

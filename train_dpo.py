@@ -344,6 +344,9 @@ def trl_internals_usable(cfg: TrainConfig) -> bool:
     """Whether the installed TRL and transformers are the versions fastpath.py reaches into. When they are
     not, the fast path is an error (one sentence) and --no_fused_ops trains through TRL's public API only."""
     problem = fastpath.version_problem()
+    if problem and cfg.broke_weight:
+        raise UserError(f"{problem}: --broke_weight's term runs in the kit's DPO trainer (fastpath.py); install the "
+                        "pinned versions (requirements.txt; make venv)")
     if problem and cfg.fused_ops:
         raise UserError(f"{problem}: install the pinned versions (requirements.txt; make venv), or train with "
                         "--no_fused_ops, which uses TRL's public API only")

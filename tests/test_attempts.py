@@ -43,8 +43,11 @@ def test_checked_answers_become_run_logs_that_build_pairs_reads_as_the_environme
     assert parsed.run_id == run.run_id and parsed.messages == run.messages and parsed.tags == run.tags
     assert [a.succeeded for a in parsed.attempts] == [True, False, False, False]
     assert build_pairs.outcome(parsed) == "mixed"
+    assert [a.broke for a in parsed.attempts] == [False, False, False, True]
+    assert build_pairs.broke_in_log({k: v for k, v in tried[3].items() if k != "outcome"})  # by its error's words
     pairs = build_pairs.pairs_for_run(parsed, build_pairs.PairsConfig(runs=str(path)))
     assert {p.chosen for p in pairs} == {"import shutil\n"} and len(pairs) == 3  # each failure against the pass
+    assert [p.meta.get("rejected_broke", False) for p in pairs] == [False, False, True]
     s = attempts.summary([record], empty=1)
     assert s["outcomes"] == {"freed": 1, "failed": 2, "no_effect": 1, "broke": 1} and s["attempts"] == 5
     assert s["pass_rate"] == 0.2 and s["runs_with_a_pass"] == 1

@@ -218,7 +218,6 @@ def test_a_pairs_broke_mark_reaches_the_trainer_as_a_column_only_where_some_pair
     assert [r[formats.BROKE_COLUMN] for r in rows_in] == [i == 1 for i in range(len(pairs))]
     assert not any(formats.BROKE_KEY in r or formats.RUN_KEY in r for r in rows_in)
     assert all(formats.BROKE_COLUMN not in r for r in formats.trainable(pairs[:1] + pairs[2:]))  # none flagged
-    assert formats.BROKE_COLUMN == fastpath.BROKE_COLUMN
 
 
 def test_distinct_chosen_is_counted_and_the_mix_follows_what_is_left(tmp_path):
@@ -939,6 +938,14 @@ def test_fastpath_version_check_names_what_it_was_written_for():
         "the kit's fast path (fastpath.py) reaches into trl 1.14.x internals and this is trl 1.15.0"
     assert fastpath.version_problem({"trl": "1.140.0", "transformers": "5.20.2"}) is not None
     assert "transformers 6.0.0" in fastpath.version_problem({"trl": "1.14.2", "transformers": "6.0.0"})
+
+
+def test_the_broke_term_refuses_a_trl_it_was_not_written_for_where_the_public_api_would_skip_it(monkeypatch, capsys):
+    monkeypatch.setattr(fastpath, "version_problem", lambda: "the kit's fast path reaches into trl 1.14.x internals")
+    cfg = train_dpo.TrainConfig(data="x", fused_ops=False)
+    assert train_dpo.trl_internals_usable(cfg) is False and "TRL's own dataset preparation" in capsys.readouterr().out
+    with pytest.raises(UserError, match="--broke_weight's term runs in the kit's DPO trainer"):
+        train_dpo.trl_internals_usable(dataclasses.replace(cfg, broke_weight=1.0))
 
 
 def test_run_lock_keeps_a_run_to_one_process(tmp_path):
