@@ -19,12 +19,19 @@ read back. A run's report's execution
 section is read back: `--eval_samples` sampled answers (seeded) to each
 held-out prompt from the base (adapter off) and from the tuned model, each run on the prompt's host. The base's
 numbers come from every run; with the same seed they are the same samples, so they are shown once per seed.
+
+A comparison takes hours, so it can be made in parts: a row already in OUT.json is kept, not trained again, when its
+seed, arm and inputs are the same (the arm's method and flags, the flags after `--`, and the bytes of the logs, the
+extra runs and every file under configs/ and data/: `inputs_digest`). Each row names the commit and date it was
+trained at. `--only default,kto` trains only those arms in this call (a part of the hours); `--rerun` trains
+every row again. A row whose inputs changed is trained again, or left out under `--only`: no stale row is shown.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import hashlib
 import json
 import statistics
 import subprocess
@@ -76,13 +83,43 @@ class CompareConfig:
                                 "--extra_runs, comma-separated): make compare passes make train's ATTEMPTS")
     out: str = kit.field("bench/results-methods", "writes OUT.md and OUT.json")
     work: str = kit.field("", "where the runs go (default: artifacts/bench-compare)")
+    eval_samples: int = kit.field(8, "sampled answers to each held-out prompt, base and tuned, in every arm (as "
+                                  "configs/demo.yaml has it)")
+    rerun: bool = kit.field(False, "train every row (under --only: every row of those arms) again, even one OUT.json "
+                            "has for the same seed, arm and inputs")
+    only: str = kit.field("", "train only these arms (comma-separated names) in this call; the others' rows are kept "
+                          "where OUT.json has them on the same inputs, and left out where not")
+
+
+def inputs_digest(method: str, flags: list[str], extra: list[str], files: list[Path]) -> str:
+    """What a row's numbers depend on besides the code: the arm's method and flags, the flags every arm gets, and
+    the bytes of the given files (the logs, the extra runs, configs/ and data/), in order."""
+    h = hashlib.sha256(json.dumps([method, list(flags), list(extra)]).encode())
+    for f in files:
+        h.update(f"\0{f.name}\0".encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+def input_files(logs: str, extra_runs: str) -> list[Path]:
+    """The files inputs_digest reads: the logs, the extra runs, then every file under configs/ and data/, sorted."""
+    named = [Path(logs)] + [Path(x.strip()) for x in extra_runs.split(",") if x.strip()]
+    return named + sorted(f for d in ("configs", "data") for f in (ROOT / d).rglob("*") if f.is_file())
+
+
+def kept_row(old: list[dict], seed: int, arm: str, digest: str) -> dict | None:
+    """The row of an earlier comparison for this seed and arm, if it was trained on the same inputs."""
+    return next((r for r in old if r.get("seed") == seed and r.get("method") == arm and r.get("digest") == digest),
+                None)
 
 
 def summarize(rows: list[dict]) -> dict:
     """Per method (and the base): mean and sample standard deviation over seeds of the held-out mean checker score
     and pass rate. rows: {seed, method, base: {mean_score, pass_rate}, tuned: {...}}."""
     out = {}
-    arms = {"base": [r["base"] for r in rows if r["method"] == rows[0]["method"]]}
+    first = {}
+    for r in rows:
+        first.setdefault(r["seed"], r["base"])
+    arms = {"base": list(first.values())}
     for r in rows:
         arms.setdefault(r["method"], []).append(r["tuned"])
     for name, values in arms.items():
@@ -91,21 +128,26 @@ def summarize(rows: list[dict]) -> dict:
             xs = [v[key] for v in values]
             out[name][key] = {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0,
                               "n": len(xs)}
+        out[name]["broke"] = sum(v.get("outcomes", {}).get("broke", 0) for v in values)
     return out
 
 
 def table(rows: list[dict], summary: dict) -> str:
-    lines = ["| method | held-out mean checker score | pass rate | seeds |", "| --- | --- | --- | --- |"]
+    lines = ["| method | held-out mean checker score | pass rate | answers that deleted kept files, all seeds | seeds |",
+             "| --- | --- | --- | --- | --- |"]
     for name, s in summary.items():
         lines.append(f"| {name} | {s['mean_score']['mean']:+.4f} ± {s['mean_score']['std']:.4f} | "
-                     f"{s['pass_rate']['mean']:.3f} ± {s['pass_rate']['std']:.3f} | {s['mean_score']['n']} |")
-    lines += ["", "| seed | method | base score | tuned score | base pass | tuned pass | tuned outcomes | steps | minutes (run start to handoff) |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                     f"{s['pass_rate']['mean']:.3f} ± {s['pass_rate']['std']:.3f} | {s.get('broke', 0)} | "
+                     f"{s['mean_score']['n']} |")
+    lines += ["", "| seed | method | base score | tuned score | base pass | tuned pass | tuned outcomes | steps | "
+              "minutes (run start to handoff) | trained at (commit, date, device) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['seed']} | {r['method']} | {r['base']['mean_score']:+.4f} | {r['tuned']['mean_score']:+.4f} "
                      f"| {r['base']['pass_rate']:.3f} | {r['tuned']['pass_rate']:.3f} | "
                      + ", ".join(f"{k} {v}" for k, v in sorted(r["tuned"]["outcomes"].items()))
-                     + f" | {r['steps']} | {r['minutes']:.1f} |")
+                     + f" | {r['steps']} | {r['minutes']:.1f} | {(r.get('commit') or '?')[:7]} {r.get('date', '?')}"
+                     + f" {r.get('device') or ''}".rstrip() + " |")
     return "\n".join(lines)
 
 
@@ -182,14 +224,30 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     cfg = kit.parse_config(CompareConfig, argv[:argv.index("--")] if "--" in argv else argv, __doc__)
+    extra = ["--eval_samples", str(cfg.eval_samples), *extra]
     work = Path(cfg.work or ROOT / "artifacts" / "bench-compare")
     (work / "pairs").mkdir(parents=True, exist_ok=True)
+    out_json = Path(cfg.out + ".json")
+    old = json.loads(out_json.read_text()).get("rows", []) if out_json.is_file() else []
+    more = ",".join(str(Path(x.strip()).resolve()) for x in cfg.extra_runs.split(",") if x.strip())
+    files = input_files(str(Path(cfg.logs).resolve()), more)
+    only = {x.strip() for x in cfg.only.split(",") if x.strip()}
     rows = []
     for seed in [int(s) for s in cfg.seeds.split(",")]:
         for arm, method, flags in parse_arms(cfg.arms):
             name = f"{arm}-s{seed}"
             t0 = time.time()
-            more = ",".join(str(Path(x.strip()).resolve()) for x in cfg.extra_runs.split(",") if x.strip())
+            digest = inputs_digest(method, flags, extra, files)
+            training = not only or arm in only
+            row = None if cfg.rerun and training else kept_row(old, seed, arm, digest)
+            if row:
+                print(f"[compare] {name}: kept, trained at {(row.get('commit') or '?')[:7]} on {row.get('date')} "
+                      "on the same inputs (--rerun trains it again)", flush=True)
+                rows.append(row)
+                continue
+            if not training:
+                print(f"[compare] {name}: not in --only, and no row trained on the same inputs to keep", flush=True)
+                continue
             if method == "rounds":
                 run_dir, steps = run_rounds(flags[0], name, seed, str(Path(cfg.logs).resolve()), work, extra, more)
             else:
@@ -209,11 +267,16 @@ def main(argv=None) -> int:
                          "base": evaluation["base"], "tuned": evaluation["tuned"],
                          "prompts": evaluation["prompts"], "samples": evaluation["samples"],
                          "steps": steps, "minutes": run_minutes(work, run_dir, method),
-                         "this_call_s": time.time() - t0})
+                         "this_call_s": time.time() - t0, "digest": digest, "commit": kit.git_commit(ROOT),
+                         "date": dt.date.today().isoformat(),
+                         "device": json.loads((run_dir / "manifest.json").read_text()).get("device")})
             if method == "grpo":
                 rows[-1]["grpo"] = grpo_signal([json.loads(line) for line in
                                                 (work / name / "metrics.jsonl").read_text().splitlines() if line.strip()])  # a finished run found again is not trained again
-            kit.atomic_write_json(Path(cfg.out + ".json"), {"rows": rows, "summary": summarize(rows)})
+            kit.atomic_write_json(out_json, {"rows": rows, "summary": summarize(rows)})
+    if not rows:
+        raise kit.UserError(f"nothing to tabulate: --only {cfg.only!r} names none of the arms "
+                            f"({', '.join(a[0] for a in parse_arms(cfg.arms))}) and {out_json} has no row to keep")
     summary = summarize(rows)
     head = (f"# Held-out checker scores: base, {', '.join(a[0] for a in parse_arms(cfg.arms))} on {cfg.logs}\n\n"
             + "".join(f"- `{a}`: `iterate.py {f[0]} --logs LOGS --seed SEED`\n" if m == "rounds"
@@ -225,7 +288,7 @@ def main(argv=None) -> int:
             f"{cfg.seeds}; `python bench/compare.py` wrote this.\n\n" + "".join(f"- {line}\n" for line in findings(rows))
             + "\n")
     kit.atomic_write_text(Path(cfg.out + ".md"), head + table(rows, summary) + "\n")
-    kit.atomic_write_json(Path(cfg.out + ".json"), {"rows": rows, "summary": summary})
+    kit.atomic_write_json(out_json, {"rows": rows, "summary": summary})
     print(table(rows, summary))
     return 0
 

@@ -278,7 +278,49 @@ def test_method_comparison_summary_is_mean_and_spread_over_seeds():
     summary = compare.summarize(rows)
     assert summary["base"]["mean_score"] == {"mean": pytest.approx(0.05), "std": pytest.approx(0.0707, abs=1e-4), "n": 2}
     assert summary["dpo"]["pass_rate"] == {"mean": 0.5, "std": 0.0, "n": 2} and summary["grpo"]["mean_score"]["mean"] == 0.4
-    assert "| grpo | +0.4000 ± 0.0000 | 1.000 ± 0.000 | 2 |" in compare.table(rows, summary)
+    assert "| grpo | +0.4000 ± 0.0000 | 1.000 ± 0.000 | 0 | 2 |" in compare.table(rows, summary)
+
+
+def test_a_compared_row_is_kept_only_for_the_same_seed_arm_and_inputs(tmp_path):
+    import compare  # bench/compare.py
+
+    logs, conf = tmp_path / "runs.jsonl", tmp_path / "demo.yaml"
+    logs.write_text('{"run_id": "a"}\n')
+    conf.write_text("beta: 0.1\n")
+    digest = compare.inputs_digest("dpo", ["--config", "demo.yaml"], ["--eval_samples", "8"], [logs, conf])
+    assert digest == compare.inputs_digest("dpo", ["--config", "demo.yaml"], ["--eval_samples", "8"], [logs, conf])
+    changed = [compare.inputs_digest("kto", ["--config", "demo.yaml"], ["--eval_samples", "8"], [logs, conf]),
+               compare.inputs_digest("dpo", ["--config", "demo.yaml", "--beta", "0.2"], ["--eval_samples", "8"],
+                                     [logs, conf]),
+               compare.inputs_digest("dpo", ["--config", "demo.yaml"], ["--eval_samples", "4"], [logs, conf])]
+    conf.write_text("beta: 0.2\n")
+    changed.append(compare.inputs_digest("dpo", ["--config", "demo.yaml"], ["--eval_samples", "8"], [logs, conf]))
+    assert len({digest, *changed}) == 5
+    old = [{"seed": 1, "method": "default", "digest": digest}, {"seed": 2, "method": "default", "digest": digest},
+           {"seed": 1, "method": "kto", "digest": changed[0]}, {"seed": 3, "method": "default"}]
+    assert compare.kept_row(old, 2, "default", digest) is old[1]
+    assert compare.kept_row(old, 1, "kto", changed[0]) is old[2]
+    assert compare.kept_row(old, 1, "default", changed[3]) is None  # its config changed since
+    assert compare.kept_row(old, 3, "default", digest) is None  # an older row, without a digest
+    files = compare.input_files(str(logs), "")
+    assert files[0] == logs and compare.ROOT / "configs" / "demo.yaml" in files and compare.ROOT / "data" / "runs.jsonl" in files
+
+
+def test_the_comparison_counts_the_base_once_a_seed_and_the_deleting_answers():
+    import compare  # bench/compare.py
+
+    def arm(score, broke):
+        return {"mean_score": score, "pass_rate": 0.0, "outcomes": {"failed": 3, **({"broke": broke} if broke else {})}}
+
+    rows = [{"seed": 1, "method": "kto", "base": arm(0.0, 1), "tuned": arm(0.1, 2), "steps": 1, "minutes": 1.0},
+            {"seed": 1, "method": "default", "base": arm(0.0, 1), "tuned": arm(0.2, 0), "steps": 1, "minutes": 1.0},
+            {"seed": 2, "method": "default", "base": arm(-0.5, 0), "tuned": arm(0.2, 1), "steps": 1, "minutes": 1.0,
+             "commit": "0123456789", "date": "2026-11-28", "device": "cpu"}]
+    summary = compare.summarize(rows)
+    assert summary["base"]["mean_score"]["n"] == 2 and summary["base"]["mean_score"]["mean"] == -0.25
+    assert (summary["base"]["broke"], summary["kto"]["broke"], summary["default"]["broke"]) == (1, 2, 1)
+    text = compare.table(rows, summary)
+    assert "| base | -0.2500 ± 0.3536 | 0.000 ± 0.000 | 1 | 2 |" in text and "| 0123456 2026-11-28 cpu |" in text
 
 
 def test_compare_arms_name_a_method_and_its_flags_and_a_bad_arm_is_a_user_error():
