@@ -66,6 +66,7 @@ _HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
 GENERAL_MIX = "data/general.jsonl"  # bundled general-purpose pairs: the default co-training source
 RUN_KEY = "_run"  # on a loaded record: its build_pairs meta.run_id (see held_out); `trainable` drops it
 BROKE_KEY = "_broke"  # on a loaded pair: build_pairs' meta.rejected_broke; `trainable` turns it into BROKE_COLUMN
+MIX_KEY = "_mix"  # on a training pair drawn from a --mix file: that file (train_dpo --mix_answers); `trainable` drops it
 
 
 @dataclasses.dataclass
@@ -83,6 +84,7 @@ class TrainingData:
     files: list = dataclasses.field(default_factory=list)  # a directory: [{path, format, pairs, sha256, ...}]
     held_out: int = 0  # kept out of training for evaluation
     mix: list = dataclasses.field(default_factory=list)  # [{path, share, pairs_available, pairs_used, sha256}]
+    mix_answers: dict = dataclasses.field(default_factory=dict)  # --mix_answers base: {prompts, base, given}
     chosen_repeats: int = 0  # training pairs left out as repeats of a (prompt, chosen) pair (--distinct_chosen)
     pairs_trained: int = 0  # what TRL kept after tokenising (a prompt that fills max_length is dropped)
     dropped_too_long: int = 0
@@ -749,7 +751,7 @@ def trainable(records: list[dict]) -> list[dict]:
     answer broke what must be kept (BROKE_KEY), every record carries BROKE_COLUMN, true or false (the kit's DPO
     trainer hands it to its loss; TRL's own drops the column as one its model does not take)."""
     column = any(BROKE_KEY in r for r in records)
-    return [{k: v for k, v in r.items() if k not in (RUN_KEY, BROKE_KEY)}
+    return [{k: v for k, v in r.items() if k not in (RUN_KEY, BROKE_KEY, MIX_KEY)}
             | ({BROKE_COLUMN: r.get(BROKE_KEY, False)} if column else {}) for r in records]
 
 
@@ -866,7 +868,7 @@ def split_and_mix(pairs: list[dict], data: TrainingData, eval_fraction: float, m
         if isinstance(records[0]["prompt"], list) != isinstance(pairs[0]["prompt"], list):
             raise UserError(f"mix file has {'message-list' if isinstance(records[0]['prompt'], list) else 'text'} "
                             "pairs and the data does not; use one shape", path)
-        train_pairs += draw(records, n, seed)
+        train_pairs += [r | {MIX_KEY: path} for r in draw(records, n, seed)]
         data.mix.append({"path": path, "share": share, "pairs_available": len(records), "pairs_used": n,
                          "sha256": stats["sha256"]})
     return train_pairs, held

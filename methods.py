@@ -12,9 +12,11 @@ Every method trains a LoRA adapter on the (4-bit) base; the reference is the bas
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import random
+import re
 from pathlib import Path
 
 import formats
@@ -44,6 +46,11 @@ class DPOOptions:
                                 "must be kept (build_pairs' meta.rejected_broke), added to any loss; with "
                                 "--loss_type sft, the one push away from such answers, at the cost of a reference "
                                 "pass over those pairs alone; 0 = off")
+    mix_answers: str = field("given", "the --mix pairs' chosen answers: given (as their file has them) or base (the "
+                             "base model's own greedy answer to each of their prompts, made before the first step: "
+                             "the mixture rehearses what the model already says instead of teaching new wording, "
+                             "Self-Synthesized Rehearsal, Huang et al. 2024); the rejected answers stay",
+                             choices=("given", "base"))
 
 
 @dataclasses.dataclass
@@ -98,7 +105,7 @@ UNITS = {"dpo": "pairs", "kto": "examples", "grpo": "prompts"}
 
 
 DPO_ONLY = {"loss_type": "sigmoid", "sft_weight": 0.0, "mix": "", "distinct_chosen": False,  # option: its default
-            "broke_weight": 0.0}
+            "broke_weight": 0.0, "mix_answers": "given"}
 
 
 def dpo_only_problems(cfg, method: str) -> list[str]:
@@ -157,7 +164,52 @@ def method_problems(cfg, method: str) -> list[str]:
         "--desirable_weight and --undesirable_weight must not be negative (0 = from the class balance)"]
     p += [] if cfg.sft_weight >= 0 else [f"--sft_weight must not be negative (got {cfg.sft_weight})"]
     p += [] if cfg.broke_weight >= 0 else [f"--broke_weight must not be negative (got {cfg.broke_weight})"]
+    p += [] if cfg.mix_answers == "given" or cfg.mix else ["--mix_answers base answers the --mix pairs: give --mix"]
     return p + (kto_problems(cfg) if method == "kto" else grpo_problems(cfg) if method == "grpo" else [])
+
+
+MIX_ANSWER_TOKENS = 160  # the base's answers to the --mix prompts: longer ones end at their last whole sentence
+
+
+def whole_sentences(text: str, cut: bool) -> str | None:
+    """An answer as rehearsal data: stripped; one cut at the token limit (cut) ends at its last sentence end (., !
+    or ? before a space or the end), and is None when it has none."""
+    text = text.strip()
+    if not cut:
+        return text or None
+    ends = [m.end() for m in re.finditer(r"[.!?](?=\s|$)", text)]
+    return text[:ends[-1]] if ends else None
+
+
+def answer_mix(cfg, model, tokenizer, pairs: list[dict], data) -> None:
+    """--mix_answers base: each mixed-in pair's chosen answer becomes the base model's greedy answer to its prompt,
+    made before training (the adapter, if any, off); an answer cut at MIX_ANSWER_TOKENS ends at its last whole
+    sentence, and one with none keeps its file's answer. In place; counted in data.mix (data.json)."""
+    mixed = [r for r in pairs if formats.MIX_KEY in r]
+    if cfg.mix_answers != "base" or not mixed:
+        return
+    if not isinstance(mixed[0]["prompt"], list):
+        raise UserError("--mix_answers base needs message-list pairs (a prompt the chat template renders)",
+                        mixed[0][formats.MIX_KEY])
+    keys = list(dict.fromkeys(json.dumps(r["prompt"], ensure_ascii=False) for r in mixed))
+    disable = getattr(model, "disable_adapter", None)  # a PEFT model: its base; a plain one is the base
+    with disable() if disable else contextlib.nullcontext():
+        answers = models.generate(model, tokenizer, [json.loads(k) for k in keys], MIX_ANSWER_TOKENS,
+                                  label="mix: the base answers")
+    made = {k: whole_sentences(a, len(tokenizer(a, add_special_tokens=False)["input_ids"]) >= MIX_ANSWER_TOKENS - 1)
+            for k, a in zip(keys, answers)}
+    for r in mixed:
+        answer = made[json.dumps(r["prompt"], ensure_ascii=False)]
+        if answer is not None:
+            r["chosen"] = [{"role": "assistant", "content": answer}] if isinstance(r["chosen"], list) else answer
+    own = sum(a is not None for a in made.values())
+    for m in data.mix:
+        m["answers"] = "base"
+    data.mix_answers = {"prompts": len(made), "base": own, "given": len(made) - own,  # what it rehearsed, readable
+                        "answers": [{"prompt": json.loads(k), "answer": a} for k, a in made.items()]}
+    print(f"[mix] {own} of the {len(made)} mixed-in prompts trained on the base model's own greedy answer"
+          + (f"; {len(made) - own} on their file's (the base's had no whole sentence in {MIX_ANSWER_TOKENS} tokens)"
+             if own < len(made) else ""), flush=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -273,6 +273,7 @@ def run(cfg: TrainConfig, callbacks: list = ()) -> runs.Run:
         with catch_signals() as interrupt, failures_recorded(run, interrupt), \
                 models.cpu_matmul_precision(cfg.cpu_matmul_precision):
             built = build_model(cfg, model_path, ref_path, internals, tokenizer)
+            methods.answer_mix(cfg, built.model, tokenizer, train_pairs, data)  # --mix_answers base
             build_trainer(cfg, run, built, train_pairs, held, data, interrupt, callbacks)
             record_data(cfg, run, built, data, n_pairs=len(train_pairs))
             train(run, built.trainer, resume_from, interrupt)

@@ -145,6 +145,11 @@ def test_config_problems_are_collected():
     for needle in ("--data is required", "choose one reference mode", "--lora_r must be at least 1",
                    "--beta must be positive", "--max_steps must be -1 or positive", "--run_name must be a plain"):
         assert needle in problems
+    assert "--mix_answers base answers the --mix pairs: give --mix" in "\n".join(
+        train_dpo.TrainConfig(data="x", mix_answers="base").problems())
+    assert not train_dpo.TrainConfig(data="x", mix="0.2", mix_answers="base").problems()
+    kto = train_dpo.TrainConfig(data="x", method="kto", mix="0.2", mix_answers="base").problems()
+    assert "--mix_answers is for DPO; --method kto does not take it" in kto
 
 
 def test_resume_conflicts_ignore_step_budget_but_not_hyperparameters():
@@ -234,6 +239,18 @@ def test_distinct_chosen_is_counted_and_the_mix_follows_what_is_left(tmp_path):
     assert len(train) == n_train // 4 + formats.mix_counts(n_train // 4, [0.2])[0]  # a fifth of what trains
     data = formats.TrainingData(path="p", sha256="", format="x", pairs=160, skipped={})
     assert len(formats.split_and_mix(pairs, data, 0.2, "", 1, False)[0]) == n_train and data.chosen_repeats == 0
+    # the mixed-in pairs carry their file (what --mix_answers answers again), and the trainer never sees the mark
+    assert [r[formats.MIX_KEY] for r in train if formats.MIX_KEY in r] == [str(general)] * (len(train) - n_train // 4)
+    assert all(formats.MIX_KEY not in r for r in train[:n_train // 4] + held)
+    assert all(set(r) == {"prompt", "chosen", "rejected"} for r in formats.trainable(train))
+
+
+def test_a_rehearsed_answer_is_kept_whole_or_ends_at_its_last_sentence():
+    assert methods.whole_sentences("  Paris.  ", cut=False) == "Paris."
+    assert methods.whole_sentences("The capital is Paris. It is also kno", cut=True) == "The capital is Paris."
+    assert methods.whole_sentences("Why? Because! Then 3.5 apples and", cut=True) == "Why? Because!"
+    assert methods.whole_sentences("no sentence end here at all", cut=True) is None
+    assert methods.whole_sentences("Done.", cut=True) == "Done." and methods.whole_sentences(" ", cut=False) is None
 
 
 def test_the_reference_is_not_precomputed_for_the_sft_loss_alone(capsys):
@@ -813,6 +830,34 @@ def test_merge_gives_a_plain_16bit_model_that_matches_base_plus_adapter(trained,
 
 
 @needs_model
+def test_the_mixed_in_pairs_can_rehearse_the_base_models_own_greedy_answers():
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    general = [json.loads(x) for x in (ROOT / "data/general.jsonl").read_text().splitlines()][:3]
+    domain = {"prompt": [{"role": "user", "content": "Clear npm's cache"}], "chosen": [{"role": "assistant",
+              "content": "npm cache clean --force"}], "rejected": [{"role": "assistant", "content": "rm -rf /"}]}
+    pairs = [dict(domain)] + [r | {formats.MIX_KEY: "general.jsonl"} for r in general + general[:1]]  # one repeats
+    data = formats.TrainingData(path="p", sha256="", format="x", pairs=1, skipped={},
+                                mix=[{"path": "general.jsonl", "share": 0.5}])
+    given = train_dpo.TrainConfig(data="x", mix="0.5")
+    methods.answer_mix(given, model, tokenizer, pairs, data)  # the default: the file's answers
+    assert [r["chosen"] for r in pairs[1:]] == [r["chosen"] for r in general + general[:1]] and not data.mix_answers
+    greedy = models.generate(model, tokenizer, [r["prompt"] for r in general], methods.MIX_ANSWER_TOKENS)
+    methods.answer_mix(dataclasses.replace(given, mix_answers="base"), model, tokenizer, pairs, data)
+    assert pairs[0] == domain  # only the mixed-in pairs change, and only their chosen answer
+    assert [r["rejected"] for r in pairs[1:]] == [r["rejected"] for r in general + general[:1]]
+    cut = [len(tokenizer(a, add_special_tokens=False)["input_ids"]) >= methods.MIX_ANSWER_TOKENS - 1 for a in greedy]
+    whole = [methods.whole_sentences(a, c) for a, c in zip(greedy, cut)]
+    assert [r["chosen"][0]["content"] for r in pairs[1:]] == [w or g["chosen"][0]["content"]
+                                                               for w, g in zip(whole + whole[:1], general + general[:1])]
+    assert data.mix_answers["prompts"] == 3 and data.mix_answers["base"] + data.mix_answers["given"] == 3
+    assert data.mix[0]["answers"] == "base" and [a["answer"] for a in data.mix_answers["answers"]] == whole
+
+
+@needs_model
 @pytest.mark.integration
 def test_held_out_evaluation_probes_report_and_mix(tmp_path):
     probes = tmp_path / "probes.jsonl"
@@ -825,12 +870,15 @@ def test_held_out_evaluation_probes_report_and_mix(tmp_path):
     n_train = len(rows) - len(held)
     run_dir, out = small_run(tmp_path, "trl_conversational", "ev", "--data", data, "--eval_fraction", 0.25,
                              "--eval_steps", 1, "--probes", probes, "--mix", f"{ROOT / 'data/general.jsonl'}:0.2",
-                             "--sft_weight", 0.1)
+                             "--sft_weight", 0.1, "--mix_answers", "base")
     mixed = formats.mix_counts(n_train, [0.2])[0]
     assert f"{len(held)} held out; training on {n_train + mixed}" in out
     assert f"mixed in {mixed} from {ROOT / 'data/general.jsonl'} (20% of the mixture)" in out
     data_json = json.loads((run_dir / "data.json").read_text())
     assert data_json["mix"][0]["pairs_used"] == mixed and data_json["held_out"] == len(held)
+    rehearsed = data_json["mix_answers"]  # --mix_answers base: the base's own answers, kept in data.json
+    assert rehearsed["prompts"] == len({json.dumps(a["prompt"]) for a in rehearsed["answers"]}) > 0
+    assert f"[mix] {rehearsed['base']} of the {rehearsed['prompts']} mixed-in prompts trained on the base model's" in out
 
     evaluation = json.loads((run_dir / "evaluation.json").read_text())
     for name in ("base", "tuned"):
