@@ -235,6 +235,9 @@ def main(argv=None) -> int:
     more = ",".join(str(Path(x.strip()).resolve()) for x in cfg.extra_runs.split(",") if x.strip())
     files = input_files(str(Path(cfg.logs).resolve()), more)
     only = {x.strip() for x in cfg.only.split(",") if x.strip()}
+    unknown = only - {a[0] for a in parse_arms(cfg.arms)}
+    if unknown:
+        raise kit.UserError(f"--only {', '.join(sorted(unknown))}: not an arm ({', '.join(a[0] for a in parse_arms(cfg.arms))})")
     rows = []
     for seed in [int(s) for s in cfg.seeds.split(",")]:
         for arm, method, flags in parse_arms(cfg.arms):
@@ -281,10 +284,15 @@ def main(argv=None) -> int:
         raise kit.UserError(f"nothing to tabulate: --only {cfg.only!r} names none of the arms "
                             f"({', '.join(a[0] for a in parse_arms(cfg.arms))}) and {out_json} has no row to keep")
     summary = summarize(rows)
-    head = (f"# Held-out checker scores: base, {', '.join(a[0] for a in parse_arms(cfg.arms))} on {cfg.logs}\n\n"
+    arms = parse_arms(cfg.arms)
+    shown = [a for a in arms if any(r["method"] == a[0] for r in rows)]
+    missing = [a[0] for a in arms if a not in shown]
+    head = (f"# Held-out checker scores: base, {', '.join(a[0] for a in shown)} on {cfg.logs}\n\n"
             + "".join(f"- `{a}`: `iterate.py {f[0]} --logs LOGS --seed SEED`\n" if m == "rounds"
                       else f"- `{a}`: `train_dpo.py --method {m} {' '.join(f)}`\n"
-                      for a, m, f in parse_arms(cfg.arms)) + "\n"
+                      for a, m, f in shown)
+            + (f"- not run on these inputs yet: {', '.join(missing)} (`make compare ARGS=\"--only "
+               f"{','.join(missing)}\"` adds them; the rows above are kept)\n" if missing else "") + "\n"
             f"{rows[0]['samples']} sampled answers to each of {rows[0]['prompts']} held-out prompts per model and seed, "
             f"each run on its prompt's host by checker.py (score: bytes freed over the plantable junk, -1 for "
             f"deleting what must be kept; pass: it freed space). Mean ± standard deviation over seeds "
