@@ -23,8 +23,8 @@ numbers come from every run; with the same seed they are the same samples, so th
 A comparison takes hours, so it can be made in parts: a row already in OUT.json is kept, not trained again, when its
 seed, arm and inputs are the same (the arm's method and flags, the flags after `--`, and the bytes of the logs, the
 extra runs and every file under configs/ and data/: `inputs_digest`). Each row names the commit and date it was
-trained at. `--only default,kto` trains only those arms in this call (a part of the hours); `--rerun` trains
-every row again. A row whose inputs changed is trained again, or left out under `--only`: no stale row is shown.
+trained at. `--only default,kto` trains only those arms in this call (a part of the hours), and `--seeds 1` only
+that seed (the other seeds' rows are kept as they are); `--rerun` trains every row again. A row whose inputs changed is trained again, or left out under `--only`: no stale row is shown.
 """
 
 from __future__ import annotations
@@ -180,6 +180,21 @@ def findings(rows: list[dict]) -> list[str]:
     return out
 
 
+def plan(old: list[dict], seeds: list[int], arms: list, only: set, rerun: bool, digests: dict) -> list[tuple]:
+    """What this call does, in order: (seed, arm, row) keeps an earlier row trained on the same inputs, (seed, arm,
+    None) trains. The given seeds' arms (under --only, those arms) train unless kept; earlier rows of other arms, and
+    of seeds not given, are kept where their inputs match and otherwise left out (--rerun: the arms that train here
+    are trained again)."""
+    out = []
+    for seed in seeds + sorted({r["seed"] for r in old} - set(seeds)):
+        for arm in arms:
+            training = (not only or arm[0] in only) and seed in seeds
+            row = None if rerun and training else kept_row(old, seed, arm[0], digests[arm[0]])
+            if row or training:
+                out.append((seed, arm, row))
+    return out
+
+
 def run_rounds(plan_file: str, name: str, seed: int, logs: str, work: Path,
                extra: list[str] = (), extra_runs: str = "") -> tuple[Path, int]:
     """iterate.py on the arm's plan with the compared logs and this seed (--logs, --seed: every stage trained and
@@ -239,47 +254,42 @@ def main(argv=None) -> int:
     if unknown:
         raise kit.UserError(f"--only {', '.join(sorted(unknown))}: not an arm ({', '.join(a[0] for a in parse_arms(cfg.arms))})")
     rows = []
-    for seed in [int(s) for s in cfg.seeds.split(",")]:
-        for arm, method, flags in parse_arms(cfg.arms):
-            name = f"{arm}-s{seed}"
-            t0 = time.time()
-            digest = inputs_digest(method, flags, extra, files)
-            training = not only or arm in only
-            row = None if cfg.rerun and training else kept_row(old, seed, arm, digest)
-            if row:
-                print(f"[compare] {name}: kept, trained at {(row.get('commit') or '?')[:7]} on {row.get('date')} "
-                      "on the same inputs (--rerun trains it again)", flush=True)
-                rows.append(row)
-                continue
-            if not training:
-                print(f"[compare] {name}: not in --only, and no row trained on the same inputs to keep", flush=True)
-                continue
-            if method == "rounds":
-                run_dir, steps = run_rounds(flags[0], name, seed, str(Path(cfg.logs).resolve()), work, extra, more)
-            else:
-                data, prompts = data_for(method, str(Path(cfg.logs).resolve()), work, more)
-                cmd = [sys.executable, str(ROOT / "train_dpo.py"), "--data", data, "--method", method, "--seed",
-                       str(seed), "--output_dir", str(work), "--run_name", name, "--probes", "",
-                       *(["--eval_prompts", prompts] if prompts else []), *extra, *flags]
-                print(f"[compare] {name}: {' '.join(cmd[2:])}", flush=True)
-                code = subprocess.run(cmd, cwd=ROOT).returncode
-                if code:
-                    print(f"[compare] {name} failed (exit {code}): its output is above; the finished runs in {work} "
-                          "are found again by the next make compare", file=sys.stderr)
-                    return code
-                run_dir, steps = work / name, json.loads((work / name / "manifest.json").read_text())["steps"]
-            evaluation = json.loads((run_dir / "evaluation.json").read_text())["execution"]
-            rows.append({"seed": seed, "method": arm, "trained": " ".join([method, *flags]),
-                         "base": evaluation["base"], "tuned": evaluation["tuned"],
-                         "prompts": evaluation["prompts"], "samples": evaluation["samples"],
-                         "steps": steps, "minutes": run_minutes(work, run_dir, method),
-                         "this_call_s": time.time() - t0, "digest": digest, "commit": kit.git_commit(ROOT),
-                         "date": dt.date.today().isoformat(),
-                         "device": json.loads((run_dir / "manifest.json").read_text()).get("device")})
-            if method == "grpo":
-                rows[-1]["grpo"] = grpo_signal([json.loads(line) for line in
-                                                (work / name / "metrics.jsonl").read_text().splitlines() if line.strip()])  # a finished run found again is not trained again
-            kit.atomic_write_json(out_json, {"rows": rows, "summary": summarize(rows)})
+    arms = parse_arms(cfg.arms)
+    digests = {arm: inputs_digest(method, flags, extra, files) for arm, method, flags in arms}
+    for seed, (arm, method, flags), row in plan(old, [int(s) for s in cfg.seeds.split(",")], arms, only, cfg.rerun,
+                                                digests):
+        name, t0, digest = f"{arm}-s{seed}", time.time(), digests[arm]
+        if row:
+            print(f"[compare] {name}: kept, trained at {(row.get('commit') or '?')[:7]} on {row.get('date')} "
+                  "on the same inputs (--rerun trains it again)", flush=True)
+            rows.append(row)
+            continue
+        if method == "rounds":
+            run_dir, steps = run_rounds(flags[0], name, seed, str(Path(cfg.logs).resolve()), work, extra, more)
+        else:
+            data, prompts = data_for(method, str(Path(cfg.logs).resolve()), work, more)
+            cmd = [sys.executable, str(ROOT / "train_dpo.py"), "--data", data, "--method", method, "--seed",
+                   str(seed), "--output_dir", str(work), "--run_name", name, "--probes", "",
+                   *(["--eval_prompts", prompts] if prompts else []), *extra, *flags]
+            print(f"[compare] {name}: {' '.join(cmd[2:])}", flush=True)
+            code = subprocess.run(cmd, cwd=ROOT).returncode
+            if code:
+                print(f"[compare] {name} failed (exit {code}): its output is above; the finished runs in {work} "
+                      "are found again by the next make compare", file=sys.stderr)
+                return code
+            run_dir, steps = work / name, json.loads((work / name / "manifest.json").read_text())["steps"]
+        evaluation = json.loads((run_dir / "evaluation.json").read_text())["execution"]
+        rows.append({"seed": seed, "method": arm, "trained": " ".join([method, *flags]),
+                     "base": evaluation["base"], "tuned": evaluation["tuned"],
+                     "prompts": evaluation["prompts"], "samples": evaluation["samples"],
+                     "steps": steps, "minutes": run_minutes(work, run_dir, method),
+                     "this_call_s": time.time() - t0, "digest": digest, "commit": kit.git_commit(ROOT),
+                     "date": dt.date.today().isoformat(),
+                     "device": json.loads((run_dir / "manifest.json").read_text()).get("device")})
+        if method == "grpo":
+            rows[-1]["grpo"] = grpo_signal([json.loads(line) for line in
+                                            (work / name / "metrics.jsonl").read_text().splitlines() if line.strip()])  # a finished run found again is not trained again
+        kit.atomic_write_json(out_json, {"rows": rows, "summary": summarize(rows)})
     if not rows:
         raise kit.UserError(f"nothing to tabulate: --only {cfg.only!r} names none of the arms "
                             f"({', '.join(a[0] for a in parse_arms(cfg.arms))}) and {out_json} has no row to keep")
@@ -296,7 +306,8 @@ def main(argv=None) -> int:
             f"{rows[0]['samples']} sampled answers to each of {rows[0]['prompts']} held-out prompts per model and seed, "
             f"each run on its prompt's host by checker.py (score: bytes freed over the plantable junk, -1 for "
             f"deleting what must be kept; pass: it freed space). Mean ± standard deviation over seeds "
-            f"{cfg.seeds}; `python bench/compare.py` wrote this.\n\n" + "".join(f"- {line}\n" for line in findings(rows))
+            f"{','.join(map(str, sorted({r['seed'] for r in rows})))} (each arm's count in its row); "
+            "`python bench/compare.py` wrote this.\n\n" + "".join(f"- {line}\n" for line in findings(rows))
             + "\n")
     kit.atomic_write_text(Path(cfg.out + ".md"), head + table(rows, summary) + "\n")
     kit.atomic_write_json(out_json, {"rows": rows, "summary": summary})

@@ -306,6 +306,27 @@ def test_a_compared_row_is_kept_only_for_the_same_seed_arm_and_inputs(tmp_path):
     assert files[0] == logs and compare.ROOT / "configs" / "demo.yaml" in files and compare.ROOT / "data" / "runs.jsonl" in files
 
 
+def test_a_comparison_in_parts_trains_what_it_was_asked_and_keeps_every_matching_row():
+    import compare  # bench/compare.py
+
+    arms = compare.parse_arms("default=dpo; kto=kto; grpo=grpo")
+    digests = {"default": "d", "kto": "k", "grpo": "g"}
+    old = [{"seed": s, "method": "default", "digest": "d"} for s in (1, 2, 3)] + [
+        {"seed": 1, "method": "grpo", "digest": "old"}, {"seed": 4, "method": "kto", "digest": "k"}]
+
+    def did(seeds, only=(), rerun=False):
+        return [(seed, arm[0], "keep" if row else "train")
+                for seed, arm, row in compare.plan(old, seeds, arms, set(only), rerun, digests)]
+
+    # one seed's KTO: the other seeds' rows stay, the changed grpo row is left out, not shown stale
+    assert did([1], {"kto"}) == [(1, "default", "keep"), (1, "kto", "train"), (2, "default", "keep"),
+                                 (3, "default", "keep"), (4, "kto", "keep")]
+    assert did([1, 2]) == [(1, "default", "keep"), (1, "kto", "train"), (1, "grpo", "train"), (2, "default", "keep"),
+                           (2, "kto", "train"), (2, "grpo", "train"), (3, "default", "keep"), (4, "kto", "keep")]
+    assert did([2], {"default"}, rerun=True)[:1] == [(2, "default", "train")]  # --rerun: the arm trains again
+    assert (1, "default", "keep") in did([2], {"default"}, rerun=True)  # other seeds' rows are not rerun
+
+
 def test_the_comparison_counts_the_base_once_a_seed_and_the_deleting_answers():
     import compare  # bench/compare.py
 
