@@ -256,8 +256,8 @@ def main(argv=None) -> int:
     rows = []
     arms = parse_arms(cfg.arms)
     digests = {arm: inputs_digest(method, flags, extra, files) for arm, method, flags in arms}
-    for seed, (arm, method, flags), row in plan(old, [int(s) for s in cfg.seeds.split(",")], arms, only, cfg.rerun,
-                                                digests):
+    todo = plan(old, [int(s) for s in cfg.seeds.split(",")], arms, only, cfg.rerun, digests)
+    for i, (seed, (arm, method, flags), row) in enumerate(todo):
         name, t0, digest = f"{arm}-s{seed}", time.time(), digests[arm]
         if row:
             print(f"[compare] {name}: kept, trained at {(row.get('commit') or '?')[:7]} on {row.get('date')} "
@@ -289,7 +289,8 @@ def main(argv=None) -> int:
         if method == "grpo":
             rows[-1]["grpo"] = grpo_signal([json.loads(line) for line in
                                             (work / name / "metrics.jsonl").read_text().splitlines() if line.strip()])  # a finished run found again is not trained again
-        kit.atomic_write_json(out_json, {"rows": rows, "summary": summarize(rows)})
+        done = rows + [r for _, _, r in todo[i + 1:] if r]  # an interrupted call loses no kept row
+        kit.atomic_write_json(out_json, {"rows": done, "summary": summarize(done)})
     if not rows:
         raise kit.UserError(f"nothing to tabulate: --only {cfg.only!r} names none of the arms "
                             f"({', '.join(a[0] for a in parse_arms(cfg.arms))}) and {out_json} has no row to keep")
