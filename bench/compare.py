@@ -294,8 +294,9 @@ def main(argv=None) -> int:
     if not rows:
         raise kit.UserError(f"nothing to tabulate: --only {cfg.only!r} names none of the arms "
                             f"({', '.join(a[0] for a in parse_arms(cfg.arms))}) and {out_json} has no row to keep")
+    order = {a[0]: k for k, a in enumerate(arms)}
+    rows.sort(key=lambda r: (r["seed"], order.get(r["method"], len(order))))  # seed by seed, arms in their order
     summary = summarize(rows)
-    arms = parse_arms(cfg.arms)
     shown = [a for a in arms if any(r["method"] == a[0] for r in rows)]
     missing = [a[0] for a in arms if a not in shown]
     head = (f"# Held-out checker scores: base, {', '.join(a[0] for a in shown)} on {cfg.logs}\n\n"
