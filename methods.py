@@ -184,7 +184,7 @@ def whole_sentences(text: str, cut: bool) -> str | None:
 def answer_mix(cfg, model, tokenizer, pairs: list[dict], data) -> None:
     """--mix_answers base: each mixed-in pair's chosen answer becomes the base model's greedy answer to its prompt,
     made before training (the adapter, if any, off); an answer cut at MIX_ANSWER_TOKENS ends at its last whole
-    sentence, and one with none keeps its file's answer. In place; counted in data.mix (data.json)."""
+    sentence, and one with none keeps its file's answer. In place; data.mix_answers (data.json) has every answer."""
     mixed = [r for r in pairs if formats.MIX_KEY in r]
     if cfg.mix_answers != "base" or not mixed:
         return
@@ -203,8 +203,6 @@ def answer_mix(cfg, model, tokenizer, pairs: list[dict], data) -> None:
         if answer is not None:
             r["chosen"] = [{"role": "assistant", "content": answer}] if isinstance(r["chosen"], list) else answer
     own = sum(a is not None for a in made.values())
-    for m in data.mix:
-        m["answers"] = "base"
     data.mix_answers = {"prompts": len(made), "base": own, "given": len(made) - own,  # what it rehearsed, readable
                         "answers": [{"prompt": json.loads(k), "answer": a} for k, a in made.items()]}
     print(f"[mix] {own} of the {len(made)} mixed-in prompts trained on the base model's own greedy answer"

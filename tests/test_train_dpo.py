@@ -840,8 +840,7 @@ def test_the_mixed_in_pairs_can_rehearse_the_base_models_own_greedy_answers():
     domain = {"prompt": [{"role": "user", "content": "Clear npm's cache"}], "chosen": [{"role": "assistant",
               "content": "npm cache clean --force"}], "rejected": [{"role": "assistant", "content": "rm -rf /"}]}
     pairs = [dict(domain)] + [r | {formats.MIX_KEY: "general.jsonl"} for r in general + general[:1]]  # one repeats
-    data = formats.TrainingData(path="p", sha256="", format="x", pairs=1, skipped={},
-                                mix=[{"path": "general.jsonl", "share": 0.5}])
+    data = formats.TrainingData(path="p", sha256="", format="x", pairs=1, skipped={})
     given = train_dpo.TrainConfig(data="x", mix="0.5")
     methods.answer_mix(given, model, tokenizer, pairs, data)  # the default: the file's answers
     assert [r["chosen"] for r in pairs[1:]] == [r["chosen"] for r in general + general[:1]] and not data.mix_answers
@@ -854,7 +853,7 @@ def test_the_mixed_in_pairs_can_rehearse_the_base_models_own_greedy_answers():
     assert [r["chosen"][0]["content"] for r in pairs[1:]] == [w or g["chosen"][0]["content"]
                                                                for w, g in zip(whole + whole[:1], general + general[:1])]
     assert data.mix_answers["prompts"] == 3 and data.mix_answers["base"] + data.mix_answers["given"] == 3
-    assert data.mix[0]["answers"] == "base" and [a["answer"] for a in data.mix_answers["answers"]] == whole
+    assert [a["answer"] for a in data.mix_answers["answers"]] == whole
 
 
 @needs_model
