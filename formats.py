@@ -846,12 +846,13 @@ def distinct_chosen(pairs: list[dict], keep_broke: bool = False) -> list[dict]:
 
 
 def split_and_mix(pairs: list[dict], data: TrainingData, eval_fraction: float, mix_spec: str, seed: int,
-                  skip_invalid: bool, distinct: bool = False,
-                  keep_broke: bool = False) -> tuple[list[dict], list[dict]]:
+                  skip_invalid: bool, distinct: bool = False, keep_broke: bool = False,
+                  rehearse: bool = False) -> tuple[list[dict], list[dict]]:
     """Hold out a stable share of the pairs; with `distinct`, train each (prompt, chosen) once (distinct_chosen,
     keep_broke as there);
     mix further files into the rest in their stated shares. Records all three in data. Returns (training pairs,
-    held-out pairs)."""
+    held-out pairs). `rehearse` (--mix_answers base): the mix files must hold message lists, which the model answers
+    through its chat template; refused here, before the model loads."""
     held = [r for r in pairs if held_out(r, eval_fraction)]
     train_pairs = [r for r in pairs if not held_out(r, eval_fraction)]
     if distinct:
@@ -868,6 +869,9 @@ def split_and_mix(pairs: list[dict], data: TrainingData, eval_fraction: float, m
         if isinstance(records[0]["prompt"], list) != isinstance(pairs[0]["prompt"], list):
             raise UserError(f"mix file has {'message-list' if isinstance(records[0]['prompt'], list) else 'text'} "
                             "pairs and the data does not; use one shape", path)
+        if rehearse and not isinstance(records[0]["prompt"], list):
+            raise UserError("--mix_answers base needs message-list pairs (a prompt the chat template renders); "
+                            "this mix file has text pairs", path)
         train_pairs += [r | {MIX_KEY: path} for r in draw(records, n, seed)]
         data.mix.append({"path": path, "share": share, "pairs_available": len(records), "pairs_used": n,
                          "sha256": stats["sha256"]})

@@ -188,9 +188,6 @@ def answer_mix(cfg, model, tokenizer, pairs: list[dict], data) -> None:
     mixed = [r for r in pairs if formats.MIX_KEY in r]
     if cfg.mix_answers != "base" or not mixed:
         return
-    if not isinstance(mixed[0]["prompt"], list):
-        raise UserError("--mix_answers base needs message-list pairs (a prompt the chat template renders)",
-                        mixed[0][formats.MIX_KEY])
     keys = list(dict.fromkeys(json.dumps(r["prompt"], ensure_ascii=False) for r in mixed))
     disable = getattr(model, "disable_adapter", None)  # a PEFT model: its base; a plain one is the base
     with disable() if disable else contextlib.nullcontext():

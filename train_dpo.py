@@ -320,7 +320,8 @@ def load_data(cfg: TrainConfig) -> tuple[formats.TrainingData, list[dict], list[
             print(f"[data] --method kto: {stats['pairs']:,} pairs unpaired into {len(pairs):,} examples")
         data.labels = {"desirable": sum(e["label"] for e in pairs), "undesirable": sum(not e["label"] for e in pairs)}
     train_pairs, held = formats.split_and_mix(pairs, data, cfg.eval_fraction, cfg.mix, cfg.seed, cfg.skip_invalid,
-                                              methods.distinct_applies(cfg, data.method), cfg.broke_weight > 0)
+                                              methods.distinct_applies(cfg, data.method), cfg.broke_weight > 0,
+                                              rehearse=cfg.mix_answers == "base")
     if data.method == "kto":  # TRL's KTO samples in order (its KL term pairs each example with its neighbours)
         import random
 

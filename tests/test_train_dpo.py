@@ -243,6 +243,14 @@ def test_distinct_chosen_is_counted_and_the_mix_follows_what_is_left(tmp_path):
     assert [r[formats.MIX_KEY] for r in train if formats.MIX_KEY in r] == [str(general)] * (len(train) - n_train // 4)
     assert all(formats.MIX_KEY not in r for r in train[:n_train // 4] + held)
     assert all(set(r) == {"prompt", "chosen", "rejected"} for r in formats.trainable(train))
+    # --mix_answers base on text pairs: refused with the mix file's name, before any model loads
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"prompt": f"t{i}", "chosen": "a", "rejected": "b"}) + "\n" for i in range(9)))
+    rows = [{"prompt": f"q{i}", "chosen": "a", "rejected": f"r{i}"} for i in range(40)]
+    assert formats.split_and_mix(rows, data, 0.2, f"{text}:0.2", 1, False)[0]  # text with text mixes as before
+    with pytest.raises(kit.UserError, match="--mix_answers base needs message-list pairs") as e:
+        formats.split_and_mix(rows, data, 0.2, f"{text}:0.2", 1, False, rehearse=True)
+    assert str(text) in str(e.value)
 
 
 def test_a_rehearsed_answer_is_kept_whole_or_ends_at_its_last_sentence():
