@@ -51,6 +51,9 @@ class DPOOptions:
                              "the mixture rehearses what the model already says instead of teaching new wording, "
                              "Self-Synthesized Rehearsal, Huang et al. 2024); the rejected answers stay",
                              choices=("given", "base"))
+    mix_answer_tokens: int = field(160, "with --mix_answers base: the longest answer the base gives, in tokens (a "
+                                   "cut one ends at its last whole sentence); shorter keeps the rehearsal's share of "
+                                   "the trained tokens small")
 
 
 @dataclasses.dataclass
@@ -105,7 +108,7 @@ UNITS = {"dpo": "pairs", "kto": "examples", "grpo": "prompts"}
 
 
 DPO_ONLY = {"loss_type": "sigmoid", "sft_weight": 0.0, "mix": "", "distinct_chosen": False,  # option: its default
-            "broke_weight": 0.0, "mix_answers": "given"}
+            "broke_weight": 0.0, "mix_answers": "given", "mix_answer_tokens": 160}
 
 
 def dpo_only_problems(cfg, method: str) -> list[str]:
@@ -165,10 +168,8 @@ def method_problems(cfg, method: str) -> list[str]:
     p += [] if cfg.sft_weight >= 0 else [f"--sft_weight must not be negative (got {cfg.sft_weight})"]
     p += [] if cfg.broke_weight >= 0 else [f"--broke_weight must not be negative (got {cfg.broke_weight})"]
     p += [] if cfg.mix_answers == "given" or cfg.mix else ["--mix_answers base answers the --mix pairs: give --mix"]
+    p += [] if cfg.mix_answer_tokens >= 8 else [f"--mix_answer_tokens must be at least 8 (got {cfg.mix_answer_tokens})"]
     return p + (kto_problems(cfg) if method == "kto" else grpo_problems(cfg) if method == "grpo" else [])
-
-
-MIX_ANSWER_TOKENS = 160  # the base's answers to the --mix prompts: longer ones end at their last whole sentence
 
 
 def whole_sentences(text: str, cut: bool) -> str | None:
@@ -183,7 +184,7 @@ def whole_sentences(text: str, cut: bool) -> str | None:
 
 def answer_mix(cfg, model, tokenizer, pairs: list[dict], data) -> None:
     """--mix_answers base: each mixed-in pair's chosen answer becomes the base model's greedy answer to its prompt,
-    made before training (the adapter, if any, off); an answer cut at MIX_ANSWER_TOKENS ends at its last whole
+    made before training (the adapter, if any, off); an answer cut at --mix_answer_tokens ends at its last whole
     sentence, and one with none keeps its file's answer. In place; data.mix_answers (data.json) has every answer."""
     mixed = [r for r in pairs if formats.MIX_KEY in r]
     if cfg.mix_answers != "base" or not mixed:
@@ -191,9 +192,10 @@ def answer_mix(cfg, model, tokenizer, pairs: list[dict], data) -> None:
     keys = list(dict.fromkeys(json.dumps(r["prompt"], ensure_ascii=False) for r in mixed))
     disable = getattr(model, "disable_adapter", None)  # a PEFT model: its base; a plain one is the base
     with disable() if disable else contextlib.nullcontext():
-        answers = models.generate(model, tokenizer, [json.loads(k) for k in keys], MIX_ANSWER_TOKENS,
+        answers = models.generate(model, tokenizer, [json.loads(k) for k in keys], cfg.mix_answer_tokens,
                                   label="mix: the base answers")
-    made = {k: whole_sentences(a, len(tokenizer(a, add_special_tokens=False)["input_ids"]) >= MIX_ANSWER_TOKENS - 1)
+    limit = cfg.mix_answer_tokens
+    made = {k: whole_sentences(a, len(tokenizer(a, add_special_tokens=False)["input_ids"]) >= limit - 1)
             for k, a in zip(keys, answers)}
     for r in mixed:
         answer = made[json.dumps(r["prompt"], ensure_ascii=False)]
@@ -203,7 +205,7 @@ def answer_mix(cfg, model, tokenizer, pairs: list[dict], data) -> None:
     data.mix_answers = {"prompts": len(made), "base": own, "given": len(made) - own,  # what it rehearsed, readable
                         "answers": [{"prompt": json.loads(k), "answer": a} for k, a in made.items()]}
     print(f"[mix] {own} of the {len(made)} mixed-in prompts trained on the base model's own greedy answer"
-          + (f"; {len(made) - own} on their file's (the base's had no whole sentence in {MIX_ANSWER_TOKENS} tokens)"
+          + (f"; {len(made) - own} on their file's (the base's had no whole sentence in {limit} tokens)"
              if own < len(made) else ""), flush=True)
 
 

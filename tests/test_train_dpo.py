@@ -150,6 +150,8 @@ def test_config_problems_are_collected():
     assert not train_dpo.TrainConfig(data="x", mix="0.2", mix_answers="base").problems()
     kto = train_dpo.TrainConfig(data="x", method="kto", mix="0.2", mix_answers="base").problems()
     assert "--mix_answers is for DPO; --method kto does not take it" in kto
+    assert "--mix_answer_tokens must be at least 8 (got 2)" in train_dpo.TrainConfig(
+        data="x", mix="0.2", mix_answers="base", mix_answer_tokens=2).problems()
 
 
 def test_resume_conflicts_ignore_step_budget_but_not_hyperparameters():
@@ -852,11 +854,13 @@ def test_the_mixed_in_pairs_can_rehearse_the_base_models_own_greedy_answers():
     given = train_dpo.TrainConfig(data="x", mix="0.5")
     methods.answer_mix(given, model, tokenizer, pairs, data)  # the default: the file's answers
     assert [r["chosen"] for r in pairs[1:]] == [r["chosen"] for r in general + general[:1]] and not data.mix_answers
-    greedy = models.generate(model, tokenizer, [r["prompt"] for r in general], methods.MIX_ANSWER_TOKENS)
-    methods.answer_mix(dataclasses.replace(given, mix_answers="base"), model, tokenizer, pairs, data)
+    limit = 24  # --mix_answer_tokens: short enough that some of the base's answers are cut
+    greedy = models.generate(model, tokenizer, [r["prompt"] for r in general], limit)
+    methods.answer_mix(dataclasses.replace(given, mix_answers="base", mix_answer_tokens=limit), model, tokenizer,
+                       pairs, data)
     assert pairs[0] == domain  # only the mixed-in pairs change, and only their chosen answer
     assert [r["rejected"] for r in pairs[1:]] == [r["rejected"] for r in general + general[:1]]
-    cut = [len(tokenizer(a, add_special_tokens=False)["input_ids"]) >= methods.MIX_ANSWER_TOKENS - 1 for a in greedy]
+    cut = [len(tokenizer(a, add_special_tokens=False)["input_ids"]) >= limit - 1 for a in greedy]
     whole = [methods.whole_sentences(a, c) for a, c in zip(greedy, cut)]
     assert [r["chosen"][0]["content"] for r in pairs[1:]] == [w or g["chosen"][0]["content"]
                                                                for w, g in zip(whole + whole[:1], general + general[:1])]
