@@ -22,7 +22,7 @@ numbers come from every run; with the same seed they are the same samples, so th
 
 A comparison takes hours, so it can be made in parts: a row already in OUT.json is kept, not trained again, when its
 seed, arm and inputs are the same (the arm's method and flags, the flags after `--`, and the bytes of the logs, the
-extra runs and every file under configs/ and data/: `inputs_digest`). Each row names the commit and date it was
+extra runs, the config the arm names and every file under data/: `inputs_digest`). Each row names the commit and date it was
 trained at. `--only default,kto` trains only those arms in this call (a part of the hours), and `--seeds 1` only
 that seed (the other seeds' rows are kept as they are); `--rerun` trains every row again. A row whose inputs changed is trained again, or left out under `--only`: no stale row is shown.
 """
@@ -96,17 +96,27 @@ class CompareConfig:
 
 def inputs_digest(method: str, flags: list[str], extra: list[str], files: list[Path]) -> str:
     """What a row's numbers depend on besides the code: the arm's method and flags, the flags every arm gets, and
-    the bytes of the given files (the logs, the extra runs, configs/ and data/), in order."""
+    the bytes of the given files (input_files: the logs, the extra runs, the arm's config, data/), in order."""
     h = hashlib.sha256(json.dumps([method, list(flags), list(extra)]).encode())
     for f in files:
         h.update(f"\0{f.name}\0".encode() + f.read_bytes())
     return h.hexdigest()
 
 
-def input_files(logs: str, extra_runs: str) -> list[Path]:
-    """The files inputs_digest reads: the logs, the extra runs, then every file under configs/ and data/, sorted."""
+def named_configs(method: str, flags: list[str]) -> list[str]:
+    """The config files an arm reads: a rounds arm's plan, another's `--config FILE` (train_dpo.py reads no other)."""
+    if method == "rounds":
+        return flags[:1]
+    return [f.split("=", 1)[1] if "=" in f else nxt
+            for f, nxt in zip(flags, flags[1:] + [""]) if f == "--config" or f.startswith("--config=")]
+
+
+def input_files(logs: str, extra_runs: str, configs: list[str]) -> list[Path]:
+    """The files inputs_digest reads: the logs, the extra runs, the arm's named configs, then every file under
+    data/ (the mix, the probes, what a config names there), sorted. A config no arm names (another arm's recipe) is
+    not an input: editing configs/demo.yaml retrains the arms that read it, not KTO's or GRPO's."""
     named = [Path(logs)] + [Path(x.strip()) for x in extra_runs.split(",") if x.strip()]
-    return named + sorted(f for d in ("configs", "data") for f in (ROOT / d).rglob("*") if f.is_file())
+    return named + [ROOT / c for c in configs] + sorted(f for f in (ROOT / "data").rglob("*") if f.is_file())
 
 
 def kept_row(old: list[dict], seed: int, arm: str, digest: str) -> dict | None:
@@ -248,14 +258,15 @@ def main(argv=None) -> int:
     out_json = Path(cfg.out + ".json")
     old = json.loads(out_json.read_text()).get("rows", []) if out_json.is_file() else []
     more = ",".join(str(Path(x.strip()).resolve()) for x in cfg.extra_runs.split(",") if x.strip())
-    files = input_files(str(Path(cfg.logs).resolve()), more)
     only = {x.strip() for x in cfg.only.split(",") if x.strip()}
     unknown = only - {a[0] for a in parse_arms(cfg.arms)}
     if unknown:
         raise kit.UserError(f"--only {', '.join(sorted(unknown))}: not an arm ({', '.join(a[0] for a in parse_arms(cfg.arms))})")
     rows = []
     arms = parse_arms(cfg.arms)
-    digests = {arm: inputs_digest(method, flags, extra, files) for arm, method, flags in arms}
+    digests = {arm: inputs_digest(method, flags, extra, input_files(str(Path(cfg.logs).resolve()), more,
+                                                                     named_configs(method, flags)))
+               for arm, method, flags in arms}
     todo = plan(old, [int(s) for s in cfg.seeds.split(",")], arms, only, cfg.rerun, digests)
     for i, (seed, (arm, method, flags), row) in enumerate(todo):
         name, t0, digest = f"{arm}-s{seed}", time.time(), digests[arm]

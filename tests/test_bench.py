@@ -302,8 +302,14 @@ def test_a_compared_row_is_kept_only_for_the_same_seed_arm_and_inputs(tmp_path):
     assert compare.kept_row(old, 1, "kto", changed[0]) is old[2]
     assert compare.kept_row(old, 1, "default", changed[3]) is None  # its config changed since
     assert compare.kept_row(old, 3, "default", digest) is None  # an older row, without a digest
-    files = compare.input_files(str(logs), "")
-    assert files[0] == logs and compare.ROOT / "configs" / "demo.yaml" in files and compare.ROOT / "data" / "runs.jsonl" in files
+    files = compare.input_files(str(logs), "", ["configs/demo.yaml"])
+    assert files[:2] == [logs, compare.ROOT / "configs" / "demo.yaml"] and compare.ROOT / "data" / "runs.jsonl" in files
+    # an arm's inputs hold the config it names, and no other: editing the recipe keeps KTO's and GRPO's rows
+    arms = {a[0]: compare.named_configs(a[1], a[2]) for a in compare.parse_arms(compare.DEFAULT_ARMS)}
+    assert arms == {"default": ["configs/demo.yaml"], "dpo-no-sft": ["configs/demo.yaml"], "kto": [], "grpo": [],
+                    "rounds": ["configs/rounds.yaml"], "sft-grpo": ["configs/sft-grpo.yaml"]}
+    assert compare.named_configs("dpo", ["--beta", "0.2", "--config=c.yaml"]) == ["c.yaml"]
+    assert not any("configs" in f.parts for f in compare.input_files(str(logs), "", []))
 
 
 def test_a_comparison_in_parts_trains_what_it_was_asked_and_keeps_every_matching_row():
