@@ -67,6 +67,8 @@ GENERAL_MIX = "data/general.jsonl"  # bundled general-purpose pairs: the default
 RUN_KEY = "_run"  # on a loaded record: its build_pairs meta.run_id (see held_out); `trainable` drops it
 BROKE_KEY = "_broke"  # on a loaded pair: build_pairs' meta.rejected_broke; `trainable` turns it into BROKE_COLUMN
 MIX_KEY = "_mix"  # on a training pair drawn from a --mix file: that file (train_dpo --mix_answers); `trainable` drops it
+EXPECT_KEY = "_expect"  # on a loaded pair: its meta.expect, the words a right answer holds (--mix_answers base checks
+                        # the base's answer against them); `trainable` drops it
 
 
 @dataclasses.dataclass
@@ -670,6 +672,12 @@ def load_rows(path: str, rows, sha256: str, skip_invalid: bool, columns: dict,
         meta = record.get("meta")
         if "rejected" in pair and isinstance(meta, dict) and meta.get("rejected_broke") is True:
             pair[BROKE_KEY] = True  # train_dpo --broke_weight's preference term reads this pair
+        if isinstance(meta, dict) and "expect" in meta:
+            expect = meta["expect"]
+            if not isinstance(expect, list) or not all(isinstance(e, str) and e.strip() for e in expect):
+                bad(line_no, 'meta.expect is a list of words a right answer holds (["paris"])', "invalid_pair")
+                continue
+            pair[EXPECT_KEY] = expect  # --mix_answers base keeps the base's answer only if it holds one of them
         used = FORMAT_COLUMNS[fmt] | ({c for pair_ in SCORE_COLUMNS for c in pair_} if min_score_gap else set())
         ignored.update(k for k in record if k not in used)
         if gap is not None and gap < min_score_gap:
@@ -751,7 +759,7 @@ def trainable(records: list[dict]) -> list[dict]:
     answer broke what must be kept (BROKE_KEY), every record carries BROKE_COLUMN, true or false (the kit's DPO
     trainer hands it to its loss; TRL's own drops the column as one its model does not take)."""
     column = any(BROKE_KEY in r for r in records)
-    return [{k: v for k, v in r.items() if k not in (RUN_KEY, BROKE_KEY, MIX_KEY)}
+    return [{k: v for k, v in r.items() if k not in (RUN_KEY, BROKE_KEY, MIX_KEY, EXPECT_KEY)}
             | ({BROKE_COLUMN: r.get(BROKE_KEY, False)} if column else {}) for r in records]
 
 

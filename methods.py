@@ -182,14 +182,25 @@ def whole_sentences(text: str, cut: bool) -> str | None:
     return text[:ends[-1]] if ends else None
 
 
+def holds_fact(answer: str, expect: list[str] | None) -> bool:
+    """A rehearsed answer is kept only if it holds one of its pair's expected words (case-insensitive, as the
+    retention probes check theirs); a pair without meta.expect has nothing to check."""
+    return not expect or any(e.lower() in answer.lower() for e in expect)
+
+
 def answer_mix(cfg, model, tokenizer, pairs: list[dict], data) -> None:
     """--mix_answers base: each mixed-in pair's chosen answer becomes the base model's greedy answer to its prompt,
-    made before training (the adapter, if any, off); an answer cut at --mix_answer_tokens ends at its last whole
-    sentence, and one with none keeps its file's answer. In place; data.mix_answers (data.json) has every answer."""
+    made before training (the adapter, if any, off). An answer cut at --mix_answer_tokens ends at its last whole
+    sentence; one with none, or one without any of its pair's meta.expect words (a small base rehearsing its own
+    wrong fact teaches it: "2 + 3 is 4" made "1 + 1 is 1"), keeps its file's answer. In place; data.mix_answers
+    (data.json) has every answer and which one trained."""
     mixed = [r for r in pairs if formats.MIX_KEY in r]
     if cfg.mix_answers != "base" or not mixed:
         return
     keys = list(dict.fromkeys(json.dumps(r["prompt"], ensure_ascii=False) for r in mixed))
+    expect = {}
+    for r in mixed:
+        expect.setdefault(json.dumps(r["prompt"], ensure_ascii=False), r.get(formats.EXPECT_KEY))
     disable = getattr(model, "disable_adapter", None)  # a PEFT model: its base; a plain one is the base
     with disable() if disable else contextlib.nullcontext():
         answers = models.generate(model, tokenizer, [json.loads(k) for k in keys], cfg.mix_answer_tokens,
@@ -197,16 +208,19 @@ def answer_mix(cfg, model, tokenizer, pairs: list[dict], data) -> None:
     limit = cfg.mix_answer_tokens
     made = {k: whole_sentences(a, len(tokenizer(a, add_special_tokens=False)["input_ids"]) >= limit - 1)
             for k, a in zip(keys, answers)}
+    used = {k: a is not None and holds_fact(a, expect[k]) for k, a in made.items()}
     for r in mixed:
-        answer = made[json.dumps(r["prompt"], ensure_ascii=False)]
-        if answer is not None:
-            r["chosen"] = [{"role": "assistant", "content": answer}] if isinstance(r["chosen"], list) else answer
-    own = sum(a is not None for a in made.values())
-    data.mix_answers = {"prompts": len(made), "base": own, "given": len(made) - own,  # what it rehearsed, readable
-                        "answers": [{"prompt": json.loads(k), "answer": a} for k, a in made.items()]}
+        key = json.dumps(r["prompt"], ensure_ascii=False)
+        if used[key]:
+            r["chosen"] = [{"role": "assistant", "content": made[key]}] if isinstance(r["chosen"], list) else made[key]
+    own, wrong = sum(used.values()), sum(a is not None and not used[k] for k, a in made.items())
+    data.mix_answers = {"prompts": len(made), "base": own, "given": len(made) - own, "wrong": wrong,
+                        "answers": [{"prompt": json.loads(k), "answer": a, "trained": "base" if used[k] else "file"}
+                                    for k, a in made.items()]}  # what it rehearsed, readable
     print(f"[mix] {own} of the {len(made)} mixed-in prompts trained on the base model's own greedy answer"
-          + (f"; {len(made) - own} on their file's (the base's had no whole sentence in {limit} tokens)"
-             if own < len(made) else ""), flush=True)
+          + (f"; {len(made) - own} on their file's ({wrong} where the base's lacked the expected fact, "
+             f"{len(made) - own - wrong} with no whole sentence in {limit} tokens)" if own < len(made) else ""),
+          flush=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -255,6 +255,24 @@ def test_distinct_chosen_is_counted_and_the_mix_follows_what_is_left(tmp_path):
     assert str(text) in str(e.value)
 
 
+def test_a_rehearsed_answer_is_kept_only_with_its_expected_fact(tmp_path):
+    assert methods.holds_fact("The capital of France is Paris.", ["paris"])
+    assert not methods.holds_fact("2 + 3 is 4.", ["5", "five"]) and methods.holds_fact("Five.", ["5", "five"])
+    assert methods.holds_fact("Hello!", None) and methods.holds_fact("Hello!", [])  # nothing to check
+    good = {"prompt": [{"role": "user", "content": "2+3?"}], "chosen": [{"role": "assistant", "content": "5"}],
+            "rejected": [{"role": "assistant", "content": "6"}]}
+    path = tmp_path / "general.jsonl"
+    path.write_text(json.dumps(good | {"meta": {"expect": ["5"]}}) + "\n" + json.dumps(good) + "\n")
+    records, _ = formats.load_pairs(str(path))
+    assert records[0][formats.EXPECT_KEY] == ["5"] and formats.EXPECT_KEY not in records[1]
+    assert formats.trainable(records)[0] == good  # the trainer never sees it
+    for wrong in ("5", [5], [" "], {"a": 1}):  # [] is allowed: nothing to check, as a probe's
+        path.write_text(json.dumps(good) + "\n" + json.dumps(good | {"meta": {"expect": wrong}}) + "\n")
+        with pytest.raises(UserError, match="meta.expect is a list of words") as e:
+            formats.load_pairs(str(path))
+        assert (e.value.path, e.value.line) == (str(path), 2)
+
+
 def test_a_rehearsed_answer_is_kept_whole_or_ends_at_its_last_sentence():
     assert methods.whole_sentences("  Paris.  ", cut=False) == "Paris."
     assert methods.whole_sentences("The capital is Paris. It is also kno", cut=True) == "The capital is Paris."
@@ -847,9 +865,11 @@ def test_the_mixed_in_pairs_can_rehearse_the_base_models_own_greedy_answers():
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
     model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
     general = [json.loads(x) for x in (ROOT / "data/general.jsonl").read_text().splitlines()][:3]
+    expect = [None, ["tokyo"], ["366"]]  # 2 + 3 with nothing to check, Japan's capital, a leap year's days
     domain = {"prompt": [{"role": "user", "content": "Clear npm's cache"}], "chosen": [{"role": "assistant",
               "content": "npm cache clean --force"}], "rejected": [{"role": "assistant", "content": "rm -rf /"}]}
-    pairs = [dict(domain)] + [r | {formats.MIX_KEY: "general.jsonl"} for r in general + general[:1]]  # one repeats
+    pairs = [dict(domain)] + [r | {formats.MIX_KEY: "general.jsonl"} | ({formats.EXPECT_KEY: e} if e else {})
+                              for r, e in zip(general + general[:1], expect + expect[:1])]  # one repeats
     data = formats.TrainingData(path="p", sha256="", format="x", pairs=1, skipped={})
     given = train_dpo.TrainConfig(data="x", mix="0.5")
     methods.answer_mix(given, model, tokenizer, pairs, data)  # the default: the file's answers
@@ -862,10 +882,15 @@ def test_the_mixed_in_pairs_can_rehearse_the_base_models_own_greedy_answers():
     assert [r["rejected"] for r in pairs[1:]] == [r["rejected"] for r in general + general[:1]]
     cut = [len(tokenizer(a, add_special_tokens=False)["input_ids"]) >= limit - 1 for a in greedy]
     whole = [methods.whole_sentences(a, c) for a, c in zip(greedy, cut)]
-    assert [r["chosen"][0]["content"] for r in pairs[1:]] == [w or g["chosen"][0]["content"]
-                                                               for w, g in zip(whole + whole[:1], general + general[:1])]
+    kept = [w if w is not None and methods.holds_fact(w, e) else None for w, e in zip(whole, expect)]
+    assert [r["chosen"][0]["content"] for r in pairs[1:]] == [k or g["chosen"][0]["content"]
+                                                               for k, g in zip(kept + kept[:1], general + general[:1])]
     assert data.mix_answers["prompts"] == 3 and data.mix_answers["base"] + data.mix_answers["given"] == 3
     assert [a["answer"] for a in data.mix_answers["answers"]] == whole
+    assert [a["trained"] for a in data.mix_answers["answers"]] == ["base" if k else "file" for k in kept]
+    # the bundled base (float32) says a leap year has 365 days: its own wrong fact is not rehearsed (in 4 bits it
+    # says "2 + 3 is 4.", which, rehearsed, made a tuned model answer "1 + 1 is 1.")
+    assert data.mix_answers["wrong"] >= 1 and kept[2] is None and whole[2] is not None
 
 
 @needs_model
