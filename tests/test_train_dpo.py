@@ -273,6 +273,16 @@ def test_a_rehearsed_answer_is_kept_only_with_its_expected_fact(tmp_path):
         assert (e.value.path, e.value.line) == (str(path), 2)
 
 
+def test_the_checked_general_pairs_are_the_bundled_ones_and_hold_their_own_facts():
+    # bench/general-expect.jsonl (results-recipe.md's checked rehearsal): data/general.jsonl with meta.expect words
+    checked, _ = formats.load_pairs(str(ROOT / "bench" / "general-expect.jsonl"))
+    bundled, _ = formats.load_pairs(str(ROOT / "data" / "general.jsonl"))
+    assert formats.trainable(checked) == formats.trainable(bundled)
+    facts = [r for r in checked if formats.EXPECT_KEY in r]
+    assert len(facts) == 17 and all(methods.holds_fact(r["chosen"][-1]["content"], r[formats.EXPECT_KEY]) for r in facts)
+    assert not methods.holds_fact("2 + 3 is 4.", facts[0][formats.EXPECT_KEY])  # what the 4-bit base says
+
+
 def test_a_rehearsed_answer_is_kept_whole_or_ends_at_its_last_sentence():
     assert methods.whole_sentences("  Paris.  ", cut=False) == "Paris."
     assert methods.whole_sentences("The capital is Paris. It is also kno", cut=True) == "The capital is Paris."
