@@ -153,7 +153,7 @@ def table(rows: list[dict], summary: dict) -> str:
                      f"{s['pass_rate']['mean']:.3f} ± {s['pass_rate']['std']:.3f} | {s.get('broke', 0)} | "
                      f"{s['mean_score']['n']} |")
     lines += ["", "| seed | method | base score | tuned score | base pass | tuned pass | tuned outcomes | steps | "
-              "minutes (run start to handoff) | trained at (commit, date, device) |",
+              "minutes (run start to handoff; rounds: its stages', summed) | trained at (commit, date, device) |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['seed']} | {r['method']} | {r['base']['mean_score']:+.4f} | {r['tuned']['mean_score']:+.4f} "
@@ -239,13 +239,17 @@ def data_for(method: str, logs: str, work: Path, extra_runs: str = "") -> tuple[
 
 
 def run_minutes(work: Path, run_dir: Path, method: str) -> float:
-    """Minutes from the run's start to its handoff; for rounds, from the first stage's start (iterate's lineage)."""
-    first = run_dir
+    """Minutes from the run's start to its handoff; for rounds, each stage's own minutes summed (iterate's lineage):
+    a stage complete from an earlier call is found again, so the span from the first stage's start would count the
+    hours between calls. The attempts' sampling between stages is not in any stage's run, so not counted."""
+    runs = [run_dir]
     if method == "rounds":
-        first = work / json.loads((run_dir / "lineage.json").read_text())[0]["run_name"]
-    started = json.loads((first / "manifest.json").read_text())["started_at"]
-    finished = json.loads((run_dir / "manifest.json").read_text())["finished_at"]
-    return (dt.datetime.fromisoformat(finished) - dt.datetime.fromisoformat(started)).total_seconds() / 60
+        runs = [work / st["run_name"] for st in json.loads((run_dir / "lineage.json").read_text())]
+
+    def minutes(run: Path) -> float:
+        m = json.loads((run / "manifest.json").read_text())
+        return (dt.datetime.fromisoformat(m["finished_at"]) - dt.datetime.fromisoformat(m["started_at"])).total_seconds() / 60
+    return sum(minutes(r) for r in runs)
 
 
 def main(argv=None) -> int:

@@ -390,3 +390,19 @@ def test_the_sampling_speed_up_pairs_each_run_with_the_one_before_it():
     ours = [(40.0, 6000), (80.0, 6000), (40.0, 6000)]  # 150, 75, 150 tokens/s
     assert sampling.paired_speedups(generate, ours) == pytest.approx([3.0, 3.0, 3.0])
     assert sampling.paired_speedups(generate, [(40.0, 6000), (40.0, 6000)]) == pytest.approx([3.0, 6.0])
+
+
+def test_a_rounds_rows_minutes_are_its_stages_own_not_the_hours_between_calls(tmp_path):
+    import compare  # bench/compare.py
+
+    def run(name, start, end):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(json.dumps(
+            {"started_at": f"2026-11-28T{start}:00+00:00", "finished_at": f"2026-11-28T{end}:00+00:00"}))
+        return tmp_path / name
+
+    run("r-1-dpo", "03:27", "03:31")  # stage 1, found again by a later call
+    last = run("r-2-attempts", "05:30", "05:33")
+    (last / "lineage.json").write_text(json.dumps([{"run_name": "r-1-dpo"}, {"run_name": "r-2-attempts"}]))
+    assert compare.run_minutes(tmp_path, last, "rounds") == 7.0
+    assert compare.run_minutes(tmp_path, last, "dpo") == 3.0
