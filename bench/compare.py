@@ -71,6 +71,9 @@ def parse_arms(spec: str) -> list[tuple[str, str, list[str]]]:
                                 "(rounds=rounds configs/rounds.yaml)")
         if words[0] == "rounds" and not (ROOT / words[1]).is_file():
             raise kit.UserError(f"--arms: {part!r}: no plan file {ROOT / words[1]}")
+        missing = [c for c in named_configs(words[0], words[1:]) if not (ROOT / c).is_file()]
+        if missing:
+            raise kit.UserError(f"--arms: {part!r}: no config file {ROOT / missing[0]}")
         arms.append((name.strip(), words[0], words[1:]))
     if len({a[0] for a in arms}) != len(arms):
         raise kit.UserError(f"--arms: a name is used twice in {spec!r}")

@@ -309,6 +309,9 @@ def test_a_compared_row_is_kept_only_for_the_same_seed_arm_and_inputs(tmp_path):
     assert arms == {"default": ["configs/demo.yaml"], "dpo-no-sft": ["configs/demo.yaml"], "kto": [], "grpo": [],
                     "rounds": ["configs/rounds.yaml"], "sft-grpo": ["configs/sft-grpo.yaml"]}
     assert compare.named_configs("dpo", ["--beta", "0.2", "--config=c.yaml"]) == ["c.yaml"]
+    for spec in ("x=dpo --config nowhere.yaml", "x=dpo --config", "x=dpo --config="):  # a user's typo, said plainly
+        with pytest.raises(kit.UserError, match="no config file"):
+            compare.parse_arms(spec)
     assert not any("configs" in f.parts for f in compare.input_files(str(logs), "", []))
 
 
