@@ -103,19 +103,26 @@ EVAL_PROMPTS := $(if $(DATA)$(filter grpo,$(METHOD)),,$(OUT)/pairs/$(notdir $(ba
 # The bundled model's recipe (configs/demo.yaml, chosen by measurement: bench/results-recipe.md) for DPO on it;
 # another MODEL, or METHOD=kto|grpo, trains with train_dpo.py's own defaults. ARGS override either.
 RECIPE := $(if $(MODEL)$(filter-out dpo,$(METHOD)),,--config configs/demo.yaml)
-# ROUNDS=1 on the bundled model and run logs: a new round instead of one training (configs/rounds.yaml: the recipe,
-# then the tuned model attempts the training runs' tasks, the checker runs each answer, and training goes on from
-# the pairs of the logs and those attempts). Not with a DATA file of pairs or several processes. `make rounds`.
-ROUNDS ?= 0
+# The bundled model on run logs trains a round (ROUNDS=1, the default: configs/rounds.yaml): the recipe, then the
+# tuned model attempts the training runs' tasks, the checker runs each answer, and training goes on from the pairs of
+# the logs and those attempts (bench/results-methods.md: the only arm that meets every bar on each seed). ROUNDS=0:
+# the recipe alone (one training). Not with a DATA file of pairs, another method or model, or several processes:
+# those train once as before; given ROUNDS=1 there, make refuses rather than quietly training once.
+ROUNDS ?= 1
 ROUNDS_PLAN ?= configs/rounds.yaml
-USE_ROUNDS := $(if $(RECIPE),$(if $(DATA)$(DISTRIBUTED)$(filter-out 1,$(ROUNDS)),,1))
-# ROUNDS=1 where a round cannot run is refused, not quietly trained as one run.
+$(if $(filter-out 0 1,$(ROUNDS)),$(error ROUNDS=$(ROUNDS): expected 1 (a round, the default) or 0 (one training)))
+USE_ROUNDS := $(if $(RECIPE),$(if $(DATA)$(DISTRIBUTED)$(filter-out 1,$(ROUNDS))$(filter slurm,$(RUNNER)),,1))
 ROUNDS_BLOCKER = $(if $(DATA),DATA= (a round builds its pairs from LOGS),$(if $(filter-out dpo,$(METHOD)),METHOD=$(METHOD) \
   (a round trains the recipe),$(if $(MODEL),MODEL= (the plan is the bundled model's recipe),$(if $(DISTRIBUTED),several \
   processes or nodes,$(if $(filter slurm,$(RUNNER)),RUNNER=slurm (its stages run here or in the kit's container; on a \
-  cluster: srun make train ROUNDS=1 RUNNER=local))))))
+  cluster: srun make train RUNNER=local))))))
 ifneq ($(filter train,$(MAKECMDGOALS)),)
+ifneq ($(filter command line environment,$(origin ROUNDS)),)
 $(if $(filter 1,$(ROUNDS)),$(if $(strip $(ROUNDS_BLOCKER)),$(error ROUNDS=1 does not run with $(strip $(ROUNDS_BLOCKER)))))
+else ifneq ($(RECIPE),)
+# The default round where it cannot run: the recipe alone, said once rather than done quietly.
+$(if $(DATA)$(USE_ROUNDS),,$(info make: $(strip $(ROUNDS_BLOCKER)): training the recipe once (configs/demo.yaml), not a round))
+endif
 endif
 
 .PHONY: help

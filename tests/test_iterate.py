@@ -138,30 +138,34 @@ def test_the_command_line_puts_its_logs_seed_name_and_train_flags_in_place_of_th
         iterate.train_flags(["--output_dir", "x"])
 
 
-def test_make_train_rounds_1_runs_the_rounds_plan_refuses_what_it_cannot_and_the_recipe_otherwise():
-    def dry(*args):
+def test_make_train_runs_a_round_by_default_the_recipe_once_with_rounds_0_and_refuses_rounds_1_where_it_cannot():
+    def dry(*args, code=0):
         out = subprocess.run(["make", "-n", "--no-print-directory", "train", "RUNNER=local", *args], cwd=ROOT,
                              capture_output=True, text=True)
-        assert out.returncode == 0, out.stderr
-        return " ".join(out.stdout.replace("\\\n", " ").split())
+        assert out.returncode == code, out.stderr
+        return " ".join(out.stdout.replace("\\\n", " ").split()) if code == 0 else out.stderr
 
-    rounds = dry("ROUNDS=1", "RUN=x", "ARGS=--seed 2")
-    assert "entrypoint.py iterate configs/rounds.yaml --logs data/runs.jsonl --extra_runs data/attempts.jsonl," \
-        "data/attempts-round2.jsonl --output_dir artifacts --name x" in rounds and "-- --seed 2" in rounds \
-        and "train_dpo.py" not in rounds  # stage 1 trains on make train's pairs: the logs, then the attempts
-    default = dry()  # the recipe, on the demo logs and the bundled model's earlier attempts after them
+    for rounds in (dry("RUN=x", "ARGS=--seed 2"), dry("ROUNDS=1", "RUN=x", "ARGS=--seed 2")):
+        assert "entrypoint.py iterate configs/rounds.yaml --logs data/runs.jsonl --extra_runs data/attempts.jsonl," \
+            "data/attempts-round2.jsonl --output_dir artifacts --name x" in rounds and "-- --seed 2" in rounds \
+            and "train_dpo.py" not in rounds  # stage 1 trains on make train's pairs: the logs, then the attempts
+    once = dry("ROUNDS=0")  # the recipe alone, on the demo logs and the bundled model's earlier attempts after them
     assert "build_pairs.py data/runs.jsonl --extra_runs data/attempts.jsonl,data/attempts-round2.jsonl -o " \
         "artifacts/pairs/runs.pairs.jsonl" \
-        in default and "train_dpo.py" in default and "--config configs/demo.yaml" in default
-    assert "iterate" not in default and "--extra_runs" not in dry("ATTEMPTS=")
+        in once and "train_dpo.py" in once and "--config configs/demo.yaml" in once
+    assert "iterate" not in once and "--extra_runs" not in dry("ROUNDS=0", "ATTEMPTS=")
     assert "--extra_runs" not in dry("LOGS=data/sft.jsonl")  # another agent's logs: only the demo's own attempts
-    for alone, why in (("DATA=pairs.jsonl", "DATA="), ("METHOD=kto", "METHOD=kto"), ("MODEL=random:tiny", "MODEL="),
-                       ("NPROC=2", "several processes"), ("RUNNER=slurm", "RUNNER=slurm")):
-        # where a round cannot run, ROUNDS=1 is refused (before: quietly trained as one run)
-        out = subprocess.run(["make", "-n", "--no-print-directory", "train", "RUNNER=local", "ROUNDS=1", alone],
-                             cwd=ROOT, capture_output=True, text=True)
-        assert out.returncode == 2 and f"ROUNDS=1 does not run with {why}" in out.stderr, (alone, out.stderr)
-        assert "iterate" not in dry(alone)  # and without ROUNDS=1 each of them trains as it did
+    assert "ROUNDS=2: expected 1" in dry("ROUNDS=2", code=2)
+    for alone, why, said in (("DATA=pairs.jsonl", "DATA=", False), ("METHOD=kto", "METHOD=kto", False),
+                             ("MODEL=random:tiny", "MODEL=", False), ("NPROC=2", "several processes", True),
+                             ("RUNNER=slurm", "RUNNER=slurm", True)):
+        # where a round cannot run, ROUNDS=1 is refused (not quietly trained as one run) ...
+        assert f"ROUNDS=1 does not run with {why}" in dry("ROUNDS=1", alone, code=2), alone
+        # ... and the default trains once there, saying so where a round was what make train would have run
+        out = subprocess.run(["make", "-n", "--no-print-directory", "train", "RUNNER=local", alone], cwd=ROOT,
+                             capture_output=True, text=True)
+        assert out.returncode == 0 and "iterate" not in out.stdout, (alone, out.stderr)
+        assert ("training the recipe once" in out.stdout) == said, (alone, out.stdout[:300])
 
 
 def test_sft_pairs():

@@ -308,6 +308,7 @@ def test_make_train_in_the_container_builds_the_same_pairs_and_runs_rounds_as_it
         return out.stdout.splitlines()
 
     lines = dry("ROUNDS=1", "RUN=r1", "ARGS=--seed 2")
+    assert dry("RUN=r1", "ARGS=--seed 2") == lines  # a round is make train's default, in the container too
     assert "# pairs" not in lines  # iterate.py builds the pairs itself
     train = lines[lines.index("# train") + 1]
     assert " -v " in train and "/data/runs.jsonl:ro" in train.replace("'", "")
@@ -316,13 +317,13 @@ def test_make_train_in_the_container_builds_the_same_pairs_and_runs_rounds_as_it
                           "--extra_runs /data/extra-0-attempts.jsonl,/data/extra-1-attempts-round2.jsonl "
                           "--name r1 -- --seed 2")  # the plan and the bundled model are the image's own; stage 1's
     # pairs are make train's: the logs, then the bundled attempts
-    one = dry()
+    one = dry("ROUNDS=0")
     assert one[one.index("# train") + 1].endswith("--config configs/demo.yaml")
     pairs = one[one.index("# pairs") + 1]  # the demo's logs and, after them, the model's own earlier attempts
     assert f"{ROOT}/data/attempts.jsonl:/data/extra-0-attempts.jsonl:ro" in pairs.replace("'", "")
     assert f"{ROOT}/data/attempts-round2.jsonl:/data/extra-1-attempts-round2.jsonl:ro" in pairs.replace("'", "")
     assert "--extra_runs /data/extra-0-attempts.jsonl,/data/extra-1-attempts-round2.jsonl" in pairs
-    assert "--extra_runs" not in dry("ATTEMPTS=")[one.index("# pairs") + 1]
+    assert "--extra_runs" not in dry("ROUNDS=0", "ATTEMPTS=")[one.index("# pairs") + 1]
     with pytest.raises(kit.UserError, match="--rounds runs a plan on run logs in one process"):
         kit.parse_config(LaunchConfig, ["train", "--rounds", "configs/rounds.yaml", "--data", "p.jsonl"], "",
                          positional="action")
@@ -335,6 +336,7 @@ def test_make_dry_run_prints_the_second_machines_command_without_an_engine(tmp_p
                          env={**os.environ, "DOCKER_HOST": "unix:///nonexistent.sock"})
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
+    assert "make: several processes or nodes: training the recipe once" in lines[0]  # not make train's round
     train = lines[lines.index("# train") + 1]
     assert train.startswith("docker run --rm --gpus 8 ") and " --network host " in train
     assert train.endswith("dpo-kit:t1 launch --nproc 8 --nnodes 2 --node_rank 1 --master_addr 10.0.0.1 -- "
