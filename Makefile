@@ -330,7 +330,7 @@ bench: $(STAMP) $(if $(filter-out random:%,$(MODEL)),,$(BUNDLED_MODEL)/config.js
 	$(if $(MODEL),,$(PY) bench/sampling.py $(if $(filter 1,$(QUICK)),--repeats 1 --max_new_tokens 96 --stem results-sampling-quick))
 
 .PHONY: compare
-compare: $(STAMP) $(BUNDLED_MODEL)/config.json ## base vs the recipe, DPO, KTO, GRPO, rounds and the recipe + GRPO on LOGS, held-out checker scores over 3 seeds: bench/results-methods.{md,json} (hours; ARGS="--only default,kto" trains a part, rows on the same inputs are kept)
+compare: $(STAMP) $(BUNDLED_MODEL)/config.json ## base vs make train (a round), the recipe alone, DPO, KTO, GRPO and the recipe + GRPO on LOGS, held-out checker scores over 3 seeds: bench/results-methods.{md,json} (hours; ARGS="--only recipe,kto" trains a part, rows on the same inputs are kept)
 	$(PY) bench/compare.py --logs $(LOGS) $(if $(ATTEMPTS),--extra_runs $(ATTEMPTS)) $(ARGS)
 
 .PHONY: bench-serve

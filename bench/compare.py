@@ -1,14 +1,15 @@
 """Which method makes the agent's code better? The base, the recipe, DPO, KTO, GRPO and rounds on the same run logs,
 over several seeds, each scored by running its sampled answers to the held-out runs' prompts through the checker.
 
-    make compare                        # 3 seeds x 5 arms on the demo logs (hours): bench/results-methods.{md,json}
+    make compare                        # 3 seeds x 6 arms on the demo logs (hours): bench/results-methods.{md,json}
     .venv/bin/python bench/compare.py [--seeds 1,2,3] [--arms "dpo=dpo; kto=kto"] [--logs data/runs.jsonl]
                                       [--out bench/results-methods] [-- TRAIN_FLAGS...]
 
-An arm is NAME=METHOD [train_dpo.py flags], arms separated by ';'. The default arms: `default` (what `make train`
-runs on the bundled model: the recipe, configs/demo.yaml, on the pairs of the logs and --extra_runs after them),
+An arm is NAME=METHOD [train_dpo.py flags], arms separated by ';'. The default arms: `rounds` (what `make train`
+runs on the bundled model: configs/rounds.yaml, the recipe, then the model's own scored attempts), `recipe` (its first
+stage alone, `make train ROUNDS=0`: configs/demo.yaml on the pairs of the logs and --extra_runs after them),
 `dpo-no-sft` (the same recipe with DPO's preference loss instead of the chosen answers' likelihood), `kto` and
-`grpo` (`make train METHOD=...`), `rounds` (`make rounds`: the recipe, then the model's own attempts), and `sft-grpo`
+`grpo` (`make train METHOD=...`), and `sft-grpo`
 (the recipe, then GRPO from its adapter: configs/sft-grpo.yaml). Every
 DPO, KTO or GRPO run is one `train_dpo.py` with the arm's flags, TRAIN_FLAGS (every arm) and the seed, on what
 build_pairs.py makes of the logs (pairs for DPO, --emit kto examples for KTO, the logs' own prompts for GRPO), and
@@ -23,7 +24,7 @@ numbers come from every run; with the same seed they are the same samples, so th
 A comparison takes hours, so it can be made in parts: a row already in OUT.json is kept, not trained again, when its
 seed, arm and inputs are the same (the arm's method and flags, the flags after `--`, and the bytes of the logs, the
 extra runs, the config the arm names and every file under data/: `inputs_digest`). Each row names the commit and date it was
-trained at. `--only default,kto` trains only those arms in this call (a part of the hours), and `--seeds 1` only
+trained at. `--only recipe,kto` trains only those arms in this call (a part of the hours), and `--seeds 1` only
 that seed (the other seeds' rows are kept as they are); `--rerun` trains every row again. A row whose inputs changed is trained again, or left out under `--only`: no stale row is shown.
 """
 
@@ -45,13 +46,23 @@ sys.path.insert(0, str(ROOT))
 import kit  # noqa: E402
 
 
-DEFAULT_ARMS = ("default=dpo --config configs/demo.yaml; "
+DEFAULT_ARMS = ("rounds=rounds configs/rounds.yaml; recipe=dpo --config configs/demo.yaml; "
                 "dpo-no-sft=dpo --config configs/demo.yaml --loss_type sigmoid; "
-                "kto=kto --eval_steps 1000; grpo=grpo; rounds=rounds configs/rounds.yaml; "
-                "sft-grpo=rounds configs/sft-grpo.yaml")
+                "kto=kto --eval_steps 1000; grpo=grpo; sft-grpo=rounds configs/sft-grpo.yaml")
 # kto: no held-out loss during training (at train_dpo.py's 5 steps, 42 evaluations were half of a 36-minute run on
 # 2 cores; they change nothing trained, and the report has the held-out accuracy), as configs/rounds.yaml's stages
 METHODS = ("dpo", "kto", "grpo", "rounds")
+# The make command each default arm is (the table says which one `make train` runs).
+MAKE_COMMANDS = {"recipe": "make train ROUNDS=0", "grpo": "make train METHOD=grpo",
+                 "rounds": "make train, the default", "sft-grpo": "make train ROUNDS_PLAN=configs/sft-grpo.yaml"}
+
+
+def arm_line(arm: str, method: str, flags: list[str]) -> str:
+    """The header's line for an arm: what it runs, and the make command it is when it is a default arm unchanged."""
+    run = (f"iterate.py {flags[0]} --logs LOGS --seed SEED" if method == "rounds"
+           else f"train_dpo.py --method {method} {' '.join(flags)}".rstrip())
+    make = MAKE_COMMANDS.get(arm) if (arm, method, flags) in parse_arms(DEFAULT_ARMS) else None
+    return f"- `{arm}`" + (f" ({make})" if make else "") + f": `{run}`\n"
 
 
 def parse_arms(spec: str) -> list[tuple[str, str, list[str]]]:
@@ -318,9 +329,7 @@ def main(argv=None) -> int:
     shown = [a for a in arms if any(r["method"] == a[0] for r in rows)]
     missing = [a[0] for a in arms if a not in shown]
     head = (f"# Held-out checker scores: base, {', '.join(a[0] for a in shown)} on {cfg.logs}\n\n"
-            + "".join(f"- `{a}`: `iterate.py {f[0]} --logs LOGS --seed SEED`\n" if m == "rounds"
-                      else f"- `{a}`: `train_dpo.py --method {m} {' '.join(f)}`\n"
-                      for a, m, f in shown)
+            + "".join(arm_line(*a) for a in shown)
             + (f"- not run on these inputs yet: {', '.join(missing)} (`make compare ARGS=\"--only "
                f"{','.join(missing)}\"` adds them; the rows above are kept)\n" if missing else "") + "\n"
             f"{rows[0]['samples']} sampled answers to each of {rows[0]['prompts']} held-out prompts per model and seed, "

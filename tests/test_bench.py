@@ -306,7 +306,7 @@ def test_a_compared_row_is_kept_only_for_the_same_seed_arm_and_inputs(tmp_path):
     assert files[:2] == [logs, compare.ROOT / "configs" / "demo.yaml"] and compare.ROOT / "data" / "runs.jsonl" in files
     # an arm's inputs hold the config it names, and no other: editing the recipe keeps KTO's and GRPO's rows
     arms = {a[0]: compare.named_configs(a[1], a[2]) for a in compare.parse_arms(compare.DEFAULT_ARMS)}
-    assert arms == {"default": ["configs/demo.yaml"], "dpo-no-sft": ["configs/demo.yaml"], "kto": [], "grpo": [],
+    assert arms == {"recipe": ["configs/demo.yaml"], "dpo-no-sft": ["configs/demo.yaml"], "kto": [], "grpo": [],
                     "rounds": ["configs/rounds.yaml"], "sft-grpo": ["configs/sft-grpo.yaml"]}
     assert compare.named_configs("dpo", ["--beta", "0.2", "--config=c.yaml"]) == ["c.yaml"]
     for spec in ("x=dpo --config nowhere.yaml", "x=dpo --config", "x=dpo --config="):  # a user's typo, said plainly
@@ -359,10 +359,18 @@ def test_compare_arms_name_a_method_and_its_flags_and_a_bad_arm_is_a_user_error(
     assert compare.parse_arms("default=dpo; dpo-no-sft=dpo --sft_weight 0;kto=kto --beta '0.2'") == [
         ("default", "dpo", []), ("dpo-no-sft", "dpo", ["--sft_weight", "0"]), ("kto", "kto", ["--beta", "0.2"])]
     arms = compare.parse_arms(compare.DEFAULT_ARMS)
-    assert [a[0] for a in arms] == ["default", "dpo-no-sft", "kto", "grpo", "rounds", "sft-grpo"]
-    # the default arm is what make train runs on the bundled model, rounds what make rounds runs, then the recipe + GRPO
-    assert arms[0][2] == ["--config", "configs/demo.yaml"] and arms[-2][1:] == ("rounds", ["configs/rounds.yaml"])
+    assert [a[0] for a in arms] == ["rounds", "recipe", "dpo-no-sft", "kto", "grpo", "sft-grpo"]
+    # rounds is what make train runs on the bundled model, recipe its first stage alone, then the recipe + GRPO
+    assert arms[0][1:] == ("rounds", ["configs/rounds.yaml"]) and arms[1][2] == ["--config", "configs/demo.yaml"]
     assert arms[-1][1:] == ("rounds", ["configs/sft-grpo.yaml"])
+    # the table's header names the make command of each default arm as it is, and of no arm changed or added
+    assert compare.arm_line(*arms[0]) == \
+        "- `rounds` (make train, the default): `iterate.py configs/rounds.yaml --logs LOGS --seed SEED`\n"
+    assert compare.arm_line(*arms[1]).startswith("- `recipe` (make train ROUNDS=0): `train_dpo.py --method dpo --config")
+    assert compare.arm_line("recipe", "dpo", ["--config", "configs/demo.yaml", "--beta", "0.2"]) == \
+        "- `recipe`: `train_dpo.py --method dpo --config configs/demo.yaml --beta 0.2`\n"
+    assert compare.arm_line("grpo", "grpo", []) == "- `grpo` (make train METHOD=grpo): `train_dpo.py --method grpo`\n"
+    assert "make" not in compare.arm_line("dpo-no-sft", *arms[2][1:])
     for bad in ("dpo", "x=", "=dpo", "a=dpo; a=kto", "a=sft", "r=rounds", "r=rounds a.yaml b.yaml", "r=rounds no.yaml"):
         with pytest.raises(kit.UserError, match="--arms"):
             compare.parse_arms(bad)
