@@ -355,11 +355,10 @@ def run_probes(model, tokenizer, probes: list[dict], seed: int, max_new_tokens: 
     tuned_lp = completion_logps(model, chat, replies, tokenizer.pad_token_id)
     rows = []
     for i, probe in enumerate(probes):
-        expect = [e.lower() for e in probe.get("expect", [])]
-        found = lambda text: (any(e in text.lower() for e in expect) if expect else None)  # noqa: E731
-        rows.append({"prompt": probe["prompt"], "expect": probe.get("expect", []),
-                     **{k: v[i] for k, v in answers.items()},
-                     "base_has_fact": found(answers["base"][i]), "tuned_has_fact": found(answers["tuned"][i]),
+        expect = probe.get("expect", [])
+        rows.append({"prompt": probe["prompt"], "expect": expect, **{k: v[i] for k, v in answers.items()},
+                     "base_has_fact": formats.has_fact(answers["base"][i], expect),
+                     "tuned_has_fact": formats.has_fact(answers["tuned"][i], expect),
                      "delta_logp_per_token": (tuned_lp[i][0] - base_lp[i][0]) / max(base_lp[i][1], 1)})
     return rows
 

@@ -102,6 +102,12 @@ class TrainingData:
     kto_weights: dict = dataclasses.field(default_factory=dict)  # kto: {"desirable": w, "undesirable": w}
 
 
+def has_fact(text: str, expect: list[str] | None) -> bool | None:
+    """Whether text holds any of the expected words (case-insensitive): the retention probes' check, and the check
+    of a rehearsed general answer against its pair's meta.expect. None when there is nothing to check."""
+    return any(e.lower() in text.lower() for e in expect) if expect else None
+
+
 def detect_format(record: dict) -> str | None:
     """The format of one record by its keys and value types, or None if it is none of FORMATS."""
     if not isinstance(record, dict):

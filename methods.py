@@ -182,12 +182,6 @@ def whole_sentences(text: str, cut: bool) -> str | None:
     return text[:ends[-1]] if ends else None
 
 
-def holds_fact(answer: str, expect: list[str] | None) -> bool:
-    """A rehearsed answer is kept only if it holds one of its pair's expected words (case-insensitive, as the
-    retention probes check theirs); a pair without meta.expect has nothing to check."""
-    return not expect or any(e.lower() in answer.lower() for e in expect)
-
-
 def answer_mix(cfg, model, tokenizer, pairs: list[dict], data) -> None:
     """--mix_answers base: each mixed-in pair's chosen answer becomes the base model's greedy answer to its prompt,
     made before training (the adapter, if any, off). An answer cut at --mix_answer_tokens ends at its last whole
@@ -208,7 +202,7 @@ def answer_mix(cfg, model, tokenizer, pairs: list[dict], data) -> None:
     limit = cfg.mix_answer_tokens
     made = {k: whole_sentences(a, len(tokenizer(a, add_special_tokens=False)["input_ids"]) >= limit - 1)
             for k, a in zip(keys, answers)}
-    used = {k: a is not None and holds_fact(a, expect[k]) for k, a in made.items()}
+    used = {k: a is not None and formats.has_fact(a, expect[k]) is not False for k, a in made.items()}
     for r in mixed:
         key = json.dumps(r["prompt"], ensure_ascii=False)
         if used[key]:

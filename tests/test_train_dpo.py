@@ -256,9 +256,9 @@ def test_distinct_chosen_is_counted_and_the_mix_follows_what_is_left(tmp_path):
 
 
 def test_a_rehearsed_answer_is_kept_only_with_its_expected_fact(tmp_path):
-    assert methods.holds_fact("The capital of France is Paris.", ["paris"])
-    assert not methods.holds_fact("2 + 3 is 4.", ["5", "five"]) and methods.holds_fact("Five.", ["5", "five"])
-    assert methods.holds_fact("Hello!", None) and methods.holds_fact("Hello!", [])  # nothing to check
+    assert formats.has_fact("The capital of France is Paris.", ["Paris"])
+    assert formats.has_fact("2 + 3 is 4.", ["5", "five"]) is False and formats.has_fact("Five.", ["5", "five"])
+    assert formats.has_fact("Hello!", None) is None and formats.has_fact("Hello!", []) is None  # nothing to check
     good = {"prompt": [{"role": "user", "content": "2+3?"}], "chosen": [{"role": "assistant", "content": "5"}],
             "rejected": [{"role": "assistant", "content": "6"}]}
     path = tmp_path / "general.jsonl"
@@ -279,8 +279,8 @@ def test_the_checked_general_pairs_are_the_bundled_ones_and_hold_their_own_facts
     bundled, _ = formats.load_pairs(str(ROOT / "data" / "general.jsonl"))
     assert formats.trainable(checked) == formats.trainable(bundled)
     facts = [r for r in checked if formats.EXPECT_KEY in r]
-    assert len(facts) == 17 and all(methods.holds_fact(r["chosen"][-1]["content"], r[formats.EXPECT_KEY]) for r in facts)
-    assert not methods.holds_fact("2 + 3 is 4.", facts[0][formats.EXPECT_KEY])  # what the 4-bit base says
+    assert len(facts) == 17 and all(formats.has_fact(r["chosen"][-1]["content"], r[formats.EXPECT_KEY]) for r in facts)
+    assert formats.has_fact("2 + 3 is 4.", facts[0][formats.EXPECT_KEY]) is False  # what the 4-bit base says
 
 
 def test_a_rehearsed_answer_is_kept_whole_or_ends_at_its_last_sentence():
@@ -892,7 +892,7 @@ def test_the_mixed_in_pairs_can_rehearse_the_base_models_own_greedy_answers():
     assert [r["rejected"] for r in pairs[1:]] == [r["rejected"] for r in general + general[:1]]
     cut = [len(tokenizer(a, add_special_tokens=False)["input_ids"]) >= limit - 1 for a in greedy]
     whole = [methods.whole_sentences(a, c) for a, c in zip(greedy, cut)]
-    kept = [w if w is not None and methods.holds_fact(w, e) else None for w, e in zip(whole, expect)]
+    kept = [w if w is not None and formats.has_fact(w, e) is not False else None for w, e in zip(whole, expect)]
     assert [r["chosen"][0]["content"] for r in pairs[1:]] == [k or g["chosen"][0]["content"]
                                                                for k, g in zip(kept + kept[:1], general + general[:1])]
     assert data.mix_answers["prompts"] == 3 and data.mix_answers["base"] + data.mix_answers["given"] == 3
