@@ -191,25 +191,24 @@ def answer_mix(cfg, model, tokenizer, pairs: list[dict], data) -> None:
     mixed = [r for r in pairs if formats.MIX_KEY in r]
     if cfg.mix_answers != "base" or not mixed:
         return
-    keys = list(dict.fromkeys(json.dumps(r["prompt"], ensure_ascii=False) for r in mixed))
-    expect = {}
-    for r in mixed:
-        expect.setdefault(json.dumps(r["prompt"], ensure_ascii=False), r.get(formats.EXPECT_KEY))
+    key_of = [json.dumps(r["prompt"], ensure_ascii=False) for r in mixed]  # a prompt's pairs share its answer
+    first = {}  # each distinct prompt -> (its prompt, its first pair's meta.expect)
+    for k, r in zip(key_of, mixed):
+        first.setdefault(k, (r["prompt"], r.get(formats.EXPECT_KEY)))
     disable = getattr(model, "disable_adapter", None)  # a PEFT model: its base; a plain one is the base
     with disable() if disable else contextlib.nullcontext():
-        answers = models.generate(model, tokenizer, [json.loads(k) for k in keys], cfg.mix_answer_tokens,
+        answers = models.generate(model, tokenizer, [p for p, _ in first.values()], cfg.mix_answer_tokens,
                                   label="mix: the base answers")
     limit = cfg.mix_answer_tokens
     made = {k: whole_sentences(a, len(tokenizer(a, add_special_tokens=False)["input_ids"]) >= limit - 1)
-            for k, a in zip(keys, answers)}
-    used = {k: a is not None and formats.has_fact(a, expect[k]) is not False for k, a in made.items()}
-    for r in mixed:
-        key = json.dumps(r["prompt"], ensure_ascii=False)
-        if used[key]:
-            r["chosen"] = [{"role": "assistant", "content": made[key]}] if isinstance(r["chosen"], list) else made[key]
+            for k, a in zip(first, answers)}
+    used = {k: a is not None and formats.has_fact(a, first[k][1]) is not False for k, a in made.items()}
+    for k, r in zip(key_of, mixed):
+        if used[k]:
+            r["chosen"] = [{"role": "assistant", "content": made[k]}] if isinstance(r["chosen"], list) else made[k]
     own, wrong = sum(used.values()), sum(a is not None and not used[k] for k, a in made.items())
     data.mix_answers = {"prompts": len(made), "base": own, "given": len(made) - own, "wrong": wrong,
-                        "answers": [{"prompt": json.loads(k), "answer": a, "trained": "base" if used[k] else "file"}
+                        "answers": [{"prompt": first[k][0], "answer": a, "trained": "base" if used[k] else "file"}
                                     for k, a in made.items()]}  # what it rehearsed, readable
     print(f"[mix] {own} of the {len(made)} mixed-in prompts trained on the base model's own greedy answer"
           + (f"; {len(made) - own} on their file's ({wrong} where the base's lacked the expected fact, "
