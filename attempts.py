@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -124,6 +125,7 @@ def make(cfg: AttemptsConfig) -> dict:
     import models
     import self_pairs
 
+    t0 = time.monotonic()
     runs = training_runs(build_pairs.read_runs(cfg.logs), cfg.eval_fraction)
     if not runs:
         raise kit.UserError("no run to attempt (every run is held out, or the file has none)", cfg.logs)
@@ -143,7 +145,8 @@ def make(cfg: AttemptsConfig) -> dict:
     empty = sum(not c.strip() for c in codes)
     kit.atomic_write_text(Path(cfg.output), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     result = {"logs": cfg.logs, "model": cfg.model, "output": cfg.output, "round": cfg.round,
-              "samples": cfg.samples, **summary(records, empty)}
+              "samples": cfg.samples, **summary(records, empty),
+              "seconds": round(time.monotonic() - t0, 1)}  # loading, sampling and checking: a round's cost
     if cfg.report:
         kit.atomic_write_json(cfg.report, result)
     print(f"[attempts] round {cfg.round}: {result['attempts']} answers, outcomes "

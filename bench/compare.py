@@ -255,15 +255,19 @@ def data_for(method: str, logs: str, work: Path, extra_runs: str = "") -> tuple[
 def run_minutes(work: Path, run_dir: Path, method: str) -> float:
     """Minutes from the run's start to its handoff; for rounds, each stage's own minutes summed (iterate's lineage):
     a stage complete from an earlier call is found again, so the span from the first stage's start would count the
-    hours between calls. The attempts' sampling between stages is not in any stage's run, so not counted."""
-    runs = [run_dir]
-    if method == "rounds":
-        runs = [work / st["run_name"] for st in json.loads((run_dir / "lineage.json").read_text())]
+    hours between calls. An attempts stage's sampling and checking, before its training, counts where its summary
+    (<stage>.attempts.json beside the stage's pairs) records its `seconds`."""
+    stages = json.loads((run_dir / "lineage.json").read_text()) if method == "rounds" else [{"run_name": run_dir.name}]
 
-    def minutes(run: Path) -> float:
-        m = json.loads((run / "manifest.json").read_text())
-        return (dt.datetime.fromisoformat(m["finished_at"]) - dt.datetime.fromisoformat(m["started_at"])).total_seconds() / 60
-    return sum(minutes(r) for r in runs)
+    def minutes(stage: dict) -> float:
+        m = json.loads((work / stage["run_name"] / "manifest.json").read_text())
+        span = (dt.datetime.fromisoformat(m["finished_at"]) - dt.datetime.fromisoformat(m["started_at"])).total_seconds()
+        before = 0
+        if stage.get("kind") == "attempts" and stage.get("pairs"):
+            made = Path(stage["pairs"]).with_name(f"{stage['run_name']}.attempts.json")
+            before = json.loads(made.read_text()).get("seconds", 0) if made.is_file() else 0
+        return (span + before) / 60
+    return sum(minutes(st) for st in stages)
 
 
 def main(argv=None) -> int:

@@ -338,6 +338,7 @@ stages:
     assert [r["run_id"] for r in records] == [r.run_id for r in wanted]  # held-out runs are never attempted
     assert not any(formats.held_out({formats.RUN_KEY: r["run_id"]}, 0.2) for r in records)
     assert sum(report["outcomes"].values()) == report["attempts"] == 2 * len(wanted)
+    assert report["seconds"] > 0  # the round's sampling and checking, counted in make compare's minutes
     assert all(r["round"] == 1 and r["model"] == str(out / first["run_name"]) for r in records)  # stage 1's
     final = json.loads((out / stage["run_name"] / "evaluation.json").read_text())
     assert final["execution"]["samples"] == 1  # the last stage is scored on the logs' held-out prompts
