@@ -114,7 +114,7 @@ EOF
   return $rc
 }
 
-step_recipe() {  # make train's command line (make -n train), the model swapped for its random shape
+step_recipe() {  # the first stage of make train's round (make -n train ROUNDS=0), the model swapped for its random shape
   local art=$WORK/recipe stem=$WORK/recipe-pairs t0 extra=()
   read -ra extra <<<"${GPU_RECIPE_ARGS:-}"  # more train_dpo flags, last (they win)
   rm -rf "$art"
