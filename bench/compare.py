@@ -190,6 +190,15 @@ def grpo_signal(metrics: list[dict]) -> dict:
             "pass_rate": sum(m.get("pass_rate", 0.0) for m in steps) / n}
 
 
+def grpo_runs(work: Path, run_dir: Path, method: str) -> list[Path]:
+    """The GRPO runs behind a row: a grpo arm's run, a rounds arm's `grpo` stages (iterate's lineage), in order."""
+    if method == "grpo":
+        return [run_dir]
+    if method != "rounds":
+        return []
+    return [work / st["run_name"] for st in json.loads((run_dir / "lineage.json").read_text()) if st.get("kind") == "grpo"]
+
+
 def findings(rows: list[dict]) -> list[str]:
     """Sentences the numbers say on their own: whether any arm freed space, and GRPO's learning signal."""
     out = []
@@ -198,7 +207,7 @@ def findings(rows: list[dict]) -> list[str]:
     for r in rows:
         g = r.get("grpo")
         if g:
-            out.append(f"GRPO seed {r['seed']}: in {g['flat_steps']} of its {g['steps']} steps every sampled answer "
+            out.append(f"{r['method']} seed {r['seed']}: in {g['flat_steps']} of its {g['steps']} GRPO steps every sampled answer "
                        f"scored the same (no advantage, nothing learned); over all its training answers the mean reward "
                        f"was {g['reward']:.4f}, {g['ran_rate']:.3f} of them ran and {g['pass_rate']:.3f} freed space.")
     return out
@@ -319,9 +328,9 @@ def main(argv=None) -> int:
                      "this_call_s": time.time() - t0, "digest": digest, "commit": kit.git_commit(ROOT),
                      "date": dt.date.today().isoformat(),
                      "device": json.loads((run_dir / "manifest.json").read_text()).get("device")})
-        if method == "grpo":
+        for grpo_run in grpo_runs(work, run_dir, method)[-1:]:  # a plan's GRPO stage too (sft-grpo)
             rows[-1]["grpo"] = grpo_signal([json.loads(line) for line in
-                                            (work / name / "metrics.jsonl").read_text().splitlines() if line.strip()])  # a finished run found again is not trained again
+                                            (grpo_run / "metrics.jsonl").read_text().splitlines() if line.strip()])
         done = rows + [r for _, _, r in todo[i + 1:] if r]  # an interrupted call loses no kept row
         kit.atomic_write_json(out_json, {"rows": done, "summary": summarize(done)})
     if not rows:

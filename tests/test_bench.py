@@ -387,9 +387,23 @@ def test_grpo_signal_counts_steps_with_no_advantage_and_the_findings_say_so():
     nothing = {"mean_score": 0.0, "pass_rate": 0.0, "outcomes": {"failed": 4}}
     rows = [{"seed": 1, "method": "grpo", "base": nothing, "tuned": nothing, "grpo": g}]
     said = compare.findings(rows)
-    assert said[0].startswith("No held-out answer") and "in 1 of its 2 steps" in said[1]
+    assert said[0].startswith("No held-out answer") and said[1].startswith("grpo seed 1: in 1 of its 2 GRPO steps")
     rows[0]["tuned"] = {"mean_score": 0.2, "pass_rate": 0.25, "outcomes": {"freed": 1}}
     assert not compare.findings(rows)[0].startswith("No held-out answer")
+
+
+def test_the_grpo_runs_behind_a_row_include_a_plans_grpo_stage(tmp_path):
+    import compare  # bench/compare.py
+
+    final = tmp_path / "p-2-grpo"
+    final.mkdir()
+    (final / "lineage.json").write_text(json.dumps([{"run_name": "p-1-dpo", "kind": "dpo"},
+                                                    {"run_name": "p-2-grpo", "kind": "grpo"}]))
+    assert compare.grpo_runs(tmp_path, final, "rounds") == [tmp_path / "p-2-grpo"]  # sft-grpo: the recipe, then GRPO
+    assert compare.grpo_runs(tmp_path, final, "grpo") == [final] and compare.grpo_runs(tmp_path, final, "dpo") == []
+    (final / "lineage.json").write_text(json.dumps([{"run_name": "r-1-dpo", "kind": "dpo"},
+                                                    {"run_name": "r-2-attempts", "kind": "attempts"}]))
+    assert compare.grpo_runs(tmp_path, final, "rounds") == []  # a round of attempts has no GRPO step
 
 
 def test_the_sampling_speed_up_pairs_each_run_with_the_one_before_it():
