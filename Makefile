@@ -200,7 +200,7 @@ rounds: $(STAMP) $(BUNDLED_MODEL)/config.json ## a new round: the recipe, then t
 	  $(if $(RUN),--name $(RUN)) -- $(if $(MIX),--mix $(MIX)) $(ARGS)
 
 .PHONY: train
-train: train-$(RUNNER) ## train an adapter: DATA= or LOGS=, METHOD=kto|grpo, MODEL=, RUN=, ARGS=; RUNNER=local|docker|slurm; GPUS=N NPROC= NNODES= DIST=
+train: train-$(RUNNER) ## train an adapter: LOGS= (the bundled model: a round of its own scored attempts; ROUNDS=0 once) or DATA=, METHOD=kto|grpo, MODEL=, RUN=, ARGS=; RUNNER=local|docker|slurm; GPUS=N NPROC= NNODES= DIST=
 
 .PHONY: train-auto
 train-auto: train-local
