@@ -264,18 +264,14 @@ def data_for(method: str, logs: str, work: Path, extra_runs: str = "") -> tuple[
 def run_minutes(work: Path, run_dir: Path, method: str) -> float:
     """Minutes from the run's start to its handoff; for rounds, each stage's own minutes summed (iterate's lineage):
     a stage complete from an earlier call is found again, so the span from the first stage's start would count the
-    hours between calls. An attempts stage's sampling and checking, before its training, counts where its summary
-    (<stage>.attempts.json beside the stage's pairs) records its `seconds`."""
+    hours between calls. An attempts stage's sampling and checking, before its training, counts where its lineage
+    entry records their `seconds` (attempts.py)."""
     stages = json.loads((run_dir / "lineage.json").read_text()) if method == "rounds" else [{"run_name": run_dir.name}]
 
     def minutes(stage: dict) -> float:
         m = json.loads((work / stage["run_name"] / "manifest.json").read_text())
         span = (dt.datetime.fromisoformat(m["finished_at"]) - dt.datetime.fromisoformat(m["started_at"])).total_seconds()
-        before = 0
-        if stage.get("kind") == "attempts" and stage.get("pairs"):
-            made = Path(stage["pairs"]).with_name(f"{stage['run_name']}.attempts.json")
-            before = json.loads(made.read_text()).get("seconds", 0) if made.is_file() else 0
-        return (span + before) / 60
+        return (span + ((stage.get("pairs_report") or {}).get("seconds") or 0)) / 60
     return sum(minutes(st) for st in stages)
 
 

@@ -428,11 +428,11 @@ def test_a_rounds_rows_minutes_are_its_stages_own_not_the_hours_between_calls(tm
 
     run("r-1-dpo", "03:27", "03:31")  # stage 1, found again by a later call
     last = run("r-2-attempts", "05:30", "05:33")
-    (last / "lineage.json").write_text(json.dumps([{"run_name": "r-1-dpo", "kind": "dpo"},
-                                                    {"run_name": "r-2-attempts", "kind": "attempts",
-                                                     "pairs": str(tmp_path / "r" / "r-2-attempts.pairs.jsonl")}]))
-    assert compare.run_minutes(tmp_path, last, "rounds") == 7.0  # an attempts summary without its time: not counted
+    stages = [{"run_name": "r-1-dpo", "kind": "dpo", "pairs_report": None},
+              {"run_name": "r-2-attempts", "kind": "attempts", "pairs_report": {"attempts": 184}}]
+    (last / "lineage.json").write_text(json.dumps(stages))
+    assert compare.run_minutes(tmp_path, last, "rounds") == 7.0  # attempts recorded without their time: not counted
     assert compare.run_minutes(tmp_path, last, "dpo") == 3.0
-    (tmp_path / "r").mkdir()  # the attempts' sampling and checking before stage 2 trained: 90 s (attempts.py)
-    (tmp_path / "r" / "r-2-attempts.attempts.json").write_text(json.dumps({"attempts": 184, "seconds": 90.0}))
+    stages[1]["pairs_report"]["seconds"] = 90.0  # the attempts' sampling and checking before stage 2 trained
+    (last / "lineage.json").write_text(json.dumps(stages))
     assert compare.run_minutes(tmp_path, last, "rounds") == 8.5 and compare.run_minutes(tmp_path, last, "dpo") == 3.0
