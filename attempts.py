@@ -105,14 +105,16 @@ def changes(before: list[dict], after: list[dict]) -> Counter:
                    for a, b in zip(r["attempts"], s["attempts"]) if a["outcome"] != b["outcome"])
 
 
-def summary(records: list[dict], empty: int = 0) -> dict:
-    """Outcome counts over every answer (an empty one failed, and is not in the logs: a log's code is never empty)."""
+def summary(records: list[dict], empty: int = 0, unscorable: int = 0) -> dict:
+    """Outcome counts over every answer (an empty one failed, and is not in the logs: a log's code is never empty;
+    one the sandbox's limits mode could not score is not in them either, and is counted apart, out of the rate)."""
     outcomes = Counter(a["outcome"] for r in records for a in r["attempts"])
     outcomes["failed"] += empty
     runs_ok = sum(any(a["outcome"] == "freed" for a in r["attempts"]) for r in records)
     n = sum(outcomes.values())
-    return {"runs": len(records), "attempts": n, "empty_answers": empty, "outcomes": {k: v for k, v in outcomes.items()
-            if v}, "pass_rate": outcomes["freed"] / max(n, 1), "runs_with_a_pass": runs_ok}
+    return {"runs": len(records), "attempts": n, "empty_answers": empty, "unscorable": unscorable,
+            "outcomes": {k: v for k, v in outcomes.items() if v}, "pass_rate": outcomes["freed"] / max(n, 1),
+            "runs_with_a_pass": runs_ok}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,13 +141,15 @@ def make(cfg: AttemptsConfig) -> dict:
     hosts = [build_pairs.host_of_run(r) for r in runs for _ in range(cfg.samples)]
     codes = [checker.code_of(a) for a in answers]
     checks = checker.check_many(list(zip(codes, hosts)), label="attempts: check")
+    scored = [c.outcome != checker.UNSCORABLE for c in checks]  # limits mode: not the environment's result
     records = [run_record(run, [attempt_record(answers[j], codes[j], checks[j])
-                                for j in range(i * cfg.samples, (i + 1) * cfg.samples) if codes[j].strip()],
+                                for j in range(i * cfg.samples, (i + 1) * cfg.samples) if codes[j].strip() and scored[j]],
                           cfg.round, cfg.model) for i, run in enumerate(runs)]
     empty = sum(not c.strip() for c in codes)
+    unscorable = sum(bool(c.strip()) and not s for c, s in zip(codes, scored))
     kit.atomic_write_text(Path(cfg.output), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     result = {"logs": cfg.logs, "model": cfg.model, "output": cfg.output, "round": cfg.round,
-              "samples": cfg.samples, **summary(records, empty),
+              "samples": cfg.samples, **summary(records, empty, unscorable), "isolation": checks[0].isolation,
               "seconds": round(time.monotonic() - t0, 1)}  # loading, sampling and checking: a round's cost
     if cfg.report:
         kit.atomic_write_json(cfg.report, result)
@@ -153,6 +157,9 @@ def make(cfg: AttemptsConfig) -> dict:
           f"{', '.join(f'{k} {v}' for k, v in sorted(result['outcomes'].items()))}; pass rate "
           f"{result['pass_rate']:.3f}; {result['runs_with_a_pass']} of {len(runs)} runs passed at least once "
           f"-> {cfg.output}", flush=True)
+    if unscorable:
+        print(f"[attempts] WARNING: {unscorable} of {len(codes)} answers could not be scored in {checks[0].isolation} "
+              "mode (they name or reach host paths it cannot plant) and are left out of the logs", flush=True)
     return result
 
 
@@ -171,17 +178,26 @@ def rescore(cfg: AttemptsConfig) -> dict:
                                 cfg.logs, line)
     items = [(a["code"], build_pairs.host_of_run(run)) for run, r in zip(runs, records) for a in r["attempts"]]
     found = iter(checker.check_many(items, label="rescore: check"))
-    after = [{**r, "attempts": [attempt_record(a.get("answer", a["code"]), a["code"], next(found))
-                                for a in r["attempts"]]} for r in records]
+    unscorable = 0
+
+    def again(a: dict) -> dict:  # an attempt limits mode cannot score keeps the outcome it was logged with
+        nonlocal unscorable
+        check = next(found)
+        unscorable += check.outcome == checker.UNSCORABLE
+        return a if check.outcome == checker.UNSCORABLE else attempt_record(a.get("answer", a["code"]), a["code"], check)
+
+    after = [{**r, "attempts": [again(a) for a in r["attempts"]]} for r in records]
     kit.atomic_write_text(Path(cfg.output), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in after))
     moved = changes(records, after)
     result = {"logs": cfg.logs, "output": cfg.output, "changed": {f"{a} -> {b}": n for (a, b), n in moved.items()},
-              **summary(after)}
+              **summary(after, unscorable=unscorable)}
     if cfg.report:
         kit.atomic_write_json(cfg.report, result)
     print(f"[attempts] re-scored {result['attempts']} answers: {sum(moved.values())} outcomes changed"
           f"{' (' + ', '.join(f'{k} {v}' for k, v in sorted(result['changed'].items())) + ')' if moved else ''}; "
-          f"pass rate {result['pass_rate']:.3f} -> {cfg.output}", flush=True)
+          f"pass rate {result['pass_rate']:.3f} -> {cfg.output}"
+          + (f"; {unscorable} could not be scored in this sandbox mode and keep their logged outcome" if unscorable
+             else ""), flush=True)
     return result
 
 

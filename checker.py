@@ -25,6 +25,9 @@ a real host (as root, by ownership and Landlock; as any other user, by Landlock)
   no_effect  it ran and freed nothing                               0
   freed      it ran and freed space                                 bytes freed / plantable junk bytes (0..1]
   broke      it deleted or changed anything that must be kept      -1 (worse than any gain)
+  unscorable limits mode only (no mount namespace: sandbox.py): the  none; left out of every rate and mean, and
+             answer names or reaches a host path that mode cannot  counted apart (`tally`)
+             plant (watch.py); bwrap and unshare never say it
 
 What is measured is what `df` would see: `freed` is the bytes of every file in the workspace before the answer ran
 less those after (each inode once, symlinks never followed), so a move, a rename or a hard link frees nothing and
@@ -134,7 +137,8 @@ TOOLS_DIR = "/opt/kit-tools/bin"
 # Every tool a planted host may have (TOOL_SCRIPT's stand-ins): on a host without one, it is not found.
 KNOWN_TOOLS = ("apt-get", "apt", "dnf", "yum", "journalctl", "pip", "pip3", "npm", "docker", "conda", "flatpak", "sudo")
 AGE_DAYS = 60  # every planted file but LIVE's was last modified this long ago (an age filter keeps none of them)
-OUTCOMES = ("failed", "no_effect", "freed", "broke")
+OUTCOMES = ("failed", "no_effect", "freed", "broke")  # scored; an answer limits mode cannot score is "unscorable"
+UNSCORABLE = "unscorable"
 CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
 
@@ -151,8 +155,8 @@ class CheckConfig:
 
 @dataclasses.dataclass
 class Check:
-    outcome: str  # one of OUTCOMES
-    score: float
+    outcome: str  # one of OUTCOMES, or UNSCORABLE (limits mode could not show the answer the host: see reason)
+    score: float | None  # None when unscorable
     freed_bytes: int
     broken: list  # paths that had to be kept and were not
     reason: str  # why it failed (the sandbox's reason), else ""
@@ -227,14 +231,16 @@ def plant(root: Path, files: dict, headed: tuple = ()) -> None:
         (root / sticky).chmod(0o1777) if (root / sticky).is_dir() else None
 
 
-def plant_tools(root: Path, host: Host) -> None:
+def plant_tools(root: Path, host: Host, seen_root: str = "") -> None:
     """The host's package and service tools as small stand-ins in TOOLS_DIR (first on the code's PATH). Each tool
     the checker knows that the host lacks is there too, as a command that is not found (exit 127): the machine the
-    checker runs on may have its own apt-get, npm or docker on the system PATH, and the score must not depend on it."""
+    checker runs on may have its own apt-get, npm or docker on the system PATH, and the score must not depend on it.
+    seen_root: where the code sees the host's / ("" in bwrap and unshare modes; the workspace's root/ in limits)."""
     bin_dir = root / TOOLS_DIR.lstrip("/")
     bin_dir.mkdir(parents=True)
     (bin_dir / "kit-tool").write_text(TOOL_SCRIPT.replace("PRIVILEGED", repr(host.user == "root"))
-                                      .replace("SUDO_OK", repr(host.sudo)).replace("DOCKER_SPOOL", repr(DOCKER_SPOOL)))
+                                      .replace("SUDO_OK", repr(host.sudo)).replace("HOST_ROOT", repr(seen_root))
+                                      .replace("DOCKER_SPOOL", repr(seen_root + DOCKER_SPOOL)))
     (bin_dir / "kit-absent").write_text('#!/bin/sh\necho "${0##*/}: command not found" >&2\nexit 127\n')
     for script in ("kit-tool", "kit-absent"):
         (bin_dir / script).chmod(0o755)
@@ -248,6 +254,7 @@ import glob, os, shutil, sys
 
 name, args = os.path.basename(sys.argv[0]), sys.argv[1:]
 as_root = PRIVILEGED or os.environ.get("KIT_SUDO") == "1"
+ROOT = HOST_ROOT  # where the host's / is as this process sees it (its absolute paths below are the host's)
 
 
 def need_root():
@@ -257,7 +264,7 @@ def need_root():
 
 def rm(*patterns):
     for pattern in patterns:
-        for p in glob.glob(os.path.expanduser(pattern)):
+        for p in glob.glob(ROOT + pattern if pattern.startswith("/") else os.path.expanduser(pattern)):
             shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
 
 
@@ -509,6 +516,31 @@ def score(before: int, after: int, junk: dict, kept: dict, kept_after: dict, ret
     return "freed", round(min(1.0, freed / sum(junk.values())), 6), freed, []
 
 
+def tally(checks: list) -> dict:
+    """What checked answers come to, over those that could be scored: pass rate (ran and freed space), mean score,
+    deletions of kept files; the outcome mix of all; the unscorable counted apart, never as a 0. Rates are None when
+    no answer could be scored."""
+    from collections import Counter
+
+    scored = [c for c in checks if c.outcome != UNSCORABLE]
+    n = len(scored)
+    return {"answers": len(checks), "scored": n, "unscorable": len(checks) - n,
+            "pass_rate": sum(c.outcome == "freed" for c in scored) / n if n else None,
+            "mean_score": sum(c.score for c in scored) / n if n else None,
+            "outcomes": dict(Counter(c.outcome for c in checks)), "broke": sum(c.outcome == "broke" for c in scored),
+            "kept_files_touched": sum(len(c.broken) for c in scored),
+            "freed_bytes": sum(c.freed_bytes for c in scored if c.outcome == "freed")}
+
+
+def unscorable_note(counts: dict, mode: str) -> str:
+    """'12 of 64 answers could not be scored in limits mode (...)', or '' when every answer was."""
+    if not counts.get("unscorable"):
+        return ""
+    return (f"{counts['unscorable']} of {counts['answers']} answers could not be scored in {mode} mode (they name or "
+            "reach host paths it cannot plant; bubblewrap or unshare mode scores them): every rate is over the other "
+            f"{counts['scored']}")
+
+
 def check(code: str, host: str = CheckConfig.host, limits=None) -> Check:
     """Plant the host, run the code there in the sandbox, score what it did."""
     import sandbox
@@ -525,7 +557,8 @@ def check(code: str, host: str = CheckConfig.host, limits=None) -> Check:
         plant(root, junk | keep, headed=tuple(keep))
         for d in STANDARD_DIRS:  # every Linux host has them, whoever the user (shutil.disk_usage("/home") works)
             (root / d.lstrip("/")).mkdir(parents=True, exist_ok=True)
-        plant_tools(root, host)
+        mode = sandbox.isolation()
+        plant_tools(root, host, str(root.resolve()) if mode == "limits" else "")
         spool = (DOCKER_SPOOL,) if "docker" in host.tools else ()
         for d in spool:
             (root / d.lstrip("/")).mkdir(parents=True)
@@ -534,7 +567,10 @@ def check(code: str, host: str = CheckConfig.host, limits=None) -> Check:
         before = total_bytes(root)
         result = sandbox.run_code(code, tmp, host.home, limits or sandbox.Limits(), path=(TOOLS_DIR,),
                                   writable=None if host.privileged else (host.home, *USER_DIRS, *spool),
-                                  shadow=KNOWN_TOOLS)
+                                  shadow=KNOWN_TOOLS, watch=True)
+        if result.unseen:  # limits mode: the answer looks where this mode cannot plant the host
+            return Check("unscorable", None, 0, [], result.reason, result.isolation, result.stdout[-2000:],
+                         result.landlock)
         if spool:
             docker_daemon(root.resolve())
         kept_after = {p: state(root, p) for p in watched}
@@ -613,19 +649,22 @@ def agreement(logs: str, limits=None) -> dict:
 
     import sandbox
 
-    rows, ran_same, ok_same, n = [], 0, 0, 0
+    rows, ran_same, ok_same, n, unscorable = [], 0, 0, 0, 0
     for run in build_pairs.read_runs(logs):
         host = build_pairs.host_of_run(run)
         for attempt in run.attempts:
             result = check(attempt.code, host, limits)
+            if result.outcome == UNSCORABLE:  # limits mode: counted apart, neither agreeing nor not
+                unscorable += 1
+                continue
             ran, succeeded = result.outcome in ("no_effect", "freed"), result.outcome == "freed"
             n += 1
             ran_same += ran == attempt.ran
             ok_same += succeeded == attempt.succeeded
             rows.append({"run_id": run.run_id, "logged": {"ran": attempt.ran, "succeeded": attempt.succeeded},
                          "checker": {"outcome": result.outcome, "score": result.score, "reason": result.reason}})
-    return {"attempts": n, "ran_agree": ran_same, "succeeded_agree": ok_same, "isolation": sandbox.isolation(),
-            "rows": rows}
+    return {"attempts": n, "ran_agree": ran_same, "succeeded_agree": ok_same, "unscorable": unscorable,
+            "isolation": sandbox.isolation(), "rows": rows}
 
 
 def main(argv=None) -> int:

@@ -12,6 +12,7 @@ SPEC is JSON: {"read": [dirs], "write": [dirs], "files": [device files], "deny_t
   write     read, write, create, delete, rename and truncate beneath these (the part of the workspace the host's
             user may change)
   files     read and write these single files (/dev/null, /dev/urandom, ...)
+  append    write these single files, never truncate them (watch.py's marker: what is written there stays)
   deny_tcp  no TCP bind or connect at all (ABI 4+)
   scope     no signals to processes outside the confined tree, no abstract unix sockets outside it (ABI 6+)
 
@@ -84,7 +85,7 @@ def handled(level: int) -> tuple[int, int, int]:
         (SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL) if level >= 6 else 0
 
 
-def restrict(read=(), write=(), files=(), deny_tcp: bool = True, scope: bool = True) -> int:
+def restrict(read=(), write=(), files=(), deny_tcp: bool = True, scope: bool = True, append=()) -> int:
     """Confine this process (and all it starts) as the module docstring says. Returns the ABI level applied;
     0 (and nothing done) where the kernel has no Landlock. Irreversible."""
     level = abi()
@@ -101,7 +102,7 @@ def restrict(read=(), write=(), files=(), deny_tcp: bool = True, scope: bool = T
         raise OSError(ctypes.get_errno(), f"landlock_create_ruleset: {os.strerror(ctypes.get_errno())}")
     try:
         for paths, rights in ((read, READ & fs), (write, fs), (files, (READ_FILE | WRITE_FILE | TRUNCATE
-                                                                       | IOCTL_DEV) & fs)):
+                                                                       | IOCTL_DEV) & fs), (append, WRITE_FILE & fs)):
             for path in paths:
                 _allow(libc, ruleset, path, rights)
         if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
@@ -192,7 +193,7 @@ def main(argv: list[str]) -> int:
         return 2
     spec = json.loads(argv[0])
     level = restrict(spec.get("read", ()), spec.get("write", ()), spec.get("files", ()),
-                     spec.get("deny_tcp", True), spec.get("scope", True))
+                     spec.get("deny_tcp", True), spec.get("scope", True), spec.get("append", ()))
     if spec.get("require") and level < 1:
         print("landlock: this kernel has no Landlock, and the sandbox was told to require it", file=sys.stderr)
         return 126

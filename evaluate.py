@@ -19,6 +19,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import checker
 import formats
 import kit
 import models
@@ -112,16 +113,19 @@ def report_markdown(title: str, evaluation: dict, plots: list[str], metrics: lis
         lines += ["No held-out pairs (eval_fraction 0 or too few pairs).", ""]
     execution = evaluation.get("execution")
     if execution:
+        mode = execution["base"]["isolation"]
+        num = lambda v, f: "n/a" if v is None else f"{v:{f}}"  # noqa: E731
         lines += ["## Answers run by the checker", "",
+                  f"Sandbox: **{mode} mode**, " + (f"Landlock ABI {execution['base']['landlock']}"
+                                                    if execution['base'].get('landlock') else "no Landlock") + ". "
                   f"{execution['samples']} sampled answers (seeded) to each of {execution['prompts']} held-out prompts, "
-                  "their code run on the prompt's host by checker.py (sandbox: "
-                  f"{execution['base']['isolation']}, " + (f"Landlock ABI {execution['base']['landlock']}"
-                                                            if execution['base'].get('landlock') else "no Landlock")
-                  + "). Pass: it ran and freed space; score: bytes freed over the "
-                  "plantable junk, -1 for deleting what must be kept.", "",
-                  "| model | pass rate | mean score | outcomes | bytes freed | kept files touched |",
+                  "their code run on the prompt's host by checker.py. Pass: it ran and freed space; score: bytes "
+                  "freed over the plantable junk, -1 for deleting what must be kept.", ""]
+        notes = [f"{name}: {n}" for name in ("base", "tuned") if (n := checker.unscorable_note(execution[name], mode))]
+        lines += [f"**{n}.**" for n in notes] + ([""] if notes else [])
+        lines += ["| model | pass rate | mean score | outcomes | bytes freed | kept files touched |",
                   "| --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {name} | {execution[name]['pass_rate']:.3f} | {execution[name]['mean_score']:+.4f} | "
+        lines += [f"| {name} | {num(execution[name]['pass_rate'], '.3f')} | {num(execution[name]['mean_score'], '+.4f')} | "
                   + ", ".join(f"{k} {v}" for k, v in sorted(execution[name]["outcomes"].items())) + " | "
                   + (f"{execution[name]['freed_bytes'] / (1 << 20):,.0f} MB | {execution[name]['kept_files_touched']} |"
                      if "freed_bytes" in execution[name] else "n/a | n/a |")
@@ -130,9 +134,10 @@ def report_markdown(title: str, evaluation: dict, plots: list[str], metrics: lis
         if all(new):
             lines += [f"{execution['prompts'] - new[1]['prompts']} of the {execution['prompts']} prompts are word for "
                       "word a training record's prompt (the same strategy, retried on another run). On the other "
-                      f"{new[1]['prompts']}: pass rate {new[0]['pass_rate']:.3f} -> {new[1]['pass_rate']:.3f}, mean "
-                      f"score {new[0]['mean_score']:+.4f} -> {new[1]['mean_score']:+.4f}, answers that deleted kept "
-                      f"files {new[0]['broke']} -> {new[1]['broke']}.", ""]
+                      f"{new[1]['prompts']}: pass rate {num(new[0]['pass_rate'], '.3f')} -> "
+                      f"{num(new[1]['pass_rate'], '.3f')}, mean score {num(new[0]['mean_score'], '+.4f')} -> "
+                      f"{num(new[1]['mean_score'], '+.4f')}, answers that deleted kept files {new[0]['broke']} -> "
+                      f"{new[1]['broke']}.", ""]
         lines += ["![execution.png](execution.png)", ""] if "execution.png" in plots else []
         story = side_by_side(execution)
         lines += ["### Base and tuned, side by side", "", *story] if story else []
@@ -412,8 +417,9 @@ def plot_execution(execution: dict, out_dir: Path) -> str:
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     names = ("base", "tuned")
     left = [0.0, 0.0]
-    colours = {"failed": "#bbbbbb", "no_effect": "#f0c05a", "freed": "#4c9a5b", "broke": "#c8423b"}
-    for outcome in checker.OUTCOMES:
+    colours = {"failed": "#bbbbbb", "no_effect": "#f0c05a", "freed": "#4c9a5b", "broke": "#c8423b",
+               checker.UNSCORABLE: "#8fa8c8"}
+    for outcome in (*checker.OUTCOMES, checker.UNSCORABLE):
         share = [execution[n]["outcomes"].get(outcome, 0) / max(sum(execution[n]["outcomes"].values()), 1)
                  for n in names]
         ax.barh(names, share, left=left, color=colours[outcome], label=outcome)
@@ -467,18 +473,18 @@ def new_text_scores(result: dict, name: str) -> dict | None:
     if not rows or any("seen" not in r for r in rows) or len({r["seen"] for r in rows}) < 2:
         return None
     new = [r for r in rows if not r["seen"]]
-    return {"prompts": len({r["prompt"] for r in new}), "answers": len(new),
-            "pass_rate": sum(r["outcome"] == "freed" for r in new) / len(new),
-            "mean_score": sum(r["score"] for r in new) / len(new), "broke": sum(r["outcome"] == "broke" for r in new)}
+    scored = [r for r in new if r["outcome"] != checker.UNSCORABLE]
+    n = len(scored)
+    return {"prompts": len({r["prompt"] for r in new}), "answers": len(new), "unscorable": len(new) - n,
+            "pass_rate": sum(r["outcome"] == "freed" for r in scored) / n if n else None,
+            "mean_score": sum(r["score"] for r in scored) / n if n else None,
+            "broke": sum(r["outcome"] == "broke" for r in scored)}
 
 
 def execution_scores(model, tokenizer, prompts: list[dict], samples: int, seed: int, max_new_tokens: int) -> dict:
     """Base (adapter off) and tuned: `samples` sampled answers (seeded) to each prompt, each run by the checker on
-    the prompt's host: pass rate (freed space), mean score, and the outcome mix."""
-    from collections import Counter
-
-    import checker
-
+    the prompt's host: pass rate (freed space), mean score, and the outcome mix (checker.tally: over the answers
+    that could be scored, the others counted apart)."""
     result = {"prompts": len(prompts), "samples": samples, "rows": []}
     answers = base_and_tuned(model, tokenizer, [p["prompt"] for p in prompts], max_new_tokens, CODE_SAMPLING, seed,
                              samples, label="sample")
@@ -487,13 +493,7 @@ def execution_scores(model, tokenizer, prompts: list[dict], samples: int, seed: 
                                label="check base+tuned")
     half = len(every) // 2
     for name, checks in (("base", every[:half]), ("tuned", every[half:])):
-        scores = [c.score for c in checks]
-        result[name] = {"pass_rate": sum(c.outcome == "freed" for c in checks) / max(len(checks), 1),
-                        "mean_score": sum(scores) / max(len(scores), 1),
-                        "outcomes": dict(Counter(c.outcome for c in checks)), "isolation": checks[0].isolation,
-                        "landlock": checks[0].landlock,
-                        "freed_bytes": sum(c.freed_bytes for c in checks if c.outcome == "freed"),
-                        "kept_files_touched": sum(len(c.broken) for c in checks)}
+        result[name] = checker.tally(checks) | {"isolation": checks[0].isolation, "landlock": checks[0].landlock}
         for i, (c, answer) in enumerate(zip(checks, answers[name])):
             p = prompts[i // samples]
             result["rows"].append({"model": name, "prompt": p["prompt"][-1]["content"],
@@ -525,7 +525,8 @@ def side_by_side(execution: dict, prompts: int = 3) -> list[str]:
             r = next((x for x in mine if x["outcome"] == "freed"), mine[0])
             what = {"freed": f"freed {r['freed_bytes'] / (1 << 20):,.0f} MB, score {r['score']:+.3f}",
                     "no_effect": "ran, freed nothing", "broke": f"deleted what must be kept: {r['reason']}"[:160],
-                    "failed": f"failed: {r['reason']}"[:160]}[r["outcome"]]
+                    "failed": f"failed: {r['reason']}"[:160],
+                    checker.UNSCORABLE: f"not scored: {r['reason']}"[:160]}[r["outcome"]]
             passed = sum(x["outcome"] == "freed" for x in mine)
             lines += [f"{name} (answer {r['sample'] + 1} of {len(mine)}; {passed} of {len(mine)} passed): {what}", "",
                       FENCE, r["answer"] or "(empty)", FENCE, ""]

@@ -174,7 +174,8 @@ def chain(plan: dict, stage_lines: list[int], data_sha256: dict[str, str]) -> li
 def lineage_entry(stage: Stage, data_sha: str, pairs: str, pairs_sha: str, report: dict | None) -> dict:
     keep = ("examples", "context_only", "prompts", "candidates", "judge_mode", "judgements", "judgements_parsed",
             "judgements_unparsable", "judgements_out_of_range", "pairs_written", "dropped_same_as_reference",
-            "attempts", "outcomes", "pass_rate", "runs_with_a_pass", "seconds", "logs_used", "pairs_by_rule")
+            "attempts", "outcomes", "pass_rate", "runs_with_a_pass", "seconds", "logs_used", "pairs_by_rule",
+            "unscorable", "isolation")
     return {"stage": stage.index, "kind": stage.kind, "data": stage.data, "data_sha256": data_sha,
             "pairs": pairs, "pairs_sha256": pairs_sha, "run_name": stage.run_name, "parent": stage.parent,
             "pairs_report": {k: report[k] for k in keep if k in report} if report else None}

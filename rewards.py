@@ -169,6 +169,7 @@ class Checked:
         self.workers = workers or min(4, os.cpu_count() or 1)
         self.wall_seconds = wall_seconds
         self.cache: dict = {}
+        self.unscorable = self.answers = 0  # answers limits mode could not score, of all the checker's
 
     def results(self, prompts, completions, hosts) -> list:
         import checker
@@ -185,20 +186,41 @@ class Checked:
         self.cache.update((k, found[k]) for k in todo)
         return [found[k] for k in keys]
 
+    def say_unscorable(self, results: list) -> None:
+        """A line each time answers go unscored (limits mode: host paths it cannot plant), with the running count:
+        GRPO then learns from the others only, and the log says how many."""
+        import checker
+
+        n = sum(r.outcome == checker.UNSCORABLE for r in results)
+        self.unscorable += n
+        self.answers += len(results)
+        if n:
+            print(f"[reward] {n} of {len(results)} answers could not be scored in {results[0].isolation} mode "
+                  f"({self.unscorable} of {self.answers} so far): no reward, no advantage", flush=True)
+
 
 def checker_rewards(checked: Checked):
     """(checker, ran): TRL reward functions over one shared Checked."""
     def checker_score(prompts, completions, host=None, log_metric=None, **kwargs):
+        import checker
+
         results = checked.results(prompts, completions, host or [None] * len(prompts))
         if log_metric is not None:  # TRL averages them per logged step: the progress line's pass rate
-            log_metric("pass_rate", sum(r.outcome == "freed" for r in results) / len(results))
-            log_metric("ran_rate", sum(r.outcome in ("freed", "no_effect") for r in results) / len(results))
-            log_metric("broke_rate", sum(r.outcome == "broke" for r in results) / len(results))
-        return [r.score for r in results]
+            scored = [r for r in results if r.outcome != checker.UNSCORABLE] or [None]
+            log_metric("pass_rate", sum(r is not None and r.outcome == "freed" for r in scored) / len(scored))
+            log_metric("ran_rate", sum(r is not None and r.outcome in ("freed", "no_effect") for r in scored)
+                       / len(scored))
+            log_metric("broke_rate", sum(r is not None and r.outcome == "broke" for r in scored) / len(scored))
+            log_metric("unscorable_rate", sum(r.outcome == checker.UNSCORABLE for r in results) / len(results))
+        checked.say_unscorable(results)
+        return [r.score for r in results]  # None where limits mode could not score it: TRL leaves it out (no advantage)
 
     def ran(prompts, completions, host=None, **kwargs):
+        import checker
+
         results = checked.results(prompts, completions, host or [None] * len(prompts))
-        return [1.0 if r.outcome in ("freed", "no_effect") else 0.0 for r in results]
+        return [None if r.outcome == checker.UNSCORABLE else 1.0 if r.outcome in ("freed", "no_effect") else 0.0
+                for r in results]
 
     checker_score.__name__ = "checker"
     return checker_score, ran

@@ -555,11 +555,14 @@ def describe_run(manifest: dict) -> str:
                      f"{manifest['eval']['tuned']:.3f} (tuned); see report.md")
     if manifest.get("execution"):
         e = manifest["execution"]
-        lines.append(f"checker:        held-out answers' pass rate {e['base']['pass_rate']:.3f} (base) -> "
-                     f"{e['tuned']['pass_rate']:.3f} (tuned), mean score {e['base']['mean_score']:+.4f} -> "
-                     f"{e['tuned']['mean_score']:+.4f}" + (f" (sandbox: {e['base']['isolation']}, Landlock "
-                                                           f"{e['base'].get('landlock') or 'off'})"
-                                                           if e['base'].get('isolation') else ""))
+        num = lambda v, f: "n/a" if v is None else f"{v:{f}}"  # noqa: E731
+        lines.append(f"checker:        held-out answers' pass rate {num(e['base']['pass_rate'], '.3f')} (base) -> "
+                     f"{num(e['tuned']['pass_rate'], '.3f')} (tuned), mean score "
+                     f"{num(e['base']['mean_score'], '+.4f')} -> {num(e['tuned']['mean_score'], '+.4f')}"
+                     + (f" (sandbox: {e['base']['isolation']} mode, Landlock {e['base'].get('landlock') or 'off'})"
+                        if e['base'].get('isolation') else "")
+                     + "".join(f"; {e[k]['unscorable']} of {k}'s {e[k]['answers']} answers could not be scored in "
+                               f"{e[k]['isolation']} mode" for k in ("base", "tuned") if e[k].get("unscorable")))
     versions = ", ".join(f"{k} {v}" for k, v in manifest.get("versions", {}).items() if v)
     lines.append(f"versions:       python {manifest.get('python')}, {versions}")
     lines.append(f"files:          {len(manifest.get('files', {}))} checked against manifest.json")
@@ -577,7 +580,9 @@ def runs_table(root: str | os.PathLike) -> str:
         rows.append((d.name, status.get("state", "?"), Path(data.get("path", "?")).name, data.get("method", "-"),
                      str(data.get("pairs_trained", data.get("pairs", "?"))), str(status.get("step", "-")),
                      f"{acc['base']:.2f} -> {acc['tuned']:.2f}" if acc else "-",
-                     f"{run['base']['mean_score']:+.3f} -> {run['tuned']['mean_score']:+.3f}" if run else "-",
+                     " -> ".join("n/a" if run[k]["mean_score"] is None else f"{run[k]['mean_score']:+.3f}"
+                                 for k in ("base", "tuned")) + (" (limits)" if run["base"].get("isolation") == "limits"
+                                                                else "") if run else "-",
                      f"{size / 1e6:.1f} MB"))
     if len(rows) == 1:
         return f"no runs in {root}"

@@ -56,6 +56,7 @@ import time
 from pathlib import Path
 
 import kit
+import watch as watch_module
 from kit import field
 
 UID_RANGE = (2_000_000_000, 100_000_000)  # as root, each run's user id is drawn from here: no other process has it
@@ -192,6 +193,7 @@ class Result:
     seconds: float
     landlock: int = 0  # the Landlock ABI level the code ran under; 0: none
     bounds: str = ""  # how memory and processes were bound: "cgroup v2", "cgroup v1", or the rlimits used
+    unseen: str = ""  # watched in limits mode: what the code named or reached that this mode cannot show it, else ""
 
 
 class SandboxError(kit.UserError):
@@ -553,7 +555,7 @@ def shadows(root: Path, first: str, names: tuple) -> list[tuple[str, str]]:
     return out
 
 
-def _confine_spec(mode: str, root: Path, kit_dir: Path, writable: tuple | None) -> dict:
+def _confine_spec(mode: str, root: Path, kit_dir: Path, writable: tuple | None, append: tuple = ()) -> dict:
     """confine.py's spec, in the paths the code sees (its workspace at / in bwrap and unshare, at its real path in
     limits)."""
     def seen(p: str) -> str:
@@ -563,8 +565,8 @@ def _confine_spec(mode: str, root: Path, kit_dir: Path, writable: tuple | None) 
     tops = ["/" + p.name for p in root.iterdir() if p.is_dir() and p.name not in RESERVED]
     write = [seen(w) for w in writable] if writable is not None else [seen(t) for t in tops]
     read = [*SYSTEM_DIRS, kit_seen, *(seen(t) for t in tops)] + (["/proc"] if mode != "limits" else [])
-    return {"read": read, "write": write, "files": [f"/dev/{d}" for d in DEVICES], "deny_tcp": True, "scope": True, "deny_sockets": True,
-            "require": landlock_abi() > 0}
+    return {"read": read, "write": write, "files": [f"/dev/{d}" for d in DEVICES], "append": list(append),
+            "deny_tcp": True, "scope": True, "deny_sockets": True, "require": landlock_abi() > 0}
 
 
 def _own(root: Path, uid: int, writable: tuple | None) -> None:
@@ -581,7 +583,7 @@ def _own(root: Path, uid: int, writable: tuple | None) -> None:
 
 
 def _run(code: str, mode: str, workspace: Path | None, home: str, limits: Limits, path: tuple,
-         writable: tuple | None, shadow: tuple = ()) -> Result:
+         writable: tuple | None, shadow: tuple = (), watch: bool = False) -> Result:
     own = workspace is None
     workspace = Path(tempfile.mkdtemp(prefix="dpo-kit-sandbox-")) if own else Path(workspace)
     cgroup = None
@@ -598,10 +600,13 @@ def _run(code: str, mode: str, workspace: Path | None, home: str, limits: Limits
         uid = draw_uid()
         if uid is not None:
             _own(root, uid, writable)
+        watched = watch and mode == "limits"
+        marker = _watch_files(kit_dir, uid) if watched else None
         python, search = python_binary(), ":".join([*path, SYSTEM_PATH])
         kit_seen = KIT_DIR if mode != "limits" else str(kit_dir)
-        inner = [python, "-I", f"{kit_seen}/confine.py", json.dumps(_confine_spec(mode, root, kit_dir, writable)),
-                 "--", python, "-I", f"{kit_seen}/answer.py"]
+        inner = [python, "-I", f"{kit_seen}/confine.py",
+                 json.dumps(_confine_spec(mode, root, kit_dir, writable, (str(marker),) if marker else ())),
+                 "--", python, "-I", *([f"{kit_seen}/watch.py"] if watched else []), f"{kit_seen}/answer.py"]
         cgroup = make_cgroup(limits.memory_mb << 20, limits.processes)
         rlimits, how = bounds(limits, uid if uid is not None else os.getuid(), cgroup is not None)
         spec = {"cgroup": cgroup.procs if cgroup else [], "rlimits": rlimits, "uid": uid, "chroot": None}
@@ -620,7 +625,14 @@ def _run(code: str, mode: str, workspace: Path | None, home: str, limits: Limits
             spec |= {"argv": inner, "cwd": str(root / home.lstrip("/")),
                      "env": {"HOME": str(root / home.lstrip("/")), "TMPDIR": str(root / "tmp"), "LANG": "C.UTF-8",
                              "PATH": ":".join(x for x in (outside, SYSTEM_PATH) if x)}}
+            if watched:  # every Python process the answer starts loads the hook too (kit/site/sitecustomize.py)
+                spec["env"] |= {"PYTHONPATH": str(kit_dir / "site"), watch_module.ENV: json.dumps(
+                    {"allow": [str(root.resolve()), str(kit_dir.resolve())], "marker": str(marker), "tools": list(shadow)})}
         result = _launch(spec, prefix, limits, uid, workspace)
+        if marker is not None:
+            result.unseen = _unseen(marker)
+            if result.unseen:
+                result.reason = f"it reached {result.unseen}, which {mode} mode cannot show it (no mount namespace)"
         if cgroup and result.returncode not in (0, None) and cgroup.oom_killed():
             result.reason = f"memory limit ({limits.memory_mb} MB for the whole answer)"
         result.isolation, result.landlock = mode, landlock_abi()
@@ -631,6 +643,38 @@ def _run(code: str, mode: str, workspace: Path | None, home: str, limits: Limits
             cgroup.remove()
         if own:
             remove_tree(workspace)
+
+
+def _watch_files(kit_dir: Path, uid: int | None) -> Path:
+    """watch.py beside the answer, the same as sitecustomize for the Python processes it starts, and the empty
+    marker the hook appends to (the run's user may write it; Landlock lets it append only). Returns the marker."""
+    site = kit_dir / "site"
+    site.mkdir()
+    source = Path(__file__).with_name("watch.py")
+    shutil.copyfile(source, kit_dir / "watch.py")
+    shutil.copyfile(source, site / "_dpo_kit_watch.py")
+    (site / "sitecustomize.py").write_text("import _dpo_kit_watch\n_dpo_kit_watch.install_from_env()\n")
+    marker = kit_dir / "unseen"
+    marker.touch()
+    for p in (site, kit_dir / "watch.py", site / "_dpo_kit_watch.py", site / "sitecustomize.py", marker):
+        p.chmod(0o755 if p.is_dir() else 0o666 if p == marker else 0o644)
+    if uid is not None:
+        os.chown(marker, uid, uid)
+    return marker
+
+
+def _unseen(marker: Path) -> str:
+    """What the watched answer reached outside (the marker's first line), '' when nothing."""
+    try:
+        first = marker.read_bytes()[:4096].decode("utf-8", "replace").splitlines()
+    except OSError:
+        return "(the watch's marker is gone)"
+    if not first:
+        return ""
+    try:
+        return str(json.loads(first[0])["reached"])
+    except (ValueError, KeyError, TypeError):
+        return "(the watch's marker was written over)"
 
 
 def _launch(spec: dict, prefix: tuple, limits: Limits, uid: int | None, workspace: Path) -> Result:
@@ -724,18 +768,25 @@ def _reason(rc: int, timed_out: bool, stderr: str, limits: Limits) -> str:
 
 
 def run_code(code: str, workspace: Path | None = None, home: str = "/tmp", limits: Limits | None = None,
-             path: tuple = (), writable: tuple | None = None, shadow: tuple = ()) -> Result:
+             path: tuple = (), writable: tuple | None = None, shadow: tuple = (), watch: bool = False) -> Result:
     """Run `code` (Python) in the sandbox. workspace: a directory whose root/ holds what the code may see (absolute
     paths in bwrap and unshare modes; see the module docstring); a fresh one, removed after, when None. home: HOME
     inside it. path: directories (as the code sees them) put first on its PATH. writable: the directories under
     root/ (as the code sees them) that the host's user may change; None: all of root/. The rest is the system's:
     Landlock keeps the code from writing there, and as root the run's user does not own it. shadow: command names
     whose copies in the machine's system directories the code sees replaced by path[0]'s (bwrap and unshare modes;
-    `limits` has no mount namespace to do it in)."""
+    `limits` has no mount namespace to do it in). watch: in limits mode, the code is not run when its text names an
+    absolute path outside the system's directories, and is stopped when it reaches one (watch.py): `unseen` then
+    says which, for a caller whose result depends on what the code finds at such paths (the checker)."""
     limits = limits or Limits()
     mode = isolation()
     _warn_once()
-    return _run(code, mode, workspace, home, limits, path, writable, shadow)
+    if watch and mode == "limits":
+        named = watch_module.named_paths(code, tuple(shadow))
+        if named:
+            return Result(None, "", "", f"it names {named[0]}, which {mode} mode cannot show it (no mount namespace)",
+                          mode, 0.0, landlock_abi(), "", unseen=named[0])
+    return _run(code, mode, workspace, home, limits, path, writable, shadow, watch)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -670,7 +670,8 @@ def manifest(cfg: TrainConfig, run: runs.Run, built: Built, data: formats.Traini
         "started_at": started, "finished_at": runs.now_iso(), "steps": built.trainer.state.global_step,
         "adapter_step": adapter_step(built.trainer.state),
         "eval": {k: held[k]["accuracy"] for k in ("base", "tuned")} if held else None, "mix": data.mix,
-        "execution": {k: {m: evaluation["execution"][k][m] for m in ("pass_rate", "mean_score", "isolation", "landlock")}
+        "execution": {k: {m: evaluation["execution"][k].get(m) for m in ("pass_rate", "mean_score", "isolation", "landlock",
+                                                                         "answers", "unscorable")}
                       for k in ("base", "tuned")} if evaluation.get("execution") else None,
         "versions": kit.package_versions(), "python": platform.python_version(), "platform": platform.platform(),
         "device": torch.cuda.get_device_name(0) if built.on_gpu else "cpu", "git_commit": kit.git_commit(),

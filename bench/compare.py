@@ -133,10 +133,16 @@ def input_files(logs: str, extra_runs: str, configs: list[str]) -> list[Path]:
     return named + [ROOT / c for c in configs] + sorted(f for f in (ROOT / "data").rglob("*") if f.is_file())
 
 
-def kept_row(old: list[dict], seed: int, arm: str, digest: str) -> dict | None:
-    """The row of an earlier comparison for this seed and arm, if it was trained on the same inputs."""
-    return next((r for r in old if r.get("seed") == seed and r.get("method") == arm and r.get("digest") == digest),
-                None)
+def kept_row(old: list[dict], seed: int, arm: str, digest: str, mode: str | None = None) -> dict | None:
+    """The row of an earlier comparison for this seed and arm, if it was trained on the same inputs and its answers
+    were scored in the same sandbox mode (a limits-mode row is never kept as a bwrap one, nor the other way)."""
+    return next((r for r in old if r.get("seed") == seed and r.get("method") == arm and r.get("digest") == digest
+                 and mode in (None, row_mode(r))), None)
+
+
+def row_mode(row: dict) -> str:
+    """The sandbox mode a row's answers were scored in ('?' for a row from before the kit recorded it)."""
+    return (row.get("tuned") or {}).get("isolation") or "?"
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -152,26 +158,32 @@ def summarize(rows: list[dict]) -> dict:
     for name, values in arms.items():
         out[name] = {}
         for key in ("mean_score", "pass_rate"):
-            xs = [v[key] for v in values]
-            out[name][key] = {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0,
-                              "n": len(xs)}
+            xs = [v[key] for v in values if v.get(key) is not None]  # None: no answer of that run could be scored
+            out[name][key] = {"mean": statistics.fmean(xs) if xs else float("nan"),
+                              "std": statistics.stdev(xs) if len(xs) > 1 else 0.0, "n": len(xs)}
         out[name]["broke"] = sum(v.get("outcomes", {}).get("broke", 0) for v in values)
+        out[name]["unscorable"] = sum(v.get("outcomes", {}).get("unscorable", 0) for v in values)
+        out[name]["modes"] = sorted({v.get("isolation") or "?" for v in values})
     return out
 
 
 def table(rows: list[dict], summary: dict) -> str:
-    lines = ["| method | held-out mean checker score | pass rate | answers that deleted kept files, all seeds | seeds |",
-             "| --- | --- | --- | --- | --- |"]
+    num = lambda v, f: "n/a" if v is None else f"{v:{f}}"  # noqa: E731
+    lines = ["| method | held-out mean checker score | pass rate | answers that deleted kept files, all seeds | seeds "
+             "| sandbox mode (answers it could not score) |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for name, s in summary.items():
         lines.append(f"| {name} | {s['mean_score']['mean']:+.4f} ± {s['mean_score']['std']:.4f} | "
                      f"{s['pass_rate']['mean']:.3f} ± {s['pass_rate']['std']:.3f} | {s.get('broke', 0)} | "
-                     f"{s['mean_score']['n']} |")
-    lines += ["", "| seed | method | base score | tuned score | base pass | tuned pass | tuned outcomes | steps | "
+                     f"{s['mean_score']['n']} | {', '.join(s.get('modes', ['?']))}"
+                     + (f" ({s['unscorable']} unscorable)" if s.get("unscorable") else "") + " |")
+    lines += ["", "| seed | method | sandbox | base score | tuned score | base pass | tuned pass | tuned outcomes | steps | "
               "minutes (run start to handoff; rounds: its stages', summed) | trained at (commit, date, device) |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['seed']} | {r['method']} | {r['base']['mean_score']:+.4f} | {r['tuned']['mean_score']:+.4f} "
-                     f"| {r['base']['pass_rate']:.3f} | {r['tuned']['pass_rate']:.3f} | "
+        lines.append(f"| {r['seed']} | {r['method']} | {row_mode(r)} | {num(r['base']['mean_score'], '+.4f')} | "
+                     f"{num(r['tuned']['mean_score'], '+.4f')} "
+                     f"| {num(r['base']['pass_rate'], '.3f')} | {num(r['tuned']['pass_rate'], '.3f')} | "
                      + ", ".join(f"{k} {v}" for k, v in sorted(r["tuned"]["outcomes"].items()))
                      + f" | {r['steps']} | {r['minutes']:.1f} | {(r.get('commit') or '?')[:7]} {r.get('date', '?')}"
                      + f" {r.get('device') or ''}".rstrip() + " |")
@@ -202,7 +214,7 @@ def grpo_runs(work: Path, run_dir: Path, method: str) -> list[Path]:
 def findings(rows: list[dict]) -> list[str]:
     """Sentences the numbers say on their own: whether any arm freed space, and GRPO's learning signal."""
     out = []
-    if all(r[arm]["pass_rate"] == 0 for r in rows for arm in ("base", "tuned")):
+    if all(not r[arm]["pass_rate"] for r in rows for arm in ("base", "tuned")):
         out.append("No held-out answer of any model, base or tuned, in any run freed space.")
     for r in rows:
         g = r.get("grpo")
@@ -213,7 +225,8 @@ def findings(rows: list[dict]) -> list[str]:
     return out
 
 
-def plan(old: list[dict], seeds: list[int], arms: list, only: set, rerun: bool, digests: dict) -> list[tuple]:
+def plan(old: list[dict], seeds: list[int], arms: list, only: set, rerun: bool, digests: dict,
+         mode: str | None = None) -> list[tuple]:
     """What this call does, in order: (seed, arm, row) keeps an earlier row trained on the same inputs, (seed, arm,
     None) trains. The given seeds' arms (under --only, those arms) train unless kept; earlier rows of other arms, and
     of seeds not given, are kept where their inputs match and otherwise left out (--rerun: the arms that train here
@@ -222,7 +235,7 @@ def plan(old: list[dict], seeds: list[int], arms: list, only: set, rerun: bool, 
     for seed in seeds + sorted({r["seed"] for r in old} - set(seeds)):
         for arm in arms:
             training = (not only or arm[0] in only) and seed in seeds
-            row = None if rerun and training else kept_row(old, seed, arm[0], digests[arm[0]])
+            row = None if rerun and training else kept_row(old, seed, arm[0], digests[arm[0]], mode)
             if row or training:
                 out.append((seed, arm, row))
     return out
@@ -294,7 +307,10 @@ def main(argv=None) -> int:
     digests = {arm: inputs_digest(method, flags, extra, input_files(str(Path(cfg.logs).resolve()), more,
                                                                      named_configs(method, flags)))
                for arm, method, flags in arms}
-    todo = plan(old, [int(s) for s in cfg.seeds.split(",")], arms, only, cfg.rerun, digests)
+    import sandbox
+
+    mode = sandbox.isolation()  # this machine's: a row scored in another mode is trained and scored again
+    todo = plan(old, [int(s) for s in cfg.seeds.split(",")], arms, only, cfg.rerun, digests, mode)
     for i, (seed, (arm, method, flags), row) in enumerate(todo):
         name, t0, digest = f"{arm}-s{seed}", time.time(), digests[arm]
         if row:

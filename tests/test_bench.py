@@ -278,7 +278,15 @@ def test_method_comparison_summary_is_mean_and_spread_over_seeds():
     summary = compare.summarize(rows)
     assert summary["base"]["mean_score"] == {"mean": pytest.approx(0.05), "std": pytest.approx(0.0707, abs=1e-4), "n": 2}
     assert summary["dpo"]["pass_rate"] == {"mean": 0.5, "std": 0.0, "n": 2} and summary["grpo"]["mean_score"]["mean"] == 0.4
-    assert "| grpo | +0.4000 ± 0.0000 | 1.000 ± 0.000 | 0 | 2 |" in compare.table(rows, summary)
+    assert "| grpo | +0.4000 ± 0.0000 | 1.000 ± 0.000 | 0 | 2 | ? |" in compare.table(rows, summary)
+    for r in rows:  # scored in limits mode, where some answers could not be: left out of the rates, counted, named
+        r["tuned"] |= {"isolation": "limits", "outcomes": {"failed": 3, "unscorable": 5}}
+    rows[-1]["tuned"] |= {"mean_score": None, "pass_rate": None}  # a run none of whose answers could be scored
+    summary = compare.summarize(rows)
+    assert summary["grpo"]["pass_rate"] == {"mean": 1.0, "std": 0.0, "n": 1}
+    text = compare.table(rows, summary)
+    assert "| grpo | +0.4000 ± 0.0000 | 1.000 ± 0.000 | 0 | 1 | limits (10 unscorable) |" in text
+    assert "| 2 | grpo | limits | +0.1000 | n/a | 0.000 | n/a |" in text
 
 
 def test_a_compared_row_is_kept_only_for_the_same_seed_arm_and_inputs(tmp_path):
@@ -302,6 +310,9 @@ def test_a_compared_row_is_kept_only_for_the_same_seed_arm_and_inputs(tmp_path):
     assert compare.kept_row(old, 1, "kto", changed[0]) is old[2]
     assert compare.kept_row(old, 1, "default", changed[3]) is None  # its config changed since
     assert compare.kept_row(old, 3, "default", digest) is None  # an older row, without a digest
+    scored = [{"seed": 1, "method": "default", "digest": digest, "tuned": {"isolation": "limits"}}]
+    assert compare.kept_row(scored, 1, "default", digest, "bwrap") is None  # scored in another sandbox mode
+    assert compare.kept_row(scored, 1, "default", digest, "limits") is scored[0]
     files = compare.input_files(str(logs), "", ["configs/demo.yaml"])
     assert files[:2] == [logs, compare.ROOT / "configs" / "demo.yaml"] and compare.ROOT / "data" / "runs.jsonl" in files
     # an arm's inputs hold the config it names, and no other: editing the recipe keeps KTO's and GRPO's rows

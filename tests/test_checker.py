@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
+import build_pairs
 import checker
 import sandbox
+import watch
 
 ROOT = Path(__file__).resolve().parent.parent
 CI_HOST = "Host ci-runner-03, Ubuntu 22.04.4 LTS, Python 3.10.12, user ci (no sudo, member of docker)."
@@ -329,7 +331,9 @@ def test_a_trick_that_frees_nothing_scores_nothing(trick, mode, monkeypatch):
     monkeypatch.setenv(sandbox.ENV, mode)
     host, code, outcomes = TRICKS[trick]
     result = checker.check(code, host)
-    assert result.outcome in outcomes and result.score <= 0 and result.isolation == mode, result
+    if mode == "limits" and watch.named_paths(code, checker.KNOWN_TOOLS):  # /var, /srv: not planted where it looks
+        outcomes = {"unscorable"}
+    assert result.outcome in outcomes and (result.score or 0) <= 0 and result.isolation == mode, result
     assert result.landlock == sandbox.landlock_abi()
 
 
@@ -343,6 +347,27 @@ def test_what_really_frees_space_still_scores_in_every_mode(mode, monkeypatch):
     written = PIP + "open(os.path.expanduser('~/big'), 'wb').truncate(50 * 1024 ** 2)\nimport os\n"
     written = written.replace("import shutil", "import os, shutil")
     assert checker.check(written, CI_HOST).freed_bytes == 550 * checker.MB  # what it writes counts against it
+
+
+@pytest.mark.parametrize("logs", sorted(str(p.relative_to(ROOT)) for p in (ROOT / "data").glob("attempts*.jsonl")))
+def test_every_bundled_attempt_scores_alike_in_every_mode_this_machine_runs_or_is_unscorable(logs, monkeypatch):
+    """The same answer on the same host: the same outcome and score in bwrap, unshare and limits mode, except
+    where limits mode cannot plant the host where the answer looks, which it says (never `no_effect`)."""
+    items = list(dict.fromkeys((a.code, build_pairs.host_of_run(run)) for run in build_pairs.read_runs(ROOT / logs)
+                               for a in run.attempts))
+    found = {}
+    for mode in MODES:
+        monkeypatch.setenv(sandbox.ENV, mode)
+        found[mode] = checker.check_many(items)
+        assert all(c.isolation == mode for c in found[mode])
+        assert mode == "limits" or not any(c.outcome == checker.UNSCORABLE for c in found[mode])
+    for i, (code, host) in enumerate(items):
+        scored = {m: (found[m][i].outcome, found[m][i].score) for m in MODES
+                  if found[m][i].outcome != checker.UNSCORABLE}
+        assert len(set(scored.values())) <= 1, (host, code, scored)
+        assert len(scored) == len(MODES) or "limits mode cannot show it" in found["limits"][i].reason
+    print(f"\n{logs}: {len(items)} answers in {', '.join(MODES)}; "
+          + "; ".join(f"{m}: {checker.tally(found[m])['unscorable']} unscorable" for m in MODES))
 
 
 def test_a_files_digest_is_its_content_whatever_its_holes(tmp_path):

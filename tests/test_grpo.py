@@ -35,9 +35,27 @@ def test_checker_and_ran_rewards_score_real_code_run_once_per_answer():
     logged = {}
     got = score(prompts, completions, host=[HOST] * 4, log_metric=lambda k, v: logged.setdefault(k, v))
     assert got[0] > 0 and got[1] == 0 and got[2] == 0 and got[3] == -1  # freed, no_effect, failed, broke
-    assert logged == {"pass_rate": 0.25, "ran_rate": 0.5, "broke_rate": 0.25}
+    assert logged == {"pass_rate": 0.25, "ran_rate": 0.5, "broke_rate": 0.25, "unscorable_rate": 0.0}
     assert ran(prompts, completions, host=[HOST] * 4) == [1.0, 1.0, 0.0, 0.0]
     assert len(checked.cache) == 4  # ran reused the checker's runs: each answer ran once
+
+
+def test_in_limits_mode_an_answer_at_the_hosts_paths_gets_no_reward_rather_than_a_zero(monkeypatch, capsys):
+    """None from every reward function: TRL 1.14 leaves such an answer out of its group's baseline, advantage 0."""
+    import sandbox
+
+    if sandbox.why_not("limits"):
+        pytest.skip("limits mode does not run here")
+    monkeypatch.setenv(sandbox.ENV, "limits")
+    score, ran = rewards.checker_rewards(rewards.Checked())
+    wipes = "```python\nimport shutil\nshutil.rmtree('/home/ci/projects', ignore_errors=True)\n```"
+    completions = [[{"role": "assistant", "content": c}] for c in (FREES, wipes)]
+    prompts = [[{"role": "user", "content": "Free space"}]] * 2
+    logged = {}
+    got = score(prompts, completions, host=[HOST] * 2, log_metric=lambda k, v: logged.setdefault(k, v))
+    assert got[0] > 0 and got[1] is None and ran(prompts, completions, host=[HOST] * 2) == [1.0, None]
+    assert logged["unscorable_rate"] == 0.5 and logged["pass_rate"] == 1.0  # of the answers that could be scored
+    assert "1 of 2 answers could not be scored in limits mode" in capsys.readouterr().out
 
 
 def test_the_reward_cache_never_loses_a_steps_results_past_its_size(monkeypatch):
