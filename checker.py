@@ -550,7 +550,8 @@ def check(code: str, host: str = CheckConfig.host, limits=None) -> Check:
     try:
         compile(code, "answer.py", "exec")
     except (SyntaxError, ValueError) as e:
-        return Check("failed", 0.0, 0, [], f"does not compile: {type(e).__name__}: {e}", sandbox.isolation(), "")
+        return Check("failed", 0.0, 0, [], f"does not compile: {type(e).__name__}: {e}", sandbox.isolation(), "",
+                     sandbox.landlock_abi())  # the mode it would have run in: the report reads both off any answer
     tmp = Path(tempfile.mkdtemp(prefix="dpo-kit-check-"))
     try:
         root = tmp / "root"

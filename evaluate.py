@@ -493,7 +493,8 @@ def execution_scores(model, tokenizer, prompts: list[dict], samples: int, seed: 
                                label="check base+tuned")
     half = len(every) // 2
     for name, checks in (("base", every[:half]), ("tuned", every[half:])):
-        result[name] = checker.tally(checks) | {"isolation": checks[0].isolation, "landlock": checks[0].landlock}
+        result[name] = checker.tally(checks) | {"isolation": checks[0].isolation,
+                                                "landlock": max(c.landlock for c in checks)}
         for i, (c, answer) in enumerate(zip(checks, answers[name])):
             p = prompts[i // samples]
             result["rows"].append({"model": name, "prompt": p["prompt"][-1]["content"],

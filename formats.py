@@ -859,6 +859,28 @@ def distinct_chosen(pairs: list[dict], keep_broke: bool = False) -> list[dict]:
     return out
 
 
+def in_shape(record: dict, messages_: bool) -> dict | None:
+    """A loaded pair in the other shape, where nothing is lost: text -> one user turn and one assistant answer each;
+    one user turn and plain assistant answers -> text (the prompt's words and a newline, the answers' words). None
+    when it cannot be (a system message, several turns, tool use, unpaired examples)."""
+    if is_example(record) or uses_tools(record):
+        return None
+    if messages_:
+        if isinstance(record["prompt"], list):
+            return record
+        return {**record, "prompt": [{"role": "user", "content": record["prompt"]}],
+                "chosen": [{"role": "assistant", "content": record["chosen"]}],
+                "rejected": [{"role": "assistant", "content": record["rejected"]}]}
+    if not isinstance(record["prompt"], list):
+        return record
+    sides = [record[k] for k in ("chosen", "rejected")]
+    if [m["role"] for m in record["prompt"]] != ["user"] or any(
+            not isinstance(s, list) or [m["role"] for m in s] != ["assistant"] for s in sides):
+        return None
+    return {**record, "prompt": record["prompt"][0]["content"] + "\n", "chosen": sides[0][0]["content"],
+            "rejected": sides[1][0]["content"]}
+
+
 def split_and_mix(pairs: list[dict], data: TrainingData, eval_fraction: float, mix_spec: str, seed: int,
                   skip_invalid: bool, distinct: bool = False, keep_broke: bool = False,
                   rehearse: bool = False) -> tuple[list[dict], list[dict]]:
@@ -881,8 +903,19 @@ def split_and_mix(pairs: list[dict], data: TrainingData, eval_fraction: float, m
     for (path, share), n in zip(mix, counts):
         records, stats = load_pairs(path, skip_invalid)
         if isinstance(records[0]["prompt"], list) != isinstance(pairs[0]["prompt"], list):
-            raise UserError(f"mix file has {'message-list' if isinstance(records[0]['prompt'], list) else 'text'} "
-                            "pairs and the data does not; use one shape", path)
+            if rehearse:
+                raise UserError("--mix_answers base needs message-list data and mix pairs (a prompt the chat "
+                                "template renders); the data has text pairs", path)
+            shaped = [p for p in (in_shape(r, isinstance(pairs[0]["prompt"], list)) for r in records) if p]
+            print(f"[data] {path}: {len(shaped)} of its {len(records)} "
+                  f"{'message-list' if isinstance(records[0]['prompt'], list) else 'text'} pairs brought to the "
+                  f"data's {'message-list' if isinstance(pairs[0]['prompt'], list) else 'text'} shape"
+                  + (" (the others have more than one turn or a system message: left out)"
+                     if len(shaped) < len(records) else ""), flush=True)
+            if not shaped:
+                print(f"[data] {path}: not mixed in (none of its pairs has the data's shape)", flush=True)
+                continue
+            records = shaped
         if rehearse and not isinstance(records[0]["prompt"], list):
             raise UserError("--mix_answers base needs message-list pairs (a prompt the chat template renders); "
                             "this mix file has text pairs", path)

@@ -181,8 +181,19 @@ def parse_config(cfg_cls, argv: list[str] | None, description: str, positional: 
     config_path = args.pop("config", None)
     if config_path:
         values.update(coerce(cfg_cls, _read_config_file(config_path), config_path))
+    from_file = {k: config_path for k in values if k not in args}
     values.update({k: v for k, v in args.items()})
-    return checked(cfg_cls(**values))
+    cfg = cfg_cls(**values)
+    cfg.__dict__[FROM_FILE] = from_file  # not a field: what a recipe set, which the data may show does not apply
+    return checked(cfg)
+
+
+FROM_FILE = "_from_config_file"  # on a parsed config: {option: the --config file that set it (no flag did)}
+
+
+def from_config_file(cfg) -> dict:
+    """{option: file} for the options a --config file set and no flag overrode ({} for a config made otherwise)."""
+    return getattr(cfg, FROM_FILE, {})
 
 
 def checked(cfg, source: str | None = None):

@@ -3,6 +3,7 @@ import datetime as dt
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -1476,3 +1477,99 @@ def test_a_run_with_eval_prompts_reports_what_the_checker_made_of_base_and_tuned
     assert [r["seen"] for r in execution["rows"] if r["model"] == "tuned"] == [False] * 4 + [True] * 2
     assert "On the other 2: pass rate" in (run_dir / "report.md").read_text()
     assert "## Answers run by the checker" in (run_dir / "report.md").read_text()
+
+
+# ------------------------------------------------------------------ make train DATA=<file>: the recipe on every format
+
+RECIPE = ["--config", "configs/demo.yaml"]  # what `make train DATA=...` adds on the bundled model (the Makefile's RECIPE)
+
+
+def every_format(tmp_path) -> dict:
+    """A file in each shape docs/formats.md lists (its table's pair formats, text and message lists, KTO's unpaired
+    examples, GRPO's prompts, tool-calling pairs, supervised rows), 20 rows where the shape allows."""
+    def n(f):
+        return [f(i) for i in range(20)]
+
+    u = lambda i: {"role": "user", "content": f"What is {i} + 2?"}  # noqa: E731
+    a = lambda t: {"role": "assistant", "content": t}  # noqa: E731
+    files = {
+        "trl_standard": n(lambda i: {"prompt": f"{i}+2=", "chosen": f" {i + 2}", "rejected": f" {i + 3}"}),
+        "trl_conversational": n(lambda i: {"prompt": [u(i)], "chosen": [a(f"{i + 2}")], "rejected": [a(f"{i + 3}")]}),
+        "implicit_prompt": n(lambda i: {"chosen": [u(i), a(f"{i + 2}")], "rejected": [u(i), a(f"{i + 3}")]}),
+        "implicit_prompt_text": n(lambda i: {"chosen": f"What is {i} plus 2? It is {i + 2}",
+                                             "rejected": f"What is {i} plus 2? It is {i + 3}"}),
+        "openai": n(lambda i: {"input": {"messages": [u(i)]}, "preferred_output": [a(f"{i + 2}")],
+                               "non_preferred_output": [a(f"{i + 3}")]}),
+        "hh": n(lambda i: {"chosen": f"\n\nHuman: {i}+2?\n\nAssistant: {i + 2}",
+                           "rejected": f"\n\nHuman: {i}+2?\n\nAssistant: {i + 3}"}),
+        "ultrafeedback": n(lambda i: {"prompt": f"What is {i} + 2?", "chosen": [u(i), a(f"{i + 2}")],
+                                      "rejected": [u(i), a(f"{i + 3}")], "score_chosen": 8.0, "score_rejected": 3.0}),
+        "system_question": n(lambda i: {"system": "You add.", "question": f"{i}+2?", "chosen": f"{i + 2}",
+                                        "rejected": f"{i + 3}"}),
+        "kto": n(lambda i: {"prompt": [u(i)], "completion": [a(f"{i + 2 if i % 2 else i + 3}")], "label": bool(i % 2)}),
+        "kto_text": n(lambda i: {"prompt": f"{i}+2=", "completion": f" {i + 2 if i % 2 else i + 3}",
+                                 "label": bool(i % 2)}),
+        "supervised": n(lambda i: {"messages": [u(i), a(f"{i + 2}")]}),
+    }
+    out = {}
+    for name, rows in files.items():
+        out[name] = tmp_path / f"{name}.jsonl"
+        out[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    import checker
+
+    out["prompts"] = tmp_path / "prompts.jsonl"
+    out["prompts"].write_text("".join(json.dumps(r) + "\n" for r in checker.prompts_from_logs(str(ROOT / "data" / "runs.jsonl"))))
+    out["tools"] = ROOT / "data" / "tool_pairs.jsonl"
+    return out
+
+
+def test_every_format_docs_formats_lists_is_covered_here(tmp_path):
+    listed = set(re.findall(r"^\| `(\w+)` \|", (ROOT / "docs" / "formats.md").read_text(), re.M))
+    assert listed and listed <= set(every_format(tmp_path))
+
+
+@pytest.mark.parametrize("name", ["trl_standard", "trl_conversational", "implicit_prompt", "implicit_prompt_text",
+                                  "openai", "hh", "ultrafeedback", "system_question", "kto", "kto_text", "supervised",
+                                  "prompts", "tools"])
+def test_make_trains_data_of_every_format_with_the_recipe_it_adds(tmp_path, name, capsys):
+    """`make train DATA=<file>`: the recipe's mix of general pairs (message lists) comes in the data's shape, and
+    its DPO options are left out, said, where the data holds KTO examples or GRPO prompts."""
+    data = every_format(tmp_path)[name]
+    cfg = kit.parse_config(train_dpo.TrainConfig, [*RECIPE, "--data", str(data)], "")
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        info, train, held = train_dpo.load_data(cfg)
+    finally:
+        os.chdir(cwd)
+    out = capsys.readouterr().out
+    assert train
+    if info.method in ("kto", "grpo"):
+        assert "configs/demo.yaml: loss_type 'sft', mix '0.2', distinct_chosen True are DPO options" in out
+        assert (cfg.loss_type, cfg.mix) == ("sigmoid", "")
+        return
+    assert info.mix and info.mix[0]["path"] == "data/general.jsonl" and info.mix[0]["pairs_used"] > 0
+    mixed = [r for r in train if formats.MIX_KEY in r]
+    assert mixed and {isinstance(r["prompt"], list) for r in train} == {isinstance(train[0]["prompt"], list)}
+    if not isinstance(train[0]["prompt"], list):
+        assert "message-list pairs brought to the data's text shape" in out
+    if name == "supervised":
+        assert info.format == "openai_supervised" and cfg.loss_type == "sft"
+
+
+def test_a_flag_is_never_dropped_for_the_data_only_a_recipe_files_option():
+    cfg = kit.parse_config(train_dpo.TrainConfig, [*RECIPE, "--data", "x.jsonl", "--mix", "0.1"], "")
+    assert kit.from_config_file(cfg).get("loss_type") == "configs/demo.yaml" and "mix" not in kit.from_config_file(cfg)
+    train_dpo.recipe_fits(cfg, "kto", "unpaired examples (KTO)")
+    assert (cfg.loss_type, cfg.mix) == ("sigmoid", "0.1")  # the flag stays: resolve_method then refuses it
+
+
+@needs_model
+@pytest.mark.integration
+@pytest.mark.parametrize("name", ["trl_standard", "kto_text", "supervised"])
+def test_make_train_data_trains_text_pairs_kto_examples_and_supervised_rows_with_the_recipe(tmp_path, name):
+    data = every_format(tmp_path)[name]
+    run_dir, out = small_run(tmp_path, "", f"recipe-{name}", *RECIPE, "--eval_samples", 1, "--max_steps", 1,
+                             "--per_device_train_batch_size", 2, "--max_length", 96, "--lora_r", 4,
+                             "--eval_fraction", 0, "--probes", "", data=data)
+    assert (run_dir / "adapter_model.safetensors").exists(), out[-2000:]
