@@ -71,6 +71,17 @@ WORKDIR /opt/kit
 COPY kit.py models.py shapes.py fastpath.py entrypoint.py ./
 RUN PYTHONPATH=/opt/gguf python entrypoint.py model models/SmolLM2-135M-Instruct && chmod -R a+rX models
 
+# The seccomp profile launcher.py runs the image under (seccomp_profile.py): Docker's own default profile, taken
+# from the distribution's package of Docker's source (it is not kept in the repository), plus the namespaces and
+# mounts bubblewrap needs to sandbox model-written code. Only the .deb is downloaded, none of its dependencies.
+COPY seccomp_profile.py /tmp/seccomp/
+RUN apt-get update && cd /tmp/seccomp && apt-get download golang-github-docker-docker-dev 2>/dev/null \
+ && dpkg-deb --fsys-tarfile golang-github-docker-docker-dev_*.deb \
+    | tar -xO --wildcards '*/profiles/seccomp/default.json' > docker-default.json \
+ && python3 seccomp_profile.py docker-default.json -o /opt/seccomp.json \
+ && python3 seccomp_profile.py --added /opt/seccomp.json docker-default.json \
+ && cd / && rm -rf /tmp/seccomp /var/lib/apt/lists/*
+
 # The code, without wheels/ and certs/ (what the build context holds only for the stage above)
 COPY . /opt/src/
 RUN rm -rf /opt/src/wheels /opt/src/certs
@@ -122,6 +133,7 @@ RUN useradd --uid ${KIT_UID} --create-home --home-dir /home/kit --shell /bin/bas
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build /opt/kit/models /opt/kit/models
 COPY --from=build /opt/src/ /opt/kit/
+COPY --from=build /opt/seccomp.json /opt/kit/seccomp.json
 WORKDIR /opt/kit
 RUN python -c "import torch, bitsandbytes, trl, peft; print('torch', torch.__version__, '| trl', trl.__version__)"
 # Tokenised pairs kept between runs, beside the HF cache the launcher mounts from the host

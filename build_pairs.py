@@ -606,6 +606,27 @@ def garble_text(text: str, rng: random.Random) -> str:
     return text[::-1] + " ?"  # only a one-letter text gets here
 
 
+def sft_pairs(examples, seed: int) -> list[dict]:
+    """SFT examples (supervised.Example) as pairs, for an sft stage and a supervised job: chosen = the assistant
+    message trained on (its words, its tool calls or both), with the prompt before it and the row's tools;
+    rejected = its words garbled (a call written out as text when it has no words), never trained on (loss_type
+    sft reads only the chosen side) but needed by the pair format, and scored by the held-out evaluation."""
+    out = []
+    for ex in examples:
+        text = ex.answer["content"] if ex.answer["content"].strip() else call_text(ex.answer["tool_calls"])
+        rng = rng_for(seed, str(ex.line), text)
+        out.append({"prompt": ex.prompt, "chosen": [ex.answer],
+                    "rejected": [{"role": "assistant", "content": garble_text(text, rng)}]}
+                   | ({"tools": ex.tools} if ex.tools else {}))
+    return out
+
+
+def call_text(calls: list[dict]) -> str:
+    """Tool calls written out as text: name(arguments as JSON), one after another."""
+    return " ".join(f"{c['function']['name']}({json.dumps(c['function']['arguments'], ensure_ascii=False)})"
+                    for c in calls)
+
+
 def garble_code(code: str, rng: random.Random) -> str:
     """A few line- and character-level edits, repeated until the result no longer compiles."""
     body, tail = code.rstrip(), code[len(code.rstrip()):]  # keep the trailing newline: no give-away

@@ -481,6 +481,15 @@ def new_text_scores(result: dict, name: str) -> dict | None:
             "broke": sum(r["outcome"] == "broke" for r in scored)}
 
 
+def execution_summary(evaluation: dict) -> dict | None:
+    """The manifest's `execution`: base and tuned pass rate and mean score over the answers that could be scored,
+    how many could not, and the sandbox mode and Landlock level they ran under (None: no answers were run)."""
+    if not evaluation.get("execution"):
+        return None
+    keys = ("pass_rate", "mean_score", "isolation", "landlock", "answers", "unscorable")
+    return {k: {m: evaluation["execution"][k].get(m) for m in keys} for k in ("base", "tuned")}
+
+
 def execution_scores(model, tokenizer, prompts: list[dict], samples: int, seed: int, max_new_tokens: int) -> dict:
     """Base (adapter off) and tuned: `samples` sampled answers (seeded) to each prompt, each run by the checker on
     the prompt's host: pass rate (freed space), mean score, and the outcome mix (checker.tally: over the answers

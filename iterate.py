@@ -221,29 +221,6 @@ def train_flags(argv: list[str], source: str = "iterate.py --") -> dict:
     return values
 
 
-def sft_pairs(examples, seed: int) -> list[dict]:
-    """SFT examples (supervised.Example) as pairs, for an sft stage and a supervised job: chosen = the assistant
-    message trained on (its words, its tool calls or both), with the prompt before it and the row's tools;
-    rejected = its words garbled (a call written out as text when it has no words), never trained on (loss_type
-    sft reads only the chosen side) but needed by the pair format, and scored by the held-out evaluation."""
-    import build_pairs
-
-    out = []
-    for ex in examples:
-        text = ex.answer["content"] if ex.answer["content"].strip() else call_text(ex.answer["tool_calls"])
-        rng = build_pairs.rng_for(seed, str(ex.line), text)
-        out.append({"prompt": ex.prompt, "chosen": [ex.answer],
-                    "rejected": [{"role": "assistant", "content": build_pairs.garble_text(text, rng)}]}
-                   | ({"tools": ex.tools} if ex.tools else {}))
-    return out
-
-
-def call_text(calls: list[dict]) -> str:
-    """Tool calls written out as text: name(arguments as JSON), one after another."""
-    return " ".join(f"{c['function']['name']}({json.dumps(c['function']['arguments'], ensure_ascii=False)})"
-                    for c in calls)
-
-
 # ---------------------------------------------------------------------------------------------
 # Side effects: read the plan, build each stage's pairs, train, record the lineage.
 # ---------------------------------------------------------------------------------------------
@@ -346,10 +323,11 @@ def build_stage_pairs(stage: Stage, policy: str, folder: Path, plan_path: str,
         build_attempts_pairs(stage, list(earlier), policy, folder, plan_path, out, report, extra_runs)
         return str(out), json.loads(report.read_text())
     if stage.kind == "sft":
+        import build_pairs
         import supervised
 
         data = supervised.read(stage.data)
-        records = sft_pairs(data.examples, 0)
+        records = build_pairs.sft_pairs(data.examples, 0)
         kit.atomic_write_text(report, json.dumps({"examples": len(data.examples), "rows": data.rows,
                                                   "context_only": data.context_only,
                                                   "pairs_written": len(records)}) + "\n")

@@ -474,11 +474,11 @@ class Scheduler(threading.Thread):
     def sft_pairs(self, job: dict, f: dict, work: Path) -> str:
         """A supervised job's file (OpenAI's supervised rows, supervised.py) as SFT pairs, one per assistant
         message of weight 1; what was trained and what stayed context as an event."""
-        import iterate
+        import build_pairs
         import supervised
 
         data = supervised.read(f["path"])
-        records = iterate.sft_pairs(data.examples, 0)
+        records = build_pairs.sft_pairs(data.examples, 0)
         out = work / "train.pairs.jsonl"
         kit.atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         self.store.event(job["id"], data.summary(f["filename"]),

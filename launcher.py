@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import re
 import shlex
@@ -43,6 +44,7 @@ from pathlib import Path
 import kit
 import preflight
 import scaleout
+import seccomp_profile
 from kit import UserError, field
 
 KIT_LABEL = "dpo-kit"  # every image and container the kit makes carries `dpo-kit=1`; prune filters on it
@@ -88,6 +90,12 @@ class LaunchConfig:
     user: str = field("", "uid:gid the job runs as (default: the caller's, so host files are theirs)")
     shm_size: str = field("8g", "/dev/shm size (DataLoader workers and NCCL need more than Docker's 64m)")
     hf_cache: str = field("", "host HF cache mounted writable (default: $HF_HOME or ~/.cache/huggingface)")
+    sandbox: str = field("kit", "what model-written code runs under in the container: kit = the image's seccomp "
+                         "profile (Docker's default plus bubblewrap's namespaces and mounts: seccomp_profile.py) and, "
+                         "where the engine runs AppArmor, apparmor=unconfined (Docker's AppArmor profile denies the "
+                         "mounts bubblewrap makes), so answers run in bwrap mode; runtime = the engine's defaults (no "
+                         "namespaces: limits mode, where an answer naming a host path cannot be scored)",
+                         choices=("kit", "runtime"))
     prune: bool = field(True, "after train: remove stopped kit containers and dangling/superseded kit images")
     rebuild: bool = field(False, "train: build even when IMAGE:TAG exists")
     dry_run: bool = field(False, "print the equivalent docker commands and run nothing")
@@ -264,7 +272,21 @@ def run_spec(cfg: LaunchConfig, ref: str, paths: dict[str, str], extra: list[str
         "network": "host" if cfg.nnodes > 1 and cfg.action == "train" else None,  # other machines reach this one
         "shm_size": cfg.shm_size,
         "labels": {KIT_LABEL: "1", f"{KIT_LABEL}.action": cfg.action},
+        "security_opt": [],  # sandbox_options(): filled once the image (and its profile) is there
     }
+
+
+def profile_path(cfg: LaunchConfig) -> str:
+    """Where the kit's seccomp profile, read out of the image, is written on the host for `docker run`."""
+    return os.path.join(os.path.abspath(cfg.output_dir), "seccomp.json")
+
+
+def sandbox_options(cfg: LaunchConfig, path: str, apparmor: bool, content: str | None = None) -> list[str]:
+    """docker run's --security-opt values for --sandbox: the profile by its content (the Docker API's form) or by
+    its path (the docker CLI's, and podman's API), and AppArmor off where the engine runs it. [] for runtime."""
+    if cfg.sandbox != "kit":
+        return []
+    return [f"seccomp={content if content is not None else path}"] + (["apparmor=unconfined"] if apparmor else [])
 
 
 def docker_run_cli(spec: dict, gpus: str = "", interactive: bool = False) -> str:
@@ -281,6 +303,8 @@ def docker_run_cli(spec: dict, gpus: str = "", interactive: bool = False) -> str
         args += ["-e", key]
     for key, value in spec["labels"].items():
         args += ["--label", f"{key}={value}"]
+    for opt in spec.get("security_opt", []):
+        args += ["--security-opt", opt if len(opt) < 1000 else opt.split("=")[0] + "=<the profile's JSON>"]
     if spec["entrypoint"]:
         args += ["--entrypoint", spec["entrypoint"][0]]
     return shlex.join([*args, spec["image"], *spec["command"]])
@@ -416,7 +440,8 @@ def run(client, spec: dict, cuda: str | None = None) -> int:
             spec["image"], spec["command"], entrypoint=spec["entrypoint"], detach=True, user=spec["user"],
             mounts=[Mount(m["target"], m["source"], type="bind", read_only=m["read_only"]) for m in spec["mounts"]],
             environment=spec["environment"], shm_size=spec["shm_size"], labels=spec["labels"],
-            network_mode=spec["network"], device_requests=[DeviceRequest(**gpus)] if gpus else None)
+            network_mode=spec["network"], device_requests=[DeviceRequest(**gpus)] if gpus else None,
+            security_opt=spec.get("engine_security_opt") or spec.get("security_opt") or None)
     except APIError as e:  # the GPU refused at start: one sentence (the created container goes with `prune`)
         sentence = engine_error(str(e.explanation or e), cuda)
         if sentence is None:
@@ -436,6 +461,47 @@ def run(client, spec: dict, cuda: str | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
         container.remove(force=True)
+
+
+def file_in_image(client, ref: str, path: str) -> bytes:
+    """A file of the image, read from a container created (never started) for it, then removed."""
+    import io
+    import tarfile
+
+    container = client.containers.create(ref, ["true"], labels={KIT_LABEL: "1", f"{KIT_LABEL}.action": "read"})
+    try:
+        stream, _ = container.get_archive(path)
+        with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
+            member = tar.getmembers()[0]
+            return tar.extractfile(member).read()
+    finally:
+        container.remove(force=True)
+
+
+def kit_sandbox(client, cfg: LaunchConfig, ref: str) -> tuple[list[str], list[str]]:
+    """(--security-opt values as the docker CLI takes them, the same as this engine's API takes them) for --sandbox:
+    the image's profile written to the host (profile_path), passed by content to Docker and by path to podman (its
+    API reads a file); AppArmor off where the engine runs it. An image without the profile runs with the engine's
+    defaults, said."""
+    if cfg.sandbox != "kit":
+        return [], []
+    from docker.errors import APIError, ContainerError
+
+    try:
+        text = file_in_image(client, ref, seccomp_profile.IN_IMAGE).decode()
+        json.loads(text)
+    except (APIError, ContainerError, ValueError, KeyError) as e:
+        print(f"[launcher] WARNING: {ref} has no readable {seccomp_profile.IN_IMAGE} ({str(e).strip()[:120]}): the "
+              "container runs under the engine's default seccomp profile, and model-written code in limits mode "
+              "(make build again)", file=sys.stderr, flush=True)
+        return [], []
+    path = profile_path(cfg)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    kit.atomic_write_text(Path(path), text)
+    info = client.info()
+    apparmor = any("name=apparmor" in str(o) for o in info.get("SecurityOptions") or [])
+    podman = any("podman" in str(c.get("Name", "")).lower() for c in client.version().get("Components") or [])
+    return sandbox_options(cfg, path, apparmor), sandbox_options(cfg, path, apparmor, None if podman else text)
 
 
 def prune(client, repo: str, keep: str) -> None:
@@ -494,7 +560,13 @@ def main(argv=None) -> int:
     jobs.append((cfg.action, run_spec(cfg, ref, paths, extra, user, env)))
 
     if cfg.dry_run:
+        local_apparmor = Path("/sys/module/apparmor/parameters/enabled").is_file() and \
+            Path("/sys/module/apparmor/parameters/enabled").read_text().strip() == "Y"
+        if cfg.sandbox == "kit":
+            print(f"# the kit's seccomp profile, out of the image:\n"
+                  f"docker run --rm --entrypoint cat {ref} {seccomp_profile.IN_IMAGE} > {profile_path(cfg)}")
         for what, spec in jobs:
+            spec["security_opt"] = sandbox_options(cfg, profile_path(cfg), local_apparmor)
             print(f"# {what}\n{docker_run_cli(spec, cfg.gpus, interactive=cfg.action == 'shell' and not extra)}")
         if jobs[-1][1]["command"][0] == "launch":  # what `entrypoint.py launch` runs in the container
             cmd = jobs[-1][1]["command"]
@@ -507,6 +579,8 @@ def main(argv=None) -> int:
     client = engine()
     if cfg.rebuild or not client.images.list(name=ref):
         build(client, cfg, ref)
+    for _, spec in jobs:
+        spec["security_opt"], spec["engine_security_opt"] = kit_sandbox(client, cfg, ref)
     if cfg.action == "shell" and not extra and sys.stdin.isatty():  # interactive: the docker CLI owns the TTY
         os.execvp("docker", shlex.split(docker_run_cli(jobs[-1][1], cfg.gpus, interactive=True)))
     status = 0

@@ -22,6 +22,7 @@ from pathlib import Path
 import formats
 import models
 import rewards
+import kit
 from kit import UserError, field
 
 METHODS = ("dpo", "kto", "grpo")
@@ -430,3 +431,48 @@ def make_trainer(cls, cfg, method: str, model, ref_model, args, train: list[dict
         return trainer
     eval_rows = formats.dataset_rows(formats.trainable(held))
     return cls(ref_model=ref_model, eval_dataset=Dataset.from_list(eval_rows) if held else None, **common)
+
+
+def read_pairs(cfg, columns: dict) -> tuple[list[dict], dict]:
+    """formats.load_pairs on --data, or supervised_pairs where it holds OpenAI's supervised rows (`messages`)."""
+    first = first_record(cfg.data)
+    if isinstance(first, dict) and "messages" in first and not columns and formats.detect_format(first) is None:
+        return supervised_pairs(cfg)
+    return formats.load_pairs(cfg.data, cfg.skip_invalid, columns, cfg.min_score_gap)
+
+
+def supervised_pairs(cfg) -> tuple[list[dict], dict]:
+    """OpenAI's supervised rows (supervised.py) as SFT pairs, one per assistant message trained on: loss_type sft,
+    which reads only the chosen side (a loss_type given as a flag that is not sft is refused)."""
+    import build_pairs
+    import supervised
+
+    if cfg.loss_type != "sft":
+        if cfg.loss_type != DPO_ONLY["loss_type"] and "loss_type" not in kit.from_config_file(cfg):
+            raise UserError(f"supervised rows (messages) train with --loss_type sft, not {cfg.loss_type}", cfg.data)
+        print(f"[config] {cfg.data} holds supervised rows (messages): --loss_type sft, each assistant message's "
+              f"likelihood (was {cfg.loss_type})", flush=True)
+        cfg.loss_type = "sft"
+    sft = supervised.read(cfg.data)
+    records = build_pairs.sft_pairs(sft.examples, cfg.seed)
+    pairs, stats = formats.load_rows(cfg.data, enumerate(records, 1), kit.sha256_file(cfg.data), cfg.skip_invalid,
+                                     {}, 0.0)
+    print(f"[data] {sft.summary(cfg.data)}", flush=True)
+    return pairs, stats | {"format": "openai_supervised", "lines": sft.rows, "files": []}
+
+
+def recipe_fits(cfg, method: str, what: str) -> None:
+    """A --config file's DPO options (the bundled model's recipe: loss_type sft, mix, distinct_chosen) where the data
+    holds KTO examples or GRPO prompts (--method auto): left at their defaults, and said; the same options given as
+    flags stay, and are refused as before."""
+    if cfg.method != "auto" or method not in ("kto", "grpo"):
+        return
+    moved = {name: getattr(cfg, name) for name, default in DPO_ONLY.items()
+             if name in kit.from_config_file(cfg) and getattr(cfg, name) != default}
+    if not moved:
+        return
+    for name in moved:
+        setattr(cfg, name, DPO_ONLY[name])
+    source = kit.from_config_file(cfg)[next(iter(moved))]
+    print(f"[config] {source}: {', '.join(f'{k} {v!r}' for k, v in moved.items())} are DPO options and the data holds "
+          f"{what}: left at their defaults for --method {method}", flush=True)

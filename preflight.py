@@ -106,6 +106,9 @@ class Facts:
     python_h: bool = True  # Python.h where Triton looks for it (the launcher it builds includes it)
     python_dev: str = "python3-dev"  # the Debian/Ubuntu package that holds it
     smoke: str | None = None  # the Triton test: "" passed, else its error; None: not run
+    sandbox: str = ""  # the mode model-written code runs in here (sandbox.py): bwrap, unshare or limits; "": not probed
+    sandbox_why: str = ""  # why not bwrap, where it is not
+    landlock: int = 0  # the kernel's Landlock ABI level
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,7 +394,23 @@ def findings(cfg: PreflightConfig, f: Facts) -> list[Finding]:
     """Every check, in the order a user would fix them."""
     on_gpu = gpu_usable(cfg, f)
     return (gpu_findings(cfg, f) + shm_findings(cfg, f.shm_bytes, on_gpu) + dir_findings(f) + bnb_findings(cfg, f)
-            + triton_findings(cfg, f, on_gpu))
+            + triton_findings(cfg, f, on_gpu) + sandbox_findings(f))
+
+
+def sandbox_findings(f: Facts) -> list[Finding]:
+    """The mode model-written code (the checker's answers, GRPO's rewards, users' graders) runs in here: a note for
+    bwrap or unshare, a loud warning for limits, where an answer that names a host path cannot be scored."""
+    if not f.sandbox:
+        return []
+    landlock = f"Landlock ABI {f.landlock}" if f.landlock else "no Landlock"
+    if f.sandbox != "limits":
+        return [Finding("ok", f"sandbox: model-written code runs in {f.sandbox} mode ({landlock})")]
+    where = ("run the image with the kit's seccomp profile (make train RUNNER=docker passes it; docs/container.md)"
+             if f.in_container else "install bubblewrap (apt-get install bubblewrap), or run as root for unshare")
+    return [Finding("warn", f"SANDBOX IN LIMITS MODE: bubblewrap cannot run here ({first_clause(f.sandbox_why)}), so "
+                            f"model-written code runs without namespaces ({landlock}), and every answer that names a "
+                            "host path (/home/<user>, /var/log, /srv) is left unscored in rewards and reports; to "
+                            f"score them, {where}")]
 
 
 def host_findings(want_gpu: bool, cpu_ok: bool, smi: str | None, smi_failed: str,
@@ -573,7 +592,20 @@ def gather(cfg: PreflightConfig, env) -> Facts:
     mode = smoke_mode(cfg, f, gpu_usable(cfg, f))
     if mode:
         f.smoke = triton_smoke(mode, env)
+    f.sandbox, f.sandbox_why, f.landlock = sandbox_facts()
     return f
+
+
+def sandbox_facts() -> tuple[str, str, int]:
+    """(the sandbox's mode here, why not bwrap, the Landlock ABI level): sandbox.py's own probe, which runs code."""
+    import sandbox
+
+    try:
+        mode = sandbox.isolation()
+        forced = os.environ.get(sandbox.ENV, "").strip()
+        return mode, sandbox.why_not("bwrap") or (f"{sandbox.ENV}={forced}" if forced else ""), sandbox.landlock_abi()
+    except kit.UserError as e:  # DPO_KIT_SANDBOX names a mode this machine cannot run
+        return "limits", str(e), sandbox.landlock_abi()
 
 
 def describe(f: Facts) -> list[str]:

@@ -21,6 +21,7 @@ name FILE:LINE and what is wrong. Standard library only.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import kit
 from formats import BadRow, jsonl_rows, messages, short, tools_list

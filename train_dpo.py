@@ -300,7 +300,7 @@ def load_data(cfg: TrainConfig) -> tuple[formats.TrainingData, list[dict], list[
     """The whole file validated before anything heavy happens; the held-out share; other files mixed in.
     GRPO: prompts (or run logs' prompts), the held-out ones kept for the checker."""
     if cfg.method == "grpo" or (cfg.method == "auto" and methods.holds_prompts(methods.first_record(cfg.data))):
-        recipe_fits(cfg, "grpo", "prompts (GRPO)")
+        methods.recipe_fits(cfg, "grpo", "prompts (GRPO)")
         data = formats.TrainingData(path=cfg.data, sha256=kit.sha256_file(cfg.data) if Path(cfg.data).is_file() else "",
                                     format="prompts", pairs=0, skipped={}, method="grpo")
         problems = methods.grpo_problems(cfg) if cfg.method == "auto" else []
@@ -309,11 +309,7 @@ def load_data(cfg: TrainConfig) -> tuple[formats.TrainingData, list[dict], list[
         train, held = methods.grpo_data(cfg, data)
         return data, train, held
     columns = formats.parse_columns(cfg.columns)
-    first = methods.first_record(cfg.data)
-    if isinstance(first, dict) and "messages" in first and not columns and formats.detect_format(first) is None:
-        pairs, stats = supervised_pairs(cfg)
-    else:
-        pairs, stats = formats.load_pairs(cfg.data, cfg.skip_invalid, columns, cfg.min_score_gap)
+    pairs, stats = methods.read_pairs(cfg, columns)
     data = formats.TrainingData(path=cfg.data, sha256=stats["sha256"], format=stats["format"], pairs=stats["pairs"],
                                 skipped=stats["skipped"], ignored_columns=stats["ignored_columns"], columns=columns,
                                 min_score_gap=cfg.min_score_gap, score_gap_dropped=stats["score_gap_dropped"],
@@ -334,52 +330,14 @@ def load_data(cfg: TrainConfig) -> tuple[formats.TrainingData, list[dict], list[
     return data, train_pairs, held
 
 
-def supervised_pairs(cfg: TrainConfig) -> tuple[list[dict], dict]:
-    """OpenAI's supervised rows (supervised.py) as SFT pairs, one per assistant message trained on: loss_type sft,
-    which reads only the chosen side (a loss_type given as a flag that is not sft is refused)."""
-    import iterate
-    import supervised
-
-    if cfg.loss_type != "sft":
-        if cfg.loss_type != TrainConfig.loss_type and "loss_type" not in kit.from_config_file(cfg):
-            raise UserError(f"supervised rows (messages) train with --loss_type sft, not {cfg.loss_type}", cfg.data)
-        print(f"[config] {cfg.data} holds supervised rows (messages): --loss_type sft, each assistant message's "
-              f"likelihood (was {cfg.loss_type})", flush=True)
-        cfg.loss_type = "sft"
-    sft = supervised.read(cfg.data)
-    records = iterate.sft_pairs(sft.examples, cfg.seed)
-    pairs, stats = formats.load_rows(cfg.data, enumerate(records, 1), kit.sha256_file(cfg.data), cfg.skip_invalid,
-                                     {}, 0.0)
-    print(f"[data] {sft.summary(cfg.data)}", flush=True)
-    return pairs, stats | {"format": "openai_supervised", "lines": sft.rows, "files": []}
-
-
-def recipe_fits(cfg: TrainConfig, method: str, what: str) -> None:
-    """A --config file's DPO options (the bundled model's recipe: loss_type sft, mix, distinct_chosen) where the data
-    holds KTO examples or GRPO prompts (--method auto): left at their defaults, and said; the same options given as
-    flags stay, and are refused as before."""
-    if cfg.method != "auto":
-        return
-    moved = {name: getattr(cfg, name) for name, default in methods.DPO_ONLY.items()
-             if name in kit.from_config_file(cfg) and getattr(cfg, name) != default}
-    if not moved:
-        return
-    for name in moved:
-        setattr(cfg, name, methods.DPO_ONLY[name])
-    source = kit.from_config_file(cfg)[next(iter(moved))]
-    print(f"[config] {source}: {', '.join(f'{k} {v!r}' for k, v in moved.items())} are DPO options and the data holds "
-          f"{what}: left at their defaults for --method {method}", flush=True)
-
-
 def resolve_method(cfg: TrainConfig, records: list[dict]) -> str:
     """dpo or kto: --method, or (auto) what the data holds; a file of examples cannot train DPO."""
     unpaired = formats.is_example(records[0])
     if cfg.method == "dpo" and unpaired:
         raise UserError("--method dpo needs preference pairs; this file holds unpaired (prompt/completion/label) "
                         "examples: train them with --method kto (or auto)", cfg.data)
-    if unpaired:
-        recipe_fits(cfg, "kto", "unpaired examples (KTO)")
     method = "kto" if unpaired else cfg.method if cfg.method != "auto" else "dpo"
+    methods.recipe_fits(cfg, method, "unpaired examples (KTO)")
     problems = methods.kto_problems(cfg) if method == "kto" and cfg.method == "auto" else []
     if problems:
         raise UserError("the data holds unpaired examples (KTO), and " + "; ".join(problems), cfg.data)
@@ -714,9 +672,7 @@ def manifest(cfg: TrainConfig, run: runs.Run, built: Built, data: formats.Traini
         "started_at": started, "finished_at": runs.now_iso(), "steps": built.trainer.state.global_step,
         "adapter_step": adapter_step(built.trainer.state),
         "eval": {k: held[k]["accuracy"] for k in ("base", "tuned")} if held else None, "mix": data.mix,
-        "execution": {k: {m: evaluation["execution"][k].get(m) for m in ("pass_rate", "mean_score", "isolation", "landlock",
-                                                                         "answers", "unscorable")}
-                      for k in ("base", "tuned")} if evaluation.get("execution") else None,
+        "execution": evaluate.execution_summary(evaluation),
         "versions": kit.package_versions(), "python": platform.python_version(), "platform": platform.platform(),
         "device": torch.cuda.get_device_name(0) if built.on_gpu else "cpu", "git_commit": kit.git_commit(),
         "init_adapter": built.parent}  # the parent run in a chain of rounds (lineage.json has the whole chain)

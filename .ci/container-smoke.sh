@@ -67,7 +67,7 @@ cleanup() {
   docker rm -f dpo-kit-smoke-foreign dpo-kit-smoke-kitleft >/dev/null 2>&1 || true
   docker rmi -f localhost/dpo-kit-smoke-foreign:1 dpo-kit:smoke-old >/dev/null 2>&1 || true
   kill "$SERVICE" 2>/dev/null && wait "$SERVICE" 2>/dev/null || true
-  rm -f "$SOCK" "${staged[@]}"
+  rm -rf "$SOCK" "${staged[@]}"
   echo "container smoke: $((SECONDS - T0))s in all"
 }
 trap cleanup EXIT
@@ -184,6 +184,40 @@ for user in "$(id -u):$(id -g)" 1000:1000; do
 done
 rm -f "$sentinel"
 echo "ok: nothing written outside, /artifacts intact"
+
+step "the image's sandbox under Docker's own default seccomp profile, then under the kit's (what make train passes)"
+# Docker's default profile keeps namespaces and mounts from a container without CAP_SYS_ADMIN: bubblewrap cannot
+# start and the sandbox falls to limits mode, which the pre-flight must say. Podman takes the same JSON; its own
+# default profile is laxer (the steps above ran bwrap). Docker's profile comes from Debian's package of Docker's
+# source, as the image's build takes it (not kept in the repository).
+profiles=$(mktemp -d); staged+=("$profiles")
+(cd "$profiles" && apt-get download golang-github-docker-docker-dev >/dev/null 2>&1) \
+  || fail "apt-get download golang-github-docker-docker-dev failed (Docker's default seccomp profile)"
+dpkg-deb --fsys-tarfile "$profiles"/golang-github-docker-docker-dev_*.deb \
+  | tar -xO --wildcards '*/profiles/seccomp/default.json' > "$profiles/docker-default.json"
+docker run --rm --entrypoint cat "$image" /opt/kit/seccomp.json > "$profiles/kit.json"
+echo "the kit's profile adds to Docker's: $(python3 seccomp_profile.py --added "$profiles/kit.json" "$profiles/docker-default.json")"
+for side in docker-default:limits kit:bwrap; do
+  name=${side%%:*} want=${side##*:}
+  for user in "$(id -u):$(id -g)" 1000:1000; do
+    out=$(podman run --rm --user "$user" --security-opt "seccomp=$profiles/$name.json" --entrypoint bash "$image" -c '
+      cd /opt/kit && python sandbox.py --modes | python -c "import json,sys; print(\"mode:\", json.load(sys.stdin)[\"default\"])"
+      python entrypoint.py check 2>&1 | grep -i "sandbox"
+      printf "%s\n" "import os, shutil" "shutil.rmtree(\"/home/mlops/runs\")" > /tmp/wipe.py
+      python checker.py /tmp/wipe.py --host "Host gpu-9, Ubuntu 22.04, user mlops" | python -c "import json,sys; r=json.load(sys.stdin); print(\"checker:\", r[\"isolation\"], r[\"outcome\"])"' 2>&1) \
+      || fail "the sandbox did not run in the image under $name's profile as $user: $out"
+    echo "$name profile, as $user:"; sed 's/^/  /' <<<"$out"
+    grep -q "^mode: $want$" <<<"$out" || fail "under $name's profile as $user the sandbox ran $(grep ^mode: <<<"$out"), not $want"
+    if [[ $want == limits ]]; then
+      grep -q "SANDBOX IN LIMITS MODE" <<<"$out" || fail "the pre-flight did not warn of limits mode under $name's profile"
+      grep -q "checker: limits unscorable" <<<"$out" || fail "limits mode scored an answer at a host path it cannot plant"
+    else
+      grep -q "sandbox: model-written code runs in bwrap mode" <<<"$out" || fail "the pre-flight did not say bwrap"
+      grep -q "checker: bwrap broke" <<<"$out" || fail "bwrap mode did not score the wipe of a kept run directory as broke"
+    fi
+  done
+done
+echo "ok: Docker's default profile -> limits (said, answers at host paths unscorable); the kit's -> bwrap"
 
 step "entrypoint.py check --require_gpu fails without a GPU"
 if "${L[@]}" check -- --require_gpu; then fail "check --require_gpu passed on a machine without a GPU"; fi

@@ -169,12 +169,13 @@ def test_make_train_runs_a_round_by_default_the_recipe_once_with_rounds_0_and_re
 
 
 def test_sft_pairs():
+    import build_pairs
     import supervised
 
     ask = [{"role": "user", "content": "Q"}]
     call = {"id": "c1", "type": "function", "function": {"name": "du", "arguments": {"path": "/"}}}
     tools = [{"type": "function", "function": {"name": "du"}}]
-    words, calls = iterate.sft_pairs([supervised.Example(1, ask, {"role": "assistant", "content": "the answer is four"}),
+    words, calls = build_pairs.sft_pairs([supervised.Example(1, ask, {"role": "assistant", "content": "the answer is four"}),
                                       supervised.Example(2, ask, {"role": "assistant", "content": "",
                                                                   "tool_calls": [call]}, tools)], 0)
     assert words["chosen"] == [{"role": "assistant", "content": "the answer is four"}] and "tools" not in words

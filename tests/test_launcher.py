@@ -181,19 +181,40 @@ def run_launcher(*args, env=None):
                           cwd=ROOT, env={**os.environ, **(env or {})}, timeout=120)
 
 
+APPARMOR = Path("/sys/module/apparmor/parameters/enabled").is_file() and \
+    Path("/sys/module/apparmor/parameters/enabled").read_text().strip() == "Y"
+
+
+def test_sandbox_options_pass_the_profile_by_content_or_path_and_turn_apparmor_off_only_where_it_runs():
+    kit_cfg, runtime = launcher.LaunchConfig(), launcher.LaunchConfig(sandbox="runtime")
+    assert launcher.sandbox_options(kit_cfg, "/a/seccomp.json", False) == ["seccomp=/a/seccomp.json"]
+    assert launcher.sandbox_options(kit_cfg, "/a/seccomp.json", True, "{}") == ["seccomp={}", "apparmor=unconfined"]
+    assert launcher.sandbox_options(runtime, "/a/seccomp.json", True) == []
+
+
 def test_dry_run_prints_pairs_then_train_without_any_engine(tmp_path):
     out = run_launcher("train", "--output_dir", str(tmp_path / "a"), "--hf_cache", str(tmp_path / "hf"),
                        "--gpus", "all", "--tag", "t1", "--dry_run", "--", "--max_steps", "2",
                        env={"DOCKER_HOST": "unix:///nonexistent.sock"})
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
+    # the kit's seccomp profile first: read out of the image, then given to every container
+    assert lines[:2] == ["# the kit's seccomp profile, out of the image:",
+                         f"docker run --rm --entrypoint cat dpo-kit:t1 /opt/kit/seccomp.json > {tmp_path}/a/seccomp.json"]
+    lines = lines[2:]
     assert [line for line in lines if line.startswith("#")] == ["# pairs", "# gpu check", "# train"]
     assert lines[3].endswith("check --require_gpu --output_dir /artifacts --no_triton")  # Triton: train's own pre-flight
     assert f"{ROOT}/data/runs.jsonl:/data/runs.jsonl:ro" in lines[1]
+    assert all(f"--security-opt seccomp={tmp_path}/a/seccomp.json" in line for line in lines if line.startswith("docker"))
     assert lines[-1].endswith(f"-v {tmp_path}/a/pairs/runs.pairs.jsonl:/data/runs.pairs.jsonl:ro --label dpo-kit=1 "
-                              "--label dpo-kit.action=train dpo-kit:t1 train --data /data/runs.pairs.jsonl "
+                              "--label dpo-kit.action=train --security-opt seccomp=" + f"{tmp_path}/a/seccomp.json"
+                              + (" --security-opt apparmor=unconfined" if APPARMOR else "")
+                              + " dpo-kit:t1 train --data /data/runs.pairs.jsonl "
                               "--output_dir /artifacts --eval_prompts /artifacts/pairs/runs.prompts.jsonl --max_steps 2")
     assert not (tmp_path / "a").exists()  # a dry run writes nothing
+    runtime = run_launcher("train", "--output_dir", str(tmp_path / "a"), "--tag", "t1", "--dry_run", "--sandbox",
+                           "runtime", env={"DOCKER_HOST": "unix:///nonexistent.sock"})
+    assert "--security-opt" not in runtime.stdout and "seccomp.json" not in runtime.stdout  # the engine's defaults
 
 
 def test_missing_data_is_a_user_error_before_any_engine():

@@ -1397,11 +1397,22 @@ def test_the_report_shows_base_and_tuned_checker_scores():
                  "tuned": {"pass_rate": 0.5, "mean_score": 0.0312, "outcomes": {"failed": 3, "freed": 3},
                            "isolation": "bwrap"}}
     text = evaluate.report_markdown("r", {"execution": execution}, [])
-    assert "## Answers run by the checker" in text and "(sandbox: bwrap, no Landlock)" in text
+    assert "## Answers run by the checker" in text and "Sandbox: **bwrap mode**, no Landlock." in text
     execution["base"]["landlock"] = 7
-    assert "(sandbox: bwrap, Landlock ABI 7)" in evaluate.report_markdown("r", {"execution": execution}, [])
+    assert "Sandbox: **bwrap mode**, Landlock ABI 7." in evaluate.report_markdown("r", {"execution": execution}, [])
     assert "| base | 0.000 | +0.0000 | failed 6 | n/a | n/a |" in text
     assert "| tuned | 0.500 | +0.0312 | failed 3, freed 3 | n/a | n/a |" in text
+    assert "could not be scored" not in text
+    # limits mode: the header names it, counts what it could not score, and the rates are over the rest
+    for name, n in (("base", 2), ("tuned", 0)):
+        execution[name] |= {"isolation": "limits", "answers": 6, "unscorable": n, "scored": 6 - n}
+    text = evaluate.report_markdown("r", {"execution": execution}, [])
+    assert "Sandbox: **limits mode**" in text
+    assert ("**base: 2 of 6 answers could not be scored in limits mode (they name or reach host paths it cannot "
+            "plant; bubblewrap or unshare mode scores them): every rate is over the other 4.**") in text
+    assert "tuned: 0 of" not in text
+    execution["tuned"] |= {"pass_rate": None, "mean_score": None}  # none could be scored: n/a, never a 0
+    assert "| tuned | n/a | n/a |" in evaluate.report_markdown("r", {"execution": execution}, [])
 
 
 def test_the_report_tells_the_story_base_and_tuned_answers_side_by_side_with_bytes_freed():
@@ -1441,7 +1452,7 @@ def test_the_report_gives_the_prompts_no_training_record_has_apart():
                                 ("tuned", "Clear pip", "freed", 0.2), ("tuned", "Empty trash", "freed", 0.1)]]
     result = {"prompts": 2, "samples": 1, "rows": rows}
     assert evaluate.new_text_scores(result, "tuned") == {"prompts": 1, "answers": 1, "pass_rate": 1.0,
-                                                         "mean_score": 0.1, "broke": 0}
+                                                         "mean_score": 0.1, "broke": 0, "unscorable": 0}
     assert evaluate.new_text_scores(result, "base")["broke"] == 1
     unmarked = {**result, "rows": [{k: v for k, v in r.items() if k != "seen"} for r in rows]}
     assert evaluate.new_text_scores(unmarked, "tuned") is None  # make eval on another file: nothing to split
@@ -1560,7 +1571,7 @@ def test_make_trains_data_of_every_format_with_the_recipe_it_adds(tmp_path, name
 def test_a_flag_is_never_dropped_for_the_data_only_a_recipe_files_option():
     cfg = kit.parse_config(train_dpo.TrainConfig, [*RECIPE, "--data", "x.jsonl", "--mix", "0.1"], "")
     assert kit.from_config_file(cfg).get("loss_type") == "configs/demo.yaml" and "mix" not in kit.from_config_file(cfg)
-    train_dpo.recipe_fits(cfg, "kto", "unpaired examples (KTO)")
+    methods.recipe_fits(cfg, "kto", "unpaired examples (KTO)")
     assert (cfg.loss_type, cfg.mix) == ("sigmoid", "0.1")  # the flag stays: resolve_method then refuses it
 
 
