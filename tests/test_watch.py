@@ -136,3 +136,29 @@ def test_as_an_unprivileged_user_as_in_the_image_limits_mode_says_unscorable():
         result = json.loads(done.stdout)
         assert (result["outcome"], result["isolation"]) == (("unscorable" if name == "host" else "freed"), "limits")
     shutil.rmtree(tmp_path)
+
+
+# The hosts' own tools on five hosts: what they free sits at the host's absolute paths, so in limits mode the
+# stand-ins free the workspace's copy; every mode must give the same outcome and score.
+TOOLS = [
+    ("Host ci-runner-03, Ubuntu 22.04.4 LTS, user ci (no sudo, member of docker).", ["docker", "system", "prune", "-f"]),
+    ("Host ci-runner-03, Ubuntu 22.04.4 LTS, user ci (no sudo, member of docker).", ["npm", "cache", "clean", "--force"]),
+    ("Host gpu-ws-02, Ubuntu 22.04, user lea", ["conda", "clean", "--all", "-y"]),
+    ("Host web-prod-11, Debian 12, running as root.", ["journalctl", "--vacuum-size=100M"]),
+    ("Host web-prod-11, Debian 12, running as root.", ["apt-get", "autoremove", "-y"]),
+    ("Host lea-thinkpad, Fedora 39, user lea (sudo)", ["sudo", "dnf", "clean", "all"]),
+    ("Host lea-thinkpad, Fedora 39, user lea (sudo)", ["flatpak", "uninstall", "--unused", "-y"]),
+    ("Host build-7, Rocky Linux 9, user dev (no sudo)", ["dnf", "clean", "all"]),  # refused: no root
+]
+
+
+@pytest.mark.parametrize("host, command", TOOLS)
+def test_the_hosts_tools_score_alike_in_every_mode(host, command, monkeypatch):
+    code = f"import subprocess\nsubprocess.run({command!r}, check=True)\n"
+    found = {}
+    for mode in [m for m in sandbox.MODES if not sandbox.why_not(m)]:
+        monkeypatch.setenv(sandbox.ENV, mode)
+        c = checker.check(code, host)
+        found[mode] = (c.outcome, c.score, c.freed_bytes)
+    assert len(set(found.values())) == 1, found
+    assert next(iter(found.values()))[0] == ("failed" if "no sudo" in host and "docker" not in command else "freed")
