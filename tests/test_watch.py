@@ -161,4 +161,4 @@ def test_the_hosts_tools_score_alike_in_every_mode(host, command, monkeypatch):
         c = checker.check(code, host)
         found[mode] = (c.outcome, c.score, c.freed_bytes)
     assert len(set(found.values())) == 1, found
-    assert next(iter(found.values()))[0] == ("failed" if "no sudo" in host and "docker" not in command else "freed")
+    assert next(iter(found.values()))[0] == ("failed" if host.startswith("Host build-7") else "freed")
