@@ -24,8 +24,11 @@ used (DPO_KIT_SANDBOX=bwrap|unshare|limits forces one), and each result records 
            first process binds the system directories read-only into the workspace, a private /dev, /dev/shm and
            /proc, and chroots there: the code sees the same paths as under bwrap and none of the machine's own /tmp,
            /var/tmp or /dev/shm; no network at all
-  limits   neither works (a container without user namespaces, not root: the kit's image under Docker's defaults):
-           no namespaces; the code sees the workspace at its real path. Landlock alone keeps it in (below).
+  limits   neither works (a container without user namespaces, not root: the kit's image under Docker's defaults;
+           launcher.py passes the kit's seccomp profile so that bwrap runs there): no namespaces; the code sees the
+           workspace at its real path. Landlock alone keeps it in (below). A caller whose result depends on what the
+           code finds at the host's absolute paths (the checker) asks for `watch`: code that names or reaches a path
+           outside the workspace is not run, or stopped, and the result's `unseen` says which (watch.py)
 
 Landlock, in every mode (Linux 5.13+; confine.py): before the code starts, its first process confines itself and all
 it will start: it reads only the system directories and the workspace, writes only where the host's user may (its
