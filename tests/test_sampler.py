@@ -129,7 +129,19 @@ def test_the_nucleus_is_the_distribution_transformers_filtering_gives(options, s
     expected = sampler.top_k_top_p(logits, **options).softmax(dim=-1)
     ids, probs = sampler.nucleus(logits, **options)
     got = torch.zeros_like(expected).scatter_add_(-1, ids, probs)
-    assert torch.allclose(got, expected, atol=1e-6)
+    for r in range(len(logits)):
+        if torch.allclose(got[r], expected[r], atol=1e-6):
+            continue
+        # A float tie at the nucleus's edge (a flat row): a token whose more likely tokens hold top_p to within
+        # rounding may fall either side, summed in another order (transformers sums from the least likely end, and
+        # CPUs' kernels round differently). Only such a token may differ, and the rest is the same distribution.
+        full = sampler.top_k_top_p(logits[r:r + 1], **{**options, "top_p": 1.0})[0].softmax(-1)
+        order = full.argsort(descending=True)
+        before = torch.zeros_like(full).scatter_(0, order, full[order].cumsum(0) - full[order])
+        differ = ((got[r] > 0) != (expected[r] > 0)).nonzero().flatten()
+        assert len(differ) and (before[differ] - options["top_p"]).abs().max() < 1e-4, (r, differ)
+        kept = full * (got[r] > 0)
+        assert torch.allclose(got[r], kept / kept.sum(), atol=1e-6)
     draws = torch.stack([sampler.draw(logits, options) for _ in range(50)], dim=1)
     assert bool((expected.gather(-1, draws) > 0).all())  # only tokens the filters keep are ever drawn
 
