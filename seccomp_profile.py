@@ -8,7 +8,8 @@ Docker's default profile lets a container create namespaces (clone with CLONE_NE
 mount (mount, umount2, pivot_root) only when it holds CAP_SYS_ADMIN, which a `docker run` without --privileged does
 not. Without them bubblewrap cannot start, and the sandbox falls to `limits` mode: model-written code then runs
 without a mount namespace, and the checker cannot score an answer that names a host path (watch.py). This profile
-allows exactly those six calls to any process of the container, and changes nothing else. The kernel still checks
+allows exactly those six calls to any process of the container (and Landlock's three, where an older distribution's
+copy of the default lacks them: confine.py needs them in every mode), and changes nothing else. The kernel still checks
 every one of them: an unprivileged process gets the capabilities to mount only inside a user namespace of its own,
 over its own mounts (user_namespaces(7)); the container's capabilities and Docker's other rules are unchanged.
 
@@ -27,6 +28,8 @@ import sys
 from pathlib import Path
 
 BWRAP = ("clone", "unshare", "setns", "mount", "umount2", "pivot_root")  # what bubblewrap calls to set up its sandbox
+# confine.py's Landlock: in Docker's default since 2022 (moby#43199), added here where an older distribution's is not
+LANDLOCK = ("landlock_create_ruleset", "landlock_add_rule", "landlock_restrict_self")
 IN_IMAGE = "/opt/kit/seccomp.json"
 COMMENT = ("dpo-kit: bubblewrap's namespaces and mounts for model-written code (sandbox.py), without CAP_SYS_ADMIN; "
            "the kernel checks each (user_namespaces(7))")
@@ -53,7 +56,8 @@ def kit_profile(default: dict) -> dict:
     out = copy.deepcopy(default)
     out["syscalls"] = [r for r in out["syscalls"]
                        if not (r.get("action") == "SCMP_ACT_ALLOW" and r.get("args") and set(r.get("names", [])) <= {"clone"})]
-    out["syscalls"].append({"names": list(BWRAP), "action": "SCMP_ACT_ALLOW", "args": [], "comment": COMMENT,
+    names = list(BWRAP) + [n for n in LANDLOCK if n not in allowed(default)]
+    out["syscalls"].append({"names": names, "action": "SCMP_ACT_ALLOW", "args": [], "comment": COMMENT,
                             "includes": {}, "excludes": {}})
     return out
 
