@@ -313,6 +313,8 @@ def test_a_compared_row_is_kept_only_for_the_same_seed_arm_and_inputs(tmp_path):
     scored = [{"seed": 1, "method": "default", "digest": digest, "tuned": {"isolation": "limits"}}]
     assert compare.kept_row(scored, 1, "default", digest, "bwrap") is None  # scored in another sandbox mode
     assert compare.kept_row(scored, 1, "default", digest, "limits") is scored[0]
+    scored[0]["tuned"]["isolation"] = "unshare"  # the host planted at its real paths, as bwrap does
+    assert compare.kept_row(scored, 1, "default", digest, "bwrap") is scored[0]
     files = compare.input_files(str(logs), "", ["configs/demo.yaml"])
     assert files[:2] == [logs, compare.ROOT / "configs" / "demo.yaml"] and compare.ROOT / "data" / "runs.jsonl" in files
     # an arm's inputs hold the config it names, and no other: editing the recipe keeps KTO's and GRPO's rows
