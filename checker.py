@@ -526,6 +526,7 @@ def tally(checks: list) -> dict:
     n = len(scored)
     return {"answers": len(checks), "scored": n, "unscorable": len(checks) - n,
             "pass_rate": sum(c.outcome == "freed" for c in scored) / n if n else None,
+            "ran_rate": sum(c.outcome in ("freed", "no_effect") for c in scored) / n if n else None,
             "mean_score": sum(c.score for c in scored) / n if n else None,
             "outcomes": dict(Counter(c.outcome for c in checks)), "broke": sum(c.outcome == "broke" for c in scored),
             "kept_files_touched": sum(len(c.broken) for c in scored),
@@ -570,7 +571,7 @@ def check(code: str, host: str = CheckConfig.host, limits=None) -> Check:
                                   writable=None if host.privileged else (host.home, *USER_DIRS, *spool),
                                   shadow=KNOWN_TOOLS, watch=True)
         if result.unseen:  # limits mode: the answer looks where this mode cannot plant the host
-            return Check("unscorable", None, 0, [], result.reason, result.isolation, result.stdout[-2000:],
+            return Check(UNSCORABLE, None, 0, [], result.reason, result.isolation, result.stdout[-2000:],
                          result.landlock)
         if spool:
             docker_daemon(root.resolve())

@@ -90,14 +90,13 @@ def report_markdown(title: str, evaluation: dict, plots: list[str], metrics: lis
     lines = [f"# {title}", ""]
     kto = evaluation.get("held_out_kto")
     if kto:
-        num = lambda v, f: "n/a" if v is None else f"{v:{f}}"  # noqa: E731
         lines += ["## Held-out examples (KTO)", "",
                   f"{kto['base']['desirable']['examples']} desirable and {kto['base']['undesirable']['examples']} "
                   "undesirable examples from runs kept out of training. Mean log-likelihood per token of each "
                   "class's completions; gap = desirable minus undesirable (training should widen it).", "",
                   "| model | desirable (nats/token) | undesirable (nats/token) | gap |", "| --- | --- | --- | --- |"]
-        lines += [f"| {name} | {num(kto[name]['desirable']['logp_per_token'], '.3f')} | "
-                  f"{num(kto[name]['undesirable']['logp_per_token'], '.3f')} | {num(kto[name]['gap'], '+.3f')} |"
+        lines += [f"| {name} | {kit.num(kto[name]['desirable']['logp_per_token'], '.3f')} | "
+                  f"{kit.num(kto[name]['undesirable']['logp_per_token'], '.3f')} | {kit.num(kto[name]['gap'], '+.3f')} |"
                   for name in ("base", "tuned")] + [""]
         if acc:
             lines += ["The held-out runs' desirable answers against their undesirable ones to the same prompt, as "
@@ -114,7 +113,6 @@ def report_markdown(title: str, evaluation: dict, plots: list[str], metrics: lis
     execution = evaluation.get("execution")
     if execution:
         mode = execution["base"]["isolation"]
-        num = lambda v, f: "n/a" if v is None else f"{v:{f}}"  # noqa: E731
         lines += ["## Answers run by the checker", "",
                   f"Sandbox: **{mode} mode**, " + (f"Landlock ABI {execution['base']['landlock']}"
                                                     if execution['base'].get('landlock') else "no Landlock") + ". "
@@ -125,7 +123,7 @@ def report_markdown(title: str, evaluation: dict, plots: list[str], metrics: lis
         lines += [f"**{n}.**" for n in notes] + ([""] if notes else [])
         lines += ["| model | pass rate | mean score | outcomes | bytes freed | kept files touched |",
                   "| --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {name} | {num(execution[name]['pass_rate'], '.3f')} | {num(execution[name]['mean_score'], '+.4f')} | "
+        lines += [f"| {name} | {kit.num(execution[name]['pass_rate'], '.3f')} | {kit.num(execution[name]['mean_score'], '+.4f')} | "
                   + ", ".join(f"{k} {v}" for k, v in sorted(execution[name]["outcomes"].items())) + " | "
                   + (f"{execution[name]['freed_bytes'] / (1 << 20):,.0f} MB | {execution[name]['kept_files_touched']} |"
                      if "freed_bytes" in execution[name] else "n/a | n/a |")
@@ -134,9 +132,9 @@ def report_markdown(title: str, evaluation: dict, plots: list[str], metrics: lis
         if all(new):
             lines += [f"{execution['prompts'] - new[1]['prompts']} of the {execution['prompts']} prompts are word for "
                       "word a training record's prompt (the same strategy, retried on another run). On the other "
-                      f"{new[1]['prompts']}: pass rate {num(new[0]['pass_rate'], '.3f')} -> "
-                      f"{num(new[1]['pass_rate'], '.3f')}, mean score {num(new[0]['mean_score'], '+.4f')} -> "
-                      f"{num(new[1]['mean_score'], '+.4f')}, answers that deleted kept files {new[0]['broke']} -> "
+                      f"{new[1]['prompts']}: pass rate {kit.num(new[0]['pass_rate'], '.3f')} -> "
+                      f"{kit.num(new[1]['pass_rate'], '.3f')}, mean score {kit.num(new[0]['mean_score'], '+.4f')} -> "
+                      f"{kit.num(new[1]['mean_score'], '+.4f')}, answers that deleted kept files {new[0]['broke']} -> "
                       f"{new[1]['broke']}.", ""]
         lines += ["![execution.png](execution.png)", ""] if "execution.png" in plots else []
         story = side_by_side(execution)

@@ -210,6 +210,11 @@ def config_from(cfg_cls, values: dict, source: str):
     return checked(cfg_cls(**coerce(cfg_cls, values, source)), source)
 
 
+def num(value, spec: str) -> str:
+    """A number as `format(value, spec)`, or "n/a" for None (a rate over no answers, a figure not measured)."""
+    return "n/a" if value is None else format(value, spec)
+
+
 def run_cli(main, argv=None) -> int:
     """Run `main(argv)`, turning a UserError into `FILE:LINE: message` on stderr and exit 2."""
     try:

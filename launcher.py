@@ -281,6 +281,15 @@ def profile_path(cfg: LaunchConfig) -> str:
     return os.path.join(os.path.abspath(cfg.output_dir), "seccomp.json")
 
 
+def host_apparmor() -> bool:
+    """Whether this machine's kernel runs AppArmor (a dry run's guess at a local engine's; a real run asks the
+    engine)."""
+    try:
+        return Path("/sys/module/apparmor/parameters/enabled").read_text().strip() == "Y"
+    except OSError:
+        return False
+
+
 def sandbox_options(cfg: LaunchConfig, path: str, apparmor: bool, content: str | None = None) -> list[str]:
     """docker run's --security-opt values for --sandbox: the profile by its content (the Docker API's form) or by
     its path (the docker CLI's, and podman's API), and AppArmor off where the engine runs it. [] for runtime."""
@@ -303,8 +312,8 @@ def docker_run_cli(spec: dict, gpus: str = "", interactive: bool = False) -> str
         args += ["-e", key]
     for key, value in spec["labels"].items():
         args += ["--label", f"{key}={value}"]
-    for opt in spec.get("security_opt", []):
-        args += ["--security-opt", opt if len(opt) < 1000 else opt.split("=")[0] + "=<the profile's JSON>"]
+    for opt in spec.get("security_opt", []):  # the profile by its path, as the docker CLI takes it
+        args += ["--security-opt", opt]
     if spec["entrypoint"]:
         args += ["--entrypoint", spec["entrypoint"][0]]
     return shlex.join([*args, spec["image"], *spec["command"]])
@@ -560,13 +569,11 @@ def main(argv=None) -> int:
     jobs.append((cfg.action, run_spec(cfg, ref, paths, extra, user, env)))
 
     if cfg.dry_run:
-        local_apparmor = Path("/sys/module/apparmor/parameters/enabled").is_file() and \
-            Path("/sys/module/apparmor/parameters/enabled").read_text().strip() == "Y"
         if cfg.sandbox == "kit":
             print(f"# the kit's seccomp profile, out of the image:\n"
                   f"docker run --rm --entrypoint cat {ref} {seccomp_profile.IN_IMAGE} > {profile_path(cfg)}")
         for what, spec in jobs:
-            spec["security_opt"] = sandbox_options(cfg, profile_path(cfg), local_apparmor)
+            spec["security_opt"] = sandbox_options(cfg, profile_path(cfg), host_apparmor())
             print(f"# {what}\n{docker_run_cli(spec, cfg.gpus, interactive=cfg.action == 'shell' and not extra)}")
         if jobs[-1][1]["command"][0] == "launch":  # what `entrypoint.py launch` runs in the container
             cmd = jobs[-1][1]["command"]

@@ -206,12 +206,11 @@ def checker_rewards(checked: Checked):
 
         results = checked.results(prompts, completions, host or [None] * len(prompts))
         if log_metric is not None:  # TRL averages them per logged step: the progress line's pass rate
-            scored = [r for r in results if r.outcome != checker.UNSCORABLE] or [None]
-            log_metric("pass_rate", sum(r is not None and r.outcome == "freed" for r in scored) / len(scored))
-            log_metric("ran_rate", sum(r is not None and r.outcome in ("freed", "no_effect") for r in scored)
-                       / len(scored))
-            log_metric("broke_rate", sum(r is not None and r.outcome == "broke" for r in scored) / len(scored))
-            log_metric("unscorable_rate", sum(r.outcome == checker.UNSCORABLE for r in results) / len(results))
+            t = checker.tally(results)  # rates over the answers that could be scored (0 when none could)
+            log_metric("pass_rate", t["pass_rate"] or 0.0)
+            log_metric("ran_rate", t["ran_rate"] or 0.0)
+            log_metric("broke_rate", t["broke"] / max(t["scored"], 1))
+            log_metric("unscorable_rate", t["unscorable"] / len(results))
         checked.say_unscorable(results)
         return [r.score for r in results]  # None where limits mode could not score it: TRL leaves it out (no advantage)
 

@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 import ranks
-from kit import UserError, atomic_write_bytes, atomic_write_json, atomic_write_text, sha256_file
+from kit import UserError, atomic_write_bytes, atomic_write_json, atomic_write_text, num, sha256_file
 
 # May differ on resume: the step budget and logging, and how the same values are computed (so a run
 # stopped before --fused_ops / --share_prompts existed, whose config lacks them, resumes with them on).
@@ -555,7 +555,6 @@ def describe_run(manifest: dict) -> str:
                      f"{manifest['eval']['tuned']:.3f} (tuned); see report.md")
     if manifest.get("execution"):
         e = manifest["execution"]
-        num = lambda v, f: "n/a" if v is None else f"{v:{f}}"  # noqa: E731
         lines.append(f"checker:        held-out answers' pass rate {num(e['base']['pass_rate'], '.3f')} (base) -> "
                      f"{num(e['tuned']['pass_rate'], '.3f')} (tuned), mean score "
                      f"{num(e['base']['mean_score'], '+.4f')} -> {num(e['tuned']['mean_score'], '+.4f')}"

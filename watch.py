@@ -212,8 +212,12 @@ def install_from_env() -> None:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--scan"] and len(argv) == 2:
-        with open(argv[1], encoding="utf-8") as f:
-            print(json.dumps(named_paths(f.read())))
+        try:
+            with open(argv[1], encoding="utf-8") as f:
+                print(json.dumps(named_paths(f.read())))
+        except (OSError, UnicodeDecodeError) as e:
+            print(f"{argv[1]}: cannot read it: {e}", file=sys.stderr)
+            return 2
         return 0
     if len(argv) != 1:
         print("usage: watch.py ANSWER.py | watch.py --scan ANSWER.py", file=sys.stderr)

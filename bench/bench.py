@@ -392,7 +392,6 @@ def result_cases(results: dict) -> list[dict]:
 
 def markdown(results: dict) -> str:
     m, cuda = results["machine"], results.get("device") == "cuda"
-    num = lambda v, f: "n/a" if v is None else f"{v:{f}}"  # noqa: E731
     peak = "bfloat16" if cuda else "float32"  # the dtype the default mode's matmuls run in there
     model = results.get("model")
     lines = [f"# dpo-kit benchmark ({'QUICK' if results['quick'] else 'full'}{', CUDA' if cuda else ''})", "",
@@ -428,7 +427,7 @@ def markdown(results: dict) -> str:
                 lines.append(f"{head} {'failed: ' + r['error'][:80] if 'error' in r else r['skipped']} |||||||||")
                 continue
             lines.append(f"{head} {r.get('dtype', 'float32')} | {r['pairs_per_s']:.3f} | {r['tokens_per_s']:.0f} "
-                         f"| {r['step_s']:.2f} | {num(r['gflops'], '.1f')} | {num(r['mfu'], '.1%')} | {r['peak_train_mb']:,.0f}"
+                         f"| {r['step_s']:.2f} | {kit.num(r['gflops'], '.1f')} | {kit.num(r['mfu'], '.1%')} | {r['peak_train_mb']:,.0f}"
                          + (f" / {r['peak_gpu_reserved_mb']:,.0f}" if r.get("peak_gpu_reserved_mb") else "")
                          + f" | {r['startup_s']:.1f} | {r['precompute_s']:.1f} | {r.get('last_loss', float('nan')):.4f} |")
     if "kto" in results["train"]:

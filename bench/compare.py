@@ -174,7 +174,6 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def table(rows: list[dict], summary: dict) -> str:
-    num = lambda v, f: "n/a" if v is None else f"{v:{f}}"  # noqa: E731
     lines = ["| method | held-out mean checker score | pass rate | answers that deleted kept files, all seeds | seeds "
              "| sandbox mode (answers it could not score) |",
              "| --- | --- | --- | --- | --- | --- |"]
@@ -187,9 +186,9 @@ def table(rows: list[dict], summary: dict) -> str:
               "minutes (run start to handoff; rounds: its stages', summed) | trained at (commit, date, device) |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['seed']} | {r['method']} | {row_mode(r)} | {num(r['base']['mean_score'], '+.4f')} | "
-                     f"{num(r['tuned']['mean_score'], '+.4f')} "
-                     f"| {num(r['base']['pass_rate'], '.3f')} | {num(r['tuned']['pass_rate'], '.3f')} | "
+        lines.append(f"| {r['seed']} | {r['method']} | {row_mode(r)} | {kit.num(r['base']['mean_score'], '+.4f')} | "
+                     f"{kit.num(r['tuned']['mean_score'], '+.4f')} "
+                     f"| {kit.num(r['base']['pass_rate'], '.3f')} | {kit.num(r['tuned']['pass_rate'], '.3f')} | "
                      + ", ".join(f"{k} {v}" for k, v in sorted(r["tuned"]["outcomes"].items()))
                      + f" | {r['steps']} | {r['minutes']:.1f} | {(r.get('commit') or '?')[:7]} {r.get('date', '?')}"
                      + f" {r.get('device') or ''}".rstrip() + " |")

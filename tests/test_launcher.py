@@ -181,10 +181,6 @@ def run_launcher(*args, env=None):
                           cwd=ROOT, env={**os.environ, **(env or {})}, timeout=120)
 
 
-APPARMOR = Path("/sys/module/apparmor/parameters/enabled").is_file() and \
-    Path("/sys/module/apparmor/parameters/enabled").read_text().strip() == "Y"
-
-
 def test_sandbox_options_pass_the_profile_by_content_or_path_and_turn_apparmor_off_only_where_it_runs():
     kit_cfg, runtime = launcher.LaunchConfig(), launcher.LaunchConfig(sandbox="runtime")
     assert launcher.sandbox_options(kit_cfg, "/a/seccomp.json", False) == ["seccomp=/a/seccomp.json"]
@@ -208,7 +204,7 @@ def test_dry_run_prints_pairs_then_train_without_any_engine(tmp_path):
     assert all(f"--security-opt seccomp={tmp_path}/a/seccomp.json" in line for line in lines if line.startswith("docker"))
     assert lines[-1].endswith(f"-v {tmp_path}/a/pairs/runs.pairs.jsonl:/data/runs.pairs.jsonl:ro --label dpo-kit=1 "
                               "--label dpo-kit.action=train --security-opt seccomp=" + f"{tmp_path}/a/seccomp.json"
-                              + (" --security-opt apparmor=unconfined" if APPARMOR else "")
+                              + (" --security-opt apparmor=unconfined" if launcher.host_apparmor() else "")
                               + " dpo-kit:t1 train --data /data/runs.pairs.jsonl "
                               "--output_dir /artifacts --eval_prompts /artifacts/pairs/runs.prompts.jsonl --max_steps 2")
     assert not (tmp_path / "a").exists()  # a dry run writes nothing
