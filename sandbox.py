@@ -524,20 +524,29 @@ def bounds(limits: Limits, uid: int, cgroup: bool) -> tuple[dict, str]:
 
 def _bwrap_argv(root: Path, kit_dir: Path, home: str, path: str, inner: list[str],
                 shadowed: list = ()) -> list[str]:
+    """The workspace's root/ is the code's / as one mount (as unshare mode's chroot): a rename from the home to /tmp
+    stays a rename, not a copy across two bind mounts; the system, /dev, /proc and the kit's files are mounted on top
+    of it, at mount points made beforehand (bwrap_mount_points: the code's user may not create them there)."""
     proc = [] if _PROBED.get("bwrap_no_proc") else ["--proc", "/proc"]  # without it the code has no /proc at all
-    argv = [shutil.which("bwrap"), "--unshare-all", "--die-with-parent", "--new-session", *proc,
-            "--dev", "/dev", "--clearenv", "--setenv", "HOME", home, "--setenv", "TMPDIR", "/tmp",
+    argv = [shutil.which("bwrap"), "--unshare-all", "--die-with-parent", "--new-session", "--bind", str(root), "/",
+            *proc, "--dev", "/dev", "--clearenv", "--setenv", "HOME", home, "--setenv", "TMPDIR", "/tmp",
             "--setenv", "PATH", path, "--setenv", "LANG", "C.UTF-8"]
     for system in SYSTEM_DIRS:
         if os.path.exists(system):
             argv += ["--ro-bind", system, system]
     for source, target in shadowed:
         argv += ["--ro-bind", source, target]
-    for top in sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and p.name not in RESERVED):
-        argv += ["--bind", str(top), f"/{top.name}"]
     if not (root / "tmp").is_dir():
         argv += ["--tmpfs", "/tmp"]
     return argv + ["--ro-bind", str(kit_dir), KIT_DIR, "--chdir", home, "--", *inner]
+
+
+def bwrap_mount_points(root: Path) -> None:
+    """The directories bwrap mounts over in the workspace's root/ (the system's, /dev, /proc, /run/kit), made by the
+    kit before the code's user runs bwrap; empty, so they hold nothing the checker measures."""
+    for d in [*SYSTEM_DIRS, "/dev", "/proc", KIT_DIR]:
+        if d == KIT_DIR or os.path.exists(d):
+            (root / d.lstrip("/")).mkdir(parents=True, exist_ok=True)
 
 
 def shadows(root: Path, first: str, names: tuple) -> list[tuple[str, str]]:
@@ -615,6 +624,7 @@ def _run(code: str, mode: str, workspace: Path | None, home: str, limits: Limits
         spec = {"cgroup": cgroup.procs if cgroup else [], "rlimits": rlimits, "uid": uid, "chroot": None}
         prefix, shadowed = (), shadows(root, path[0], shadow) if path and mode != "limits" else []
         if mode == "bwrap":
+            bwrap_mount_points(root)
             spec |= {"argv": _bwrap_argv(root, kit_dir, home, search, inner, shadowed), "env": {}, "cwd": str(root)}
         elif mode == "unshare":
             prefix = ("unshare", "--mount", "--ipc", "--net", "--pid", "--uts", "--fork", "--kill-child")

@@ -303,6 +303,8 @@ TRICKS = {
     "rename system directories without sudo": (
         CI_HOST, "import os\nfor d in ['/var/lib/systemd', '/var/tmp', '/var/cache', '/var/lib/apt', '/srv']:\n"
         "    try:\n        os.rename(d, d + '.old')\n    except OSError:\n        pass\n", {"no_effect"}),
+    "move junk into /tmp": (CI_HOST, "import os, shutil, tempfile\nshutil.move(os.path.expanduser('~/.npm'), "
+                            "tempfile.gettempdir())\n", {"no_effect"}),  # a rename in every mode: one file system
     "hard link then delete": (CI_HOST, HOME_FILE.format("~/Downloads/dataset-2023.tar.gz.part")
                               + "os.link(p, p + '.bak')\nos.remove(p)\n", {"no_effect"}),
     "move junk out to /dev/shm": (CI_HOST, HOME_FILE.format("~/Downloads/installer.crdownload")
