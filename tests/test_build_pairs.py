@@ -531,7 +531,7 @@ def test_demo_logs_with_emit_kto_use_every_run(tmp_path, capsys):
     assert all(list(line) == ["prompt", "completion", "label", "meta"] and line["label"] in (True, False)
                and line["completion"][0]["role"] == "assistant" for line in lines)
     records, stats = formats.load_pairs(str(tmp_path / "pairs.jsonl"))  # what train_dpo.py reads: KTO, by run
-    assert stats["format"] == "kto" and len(records) == len(lines) and len({r["_run"] for r in records}) == 54
+    assert stats["format"] == "kto" and len(records) == len(lines) and len({r["_run"] for r in records}) == 57
     labels = report["examples_by_label"]
     assert (f"examples written: {len(lines)} ({labels['desirable']} desirable, {labels['undesirable']} undesirable) "
             f"from {report['runs_used']} of {report['runs_read']} runs") in capsys.readouterr().err
@@ -866,8 +866,8 @@ def test_extra_run_files_read_after_the_first_give_what_the_files_joined_give(tm
                                   "--prompts", str(tmp_path / "p"))
     assert code == code2 == 0 and parts == joined and len(parts) > 20
     assert (tmp_path / "p").read_bytes() == (whole / "p").read_bytes()  # one prompt per (strategy, host)
-    assert report2["extra_runs"] == [str(second), str(third)] and report2["runs_read"] == report["runs_read"] == 54
-    assert f"54 runs read from {first} + {second} + {third}" in capsys.readouterr().err
+    assert report2["extra_runs"] == [str(second), str(third)] and report2["runs_read"] == report["runs_read"] == 57
+    assert f"57 runs read from {first} + {second} + {third}" in capsys.readouterr().err
     third.write_text("".join(lines[35:37]) + "{not json\n")
     code3, _, _ = build(tmp_path, first, "--emit", emit, "--extra_runs", f"{second},{third}")
     assert code3 == 2 and f"{third}:3:" in capsys.readouterr().err  # the file and its own line

@@ -172,7 +172,7 @@ def test_grpo_problems_are_reported_together():
 
 def test_grpo_reads_run_logs_or_a_prompts_file_and_holds_out_by_run(tmp_path):
     rows, fmt = methods.load_prompts(str(ROOT / "data" / "runs.jsonl"))
-    assert fmt == "run_logs" and len(rows) == 54 and all("Host " in r["host"] for r in rows)
+    assert fmt == "run_logs" and len(rows) == 57 and all("Host " in r["host"] for r in rows)
     assert methods.holds_prompts(methods.first_record(str(ROOT / "data" / "runs.jsonl")))
     assert not methods.holds_prompts({"prompt": "q", "chosen": "a", "rejected": "b"})
     assert methods.holds_prompts({"prompt": "q", "host": "h"})
