@@ -47,6 +47,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import warnings
 from array import array
@@ -294,11 +295,14 @@ def parse_run(obj, path, line: int, score_key: str = "space_freed", surrogates: 
 # ---------------------------------------------------------------------------------------------
 
 def host_of_run(run: Run) -> str:
-    """The host line of a run's prompt (its message tagged get_basic_env_plist, else every message's text)."""
+    """The host line of a run's prompt: its message tagged get_basic_env_plist, else the first message that names a
+    host ("Host web-prod-11, ..."), else every message's text. Untagged logs are the common case (an agent's own
+    logs); the system message's words ("never delete user data") must not be read as the host's user."""
     for message, tag in zip(run.messages, run.tags or ()):
         if tag == "get_basic_env_plist":
             return message["content"]
-    return " ".join(m["content"] for m in run.messages if isinstance(m.get("content"), str))
+    texts = [m["content"] for m in run.messages if isinstance(m.get("content"), str)]
+    return next((t for t in texts if re.search(r"\bHost [\w.-]+", t)), " ".join(texts))
 
 
 def read_runs(path: str, score_key: str = PairsConfig.score_key, skip_invalid: bool = False):

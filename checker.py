@@ -195,6 +195,11 @@ class Host:
 
 
 def parse_host(description: str) -> Host:
+    """The host a prompt describes; where it names one ("Host web-prod-11, Debian 12, ... running as root"), from
+    there to the end of that line alone, so other words of the prompt ("never delete user data") are not read as
+    its user."""
+    line = re.search(r"\bHost [\w.-]+[^\n]*", description)
+    description = line.group(0) if line else description
     name = re.search(r"\bHost ([\w.-]+)", description)
     user = re.search(r"\buser ([a-z_][a-z0-9_.-]*)", description)
     sudo = bool(re.search(r"\bsudo\b", description)) and not re.search(r"\bno sudo\b", description)

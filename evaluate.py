@@ -36,7 +36,7 @@ class EvalOptions:
     """Held-out pairs, the checker's scores of sampled answers, retention probes."""
     eval_fraction: float = field(0.2, "share of pairs (and prompts) held out of training, chosen by a hash of each "
                                  "pair's run, else of the pair (stable as the file grows); 0 = none. On the demo "
-                                 "logs 0.2 holds out 8 of 54 runs: 11 pairs, 8 prompts for the checker")
+                                 "logs 0.2 holds out 8 of 57 runs: 11 pairs, 8 prompts for the checker")
     eval_steps: int = field(5, "TRL's eval metrics on the held-out pairs every N steps")
     early_stopping_patience: int = field(0, "stop after N evaluations without a lower held-out loss and keep "
                                          "the best checkpoint; 0 = off")
