@@ -55,6 +55,12 @@ class ChatTool(BaseModel):
     function: FunctionDef
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: Optional[bool] = None  # a last chunk with no choices and the request's usage
+    include_obfuscation: Optional[bool] = None  # random padding in each chunk (OpenAI's default: on)
+
+
 class ChatRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str
@@ -66,7 +72,7 @@ class ChatRequest(BaseModel):
     seed: Optional[Annotated[int, Field(ge=-2 ** 63, lt=2 ** 64)]] = None  # torch.manual_seed's range
     n: Optional[Annotated[int, Field(ge=1, le=1)]] = None
     stream: Optional[bool] = None
-    stream_options: Optional[dict] = None
+    stream_options: Optional[StreamOptions] = None
     stop: Union[str, list[str], None] = None
     tools: Optional[list[ChatTool]] = None  # rendered by the model's chat template; calls parsed from <tool_call>
     tool_choice: Union[Literal["none", "auto", "required"], dict, None] = None
@@ -241,15 +247,25 @@ def chat_completions(svc: Svc, body: ChatRequest):
         hits = [answer.index(s) for s in stops if s and s in answer]
         return (answer[:min(hits)], True) if hits else (answer, False)
 
-    def chunk(delta: dict, finish=None) -> str:
-        return "data: " + json.dumps({"object": "svc.chat.completion.chunk", "id": completion_id, "created": created,
-                                      "model": body.model, "choices": [{"index": 0, "delta": delta,
-                                                                       "finish_reason": finish}]}) + "\n\n"
+    stream_options = body.stream_options or StreamOptions()
+    if stream_options.model_fields_set and not body.stream:
+        raise ApiError(400, "stream_options: only with stream=true", "stream_options")
+
+    def chunk(delta: dict | None, finish=None, usage: tuple | None = None) -> str:
+        """One server-sent event; delta None: the usage chunk (no choices) that include_usage asks for last."""
+        event = {"object": "chat.completion.chunk", "id": completion_id, "created": created, "model": body.model,
+                 "choices": [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        if stream_options.include_usage:  # null on every chunk but the last, as OpenAI sends them
+            event["usage"] = None if usage is None else {"prompt_tokens": usage[0], "completion_tokens": usage[1],
+                                                         "total_tokens": usage[0] + usage[1]}
+        if stream_options.include_obfuscation:  # random characters that vary each event's length
+            event["obfuscation"] = secrets.token_urlsafe(secrets.randbelow(24) + 1)
+        return "data: " + json.dumps(event) + "\n\n"
 
     if body.stream and calls_parsed:  # a call is known only once the answer is whole: sent in one piece
         def whole():
             with svc.chat.lock:
-                answer, _, n_completion = svc.chat.generate(model, tokenizer, text, options)
+                answer, n_prompt, n_completion = svc.chat.generate(model, tokenizer, text, options)
             answer, stopped = cut(answer)
             words, calls = tool_calls_in(answer)
             yield chunk({"role": "assistant", "content": ""})
@@ -259,6 +275,8 @@ def chat_completions(svc: Svc, body: ChatRequest):
                 yield chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
             yield chunk({}, "tool_calls" if calls else "stop" if stopped or n_completion < options["max_tokens"]
                         else "length")
+            if stream_options.include_usage:
+                yield chunk(None, usage=(n_prompt, n_completion))
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(whole(), media_type="text/event-stream")
@@ -284,6 +302,8 @@ def chat_completions(svc: Svc, body: ChatRequest):
                 worker.join()
             finish = "stop" if stopped or result.get("completion", 0) < options["max_tokens"] else "length"
             yield chunk({}, finish)
+            if stream_options.include_usage:
+                yield chunk(None, usage=(result.get("prompt", 0), result.get("completion", 0)))
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -293,7 +313,7 @@ def chat_completions(svc: Svc, body: ChatRequest):
     words, calls = tool_calls_in(answer) if calls_parsed else (answer, [])
     message = {"role": "assistant", "content": words} | ({"tool_calls": calls} if calls else {})
     finish = "tool_calls" if calls else "stop" if stopped or n_completion < options["max_tokens"] else "length"
-    return {"object": "svc.chat.completion", "id": completion_id, "created": created, "model": body.model,
+    return {"object": "chat.completion", "id": completion_id, "created": created, "model": body.model,
             "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
                       "total_tokens": n_prompt + n_completion}}

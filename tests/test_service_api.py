@@ -298,6 +298,20 @@ def test_chat_with_tools_renders_them_through_a_template_that_can_and_refuses_on
     chunks = list(sdk.chat.completions.create(model=TOOLS_MODEL, messages=ask, tools=CHAT_TOOLS, max_tokens=8,
                                               temperature=0, stream=True))
     assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+    # The SDK does not check `object`; clients that dispatch on it (as OpenAI documents them) do.
+    assert (reply.object, {c.object for c in chunks}) == ("chat.completion", {"chat.completion.chunk"})
+    # stream_options.include_usage: a last chunk with no choices and the usage, each chunk before it usage null.
+    for extra in ({"tools": CHAT_TOOLS}, {}):  # the whole-answer path (tools) and the token-by-token one
+        counted = list(sdk.chat.completions.create(model=TOOLS_MODEL, messages=ask, max_tokens=8, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True,
+                                                                                "include_obfuscation": True}, **extra))
+        last, before = counted[-1], counted[:-1]
+        assert last.choices == [] and last.usage.total_tokens == last.usage.prompt_tokens + last.usage.completion_tokens
+        assert last.usage.prompt_tokens > 0 and 0 < last.usage.completion_tokens <= 8
+        assert all(c.usage is None and c.choices for c in before) and before[-1].choices[0].finish_reason
+        assert all(getattr(c, "obfuscation", None) for c in counted)
+    with pytest.raises(openai.BadRequestError, match="stream_options"):
+        sdk.chat.completions.create(model=TOOLS_MODEL, messages=ask, max_tokens=2, stream_options={"include_usage": True})
     for model, kwargs, param in ((BUNDLED, {"tools": CHAT_TOOLS}, "tools"), (BUNDLED, {"messages": history}, "messages"),
                                  (TOOLS_MODEL, {"tools": CHAT_TOOLS, "tool_choice": "required"}, "tool_choice")):
         with pytest.raises(openai.BadRequestError) as e:
