@@ -1,6 +1,6 @@
 """OpenAI's models and chat completions for the jobs service (service.py assembles it): a base or a fine-tuned
 model loaded as `make chat` loads it, kept warm (--warm_models), one generation at a time; streamed as
-server-sent events when asked. Tools go through the model's chat template (a run trained with --chat_template
+server-sent events when asked; n answers in one batch, with their tokens' log-probabilities when asked. Tools go through the model's chat template (a run trained with --chat_template
 chatml-tools carries one that renders them) and the answer's <tool_call> blocks come back as OpenAI tool calls.
 Text parts only: another content part, or a field the kit cannot honour, is a 400 naming it."""
 
@@ -23,6 +23,7 @@ from jobs import new_id, now
 from service import ApiError, Svc, parse_model_map
 
 GREEDY_BELOW = 1e-4  # a chat temperature under this samples greedily (see Models.generate)
+MAX_CHOICES = 8  # n: answers sampled together, one batch
 
 
 class TextPart(BaseModel):
@@ -70,7 +71,9 @@ class ChatRequest(BaseModel):
     temperature: Optional[Annotated[float, Field(ge=0, le=2)]] = None
     top_p: Optional[Annotated[float, Field(gt=0, le=1)]] = None
     seed: Optional[Annotated[int, Field(ge=-2 ** 63, lt=2 ** 64)]] = None  # torch.manual_seed's range
-    n: Optional[Annotated[int, Field(ge=1, le=1)]] = None
+    n: Optional[Annotated[int, Field(ge=1, le=MAX_CHOICES)]] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None  # OpenAI's range
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
     stop: Union[str, list[str], None] = None
@@ -157,6 +160,39 @@ class Chat:
         answer = tokenizer.decode(completion, skip_special_tokens=True).strip()
         return answer, int(batch["input_ids"].shape[1]), int(completion.shape[0])
 
+    def sample(self, model, tokenizer, text: str, options: dict) -> tuple[int, list[dict]]:
+        """(prompt tokens, n choices), all sampled in one batch: each {"text", "tokens" (ids, its end token
+        included), "logprobs" (with options["logprobs"]: each token's log-probability under the model's own
+        distribution, and its top_logprobs alternatives, OpenAI's shape)}."""
+        import torch
+
+        batch = tokenizer([text], return_tensors="pt", add_special_tokens=not tokenizer.chat_template).to(model.device)
+        if options.get("seed") is not None:
+            torch.manual_seed(options["seed"])
+        temperature, n = options.get("temperature", 1.0), options.get("n", 1)
+        sampling = {"do_sample": True, "temperature": temperature, "top_p": options.get("top_p", 1.0)} \
+            if temperature and temperature >= GREEDY_BELOW else {"do_sample": False}
+        eos = getattr(model.generation_config, "eos_token_id", None)
+        ends = ({*eos} if isinstance(eos, list) else {eos}) | {tokenizer.eos_token_id}
+        drawn = n if sampling["do_sample"] else 1  # greedy answers are all the same: one, given n times
+        with torch.no_grad():
+            out = model.generate(**batch, max_new_tokens=options["max_tokens"], num_return_sequences=drawn,
+                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+                                 return_dict_in_generate=True, output_logits=bool(options.get("logprobs")), **sampling)
+        start, choices = batch["input_ids"].shape[1], []
+        for i in (j % drawn for j in range(n)):
+            ids = out.sequences[i, start:].tolist()
+            length = next((k + 1 for k, t in enumerate(ids) if t in ends), len(ids))
+            ids = ids[:length]
+            choice = {"text": tokenizer.decode(ids, skip_special_tokens=True).strip(), "tokens": ids, "logprobs": None}
+            if options.get("logprobs"):  # the answer's tokens, not the end token that closed it (as OpenAI's)
+                shown = ids[:-1] if ids and ids[-1] in ends else ids
+                steps = torch.stack([out.logits[k][i] for k in range(len(shown))]).float().log_softmax(-1) \
+                    if shown else None
+                choice["logprobs"] = token_logprobs(tokenizer, shown, steps, options.get("top_logprobs") or 0)
+            choices.append(choice)
+        return int(start), choices
+
     def load(self, svc, name: str):
         """(model, tokenizer) for a model name the service knows: a succeeded job's or a base; 404 otherwise."""
         job = svc.tuned_job(name)
@@ -183,6 +219,44 @@ def render(tokenizer, messages: list[dict], name: str, tools: list | None = None
     except Exception as e:  # noqa: BLE001 - jinja's errors, a None content concatenated, ...
         raise ApiError(400, f"messages: model {name!r}'s chat template cannot render them "
                        f"({type(e).__name__}: {str(e)[:200]})", "messages") from None
+
+
+def token_logprobs(tokenizer, ids: list[int], steps, top: int) -> list[dict]:
+    """OpenAI's logprobs.content: each generated token, its log-probability, its UTF-8 bytes and the `top` most
+    likely tokens at its step (steps: [tokens, vocab] log-probabilities, as the model gave them before sampling)."""
+    def entry(token_id: int, logprob: float) -> dict:
+        piece = tokenizer.decode([token_id])
+        return {"token": piece, "logprob": max(logprob, -9999.0), "bytes": list(piece.encode("utf-8"))}
+
+    out = []
+    for k, token_id in enumerate(ids):
+        item = entry(token_id, float(steps[k, token_id]))
+        values, indices = steps[k].topk(top) if top else ((), ())
+        item["top_logprobs"] = [entry(int(j), float(v)) for v, j in zip(values, indices)]
+        out.append(item)
+    return out
+
+
+def choices_of(sampled: list[dict], cut, calls_parsed: bool, max_tokens: int) -> list[dict]:
+    """Each sampled answer (Chat.sample) as a choice: cut at the first stop string (its logprobs to the tokens
+    kept), its tool calls parsed when the request has tools, its finish reason."""
+    out = []
+    for i, s in enumerate(sampled):
+        answer, stopped = cut(s["text"])
+        words, calls = tool_calls_in(answer) if calls_parsed else (answer, [])
+        logprobs = None
+        if s["logprobs"] is not None:
+            kept, shown = [], ""
+            for item in s["logprobs"]:
+                if stopped and len((shown + item["token"]).strip()) > len(answer):
+                    break
+                shown += item["token"]
+                kept.append(item)
+            logprobs = {"content": kept, "refusal": None}
+        finish = "tool_calls" if calls else "stop" if stopped or len(s["tokens"]) < max_tokens else "length"
+        out.append({"index": i, "words": words, "calls": calls, "finish": finish, "logprobs": logprobs,
+                    "tokens": len(s["tokens"])})
+    return out
 
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -251,10 +325,11 @@ def chat_completions(svc: Svc, body: ChatRequest):
     if stream_options.model_fields_set and not body.stream:
         raise ApiError(400, "stream_options: only with stream=true", "stream_options")
 
-    def chunk(delta: dict | None, finish=None, usage: tuple | None = None) -> str:
+    def chunk(delta: dict | None, finish=None, usage: tuple | None = None, index: int = 0, logprobs=None) -> str:
         """One server-sent event; delta None: the usage chunk (no choices) that include_usage asks for last."""
         event = {"object": "chat.completion.chunk", "id": completion_id, "created": created, "model": body.model,
-                 "choices": [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]}
+                 "choices": [] if delta is None else [{"index": index, "delta": delta, "finish_reason": finish}
+                                                      | ({"logprobs": logprobs} if logprobs else {})]}
         if stream_options.include_usage:  # null on every chunk but the last, as OpenAI sends them
             event["usage"] = None if usage is None else {"prompt_tokens": usage[0], "completion_tokens": usage[1],
                                                          "total_tokens": usage[0] + usage[1]}
@@ -262,21 +337,26 @@ def chat_completions(svc: Svc, body: ChatRequest):
             event["obfuscation"] = secrets.token_urlsafe(secrets.randbelow(24) + 1)
         return "data: " + json.dumps(event) + "\n\n"
 
-    if body.stream and calls_parsed:  # a call is known only once the answer is whole: sent in one piece
+    n = body.n or 1
+    options |= {"n": n, "logprobs": bool(body.logprobs), "top_logprobs": body.top_logprobs}
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs: only with logprobs=true", "top_logprobs")
+
+    if body.stream and (calls_parsed or n > 1 or body.logprobs):  # whole answers first, then sent in pieces
         def whole():
             with svc.chat.lock:
-                answer, n_prompt, n_completion = svc.chat.generate(model, tokenizer, text, options)
-            answer, stopped = cut(answer)
-            words, calls = tool_calls_in(answer)
-            yield chunk({"role": "assistant", "content": ""})
-            if words:
-                yield chunk({"content": words})
-            if calls:
-                yield chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
-            yield chunk({}, "tool_calls" if calls else "stop" if stopped or n_completion < options["max_tokens"]
-                        else "length")
+                n_prompt, sampled = svc.chat.sample(model, tokenizer, text, options)
+            choices = choices_of(sampled, cut, calls_parsed, options["max_tokens"])
+            for c in choices:
+                yield chunk({"role": "assistant", "content": ""}, index=c["index"])
+                if c["words"]:
+                    yield chunk({"content": c["words"]}, index=c["index"], logprobs=c["logprobs"])
+                if c["calls"]:
+                    yield chunk({"tool_calls": [{"index": i, **call} for i, call in enumerate(c["calls"])]},
+                                index=c["index"])
+                yield chunk({}, c["finish"], index=c["index"])
             if stream_options.include_usage:
-                yield chunk(None, usage=(n_prompt, n_completion))
+                yield chunk(None, usage=(n_prompt, sum(c["tokens"] for c in choices)))
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(whole(), media_type="text/event-stream")
@@ -308,12 +388,12 @@ def chat_completions(svc: Svc, body: ChatRequest):
 
         return StreamingResponse(events(), media_type="text/event-stream")
     with svc.chat.lock:
-        answer, n_prompt, n_completion = svc.chat.generate(model, tokenizer, text, options)
-    answer, stopped = cut(answer)
-    words, calls = tool_calls_in(answer) if calls_parsed else (answer, [])
-    message = {"role": "assistant", "content": words} | ({"tool_calls": calls} if calls else {})
-    finish = "tool_calls" if calls else "stop" if stopped or n_completion < options["max_tokens"] else "length"
+        n_prompt, sampled = svc.chat.sample(model, tokenizer, text, options)
+    choices = choices_of(sampled, cut, calls_parsed, options["max_tokens"])
+    n_completion = sum(c["tokens"] for c in choices)
     return {"object": "chat.completion", "id": completion_id, "created": created, "model": body.model,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+            "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["words"]} | (
+                {"tool_calls": c["calls"]} if c["calls"] else {}), "finish_reason": c["finish"],
+                "logprobs": c["logprobs"]} for c in choices],
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
                       "total_tokens": n_prompt + n_completion}}

@@ -300,6 +300,19 @@ def test_chat_with_tools_renders_them_through_a_template_that_can_and_refuses_on
     assert chunks[-1].choices[0].finish_reason == choice.finish_reason
     # The SDK does not check `object`; clients that dispatch on it (as OpenAI documents them) do.
     assert (reply.object, {c.object for c in chunks}) == ("chat.completion", {"chat.completion.chunk"})
+    for model, kwargs, param in ((BUNDLED, {"tools": CHAT_TOOLS}, "tools"), (BUNDLED, {"messages": history}, "messages"),
+                                 (TOOLS_MODEL, {"tools": CHAT_TOOLS, "tool_choice": "required"}, "tool_choice")):
+        with pytest.raises(openai.BadRequestError) as e:
+            sdk.chat.completions.create(model=model, **({"messages": ask} | kwargs), max_tokens=2)
+        assert e.value.body["param"] == param, e.value.body
+        assert param == "tool_choice" or "--chat_template chatml-tools" in e.value.body["message"]
+
+
+@pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="bundled model not converted (make model)")
+def test_chat_n_logprobs_and_stream_usage_as_the_sdk_reads_them(sdk):
+    import openai
+
+    ask = [{"role": "user", "content": "How full is /?"}]
     # stream_options.include_usage: a last chunk with no choices and the usage, each chunk before it usage null.
     for extra in ({"tools": CHAT_TOOLS}, {}):  # the whole-answer path (tools) and the token-by-token one
         counted = list(sdk.chat.completions.create(model=TOOLS_MODEL, messages=ask, max_tokens=8, temperature=0,
@@ -310,11 +323,25 @@ def test_chat_with_tools_renders_them_through_a_template_that_can_and_refuses_on
         assert last.usage.prompt_tokens > 0 and 0 < last.usage.completion_tokens <= 8
         assert all(c.usage is None and c.choices for c in before) and before[-1].choices[0].finish_reason
         assert all(getattr(c, "obfuscation", None) for c in counted)
+    # n answers sampled in one batch; logprobs: each token's log-probability and its most likely alternatives.
+    many = sdk.chat.completions.create(model=TOOLS_MODEL, messages=ask, max_tokens=6, temperature=1.0, seed=3, n=3,
+                                       logprobs=True, top_logprobs=2)
+    assert [c.index for c in many.choices] == [0, 1, 2] and many.usage.completion_tokens <= 18
+    for c in many.choices:
+        content = c.logprobs.content
+        assert content and len(content) <= 6 and "".join(t.token for t in content).strip() == c.message.content
+        for t in content:
+            assert len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+            assert t.logprob <= t.top_logprobs[0].logprob + 1e-4 and t.bytes == list(t.token.encode())
+    again = sdk.chat.completions.create(model=TOOLS_MODEL, messages=ask, max_tokens=6, temperature=1.0, seed=3, n=3)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in many.choices]  # seeded
+    greedy = sdk.chat.completions.create(model=TOOLS_MODEL, messages=ask, max_tokens=4, temperature=0, n=2)
+    assert len(greedy.choices) == 2 and greedy.choices[0].message.content == greedy.choices[1].message.content
+    streamed = list(sdk.chat.completions.create(model=TOOLS_MODEL, messages=ask, max_tokens=6, temperature=1.0, seed=3,
+                                                n=3, stream=True))
+    assert ["".join(c.choices[0].delta.content or "" for c in streamed if c.choices[0].index == i)
+            for i in range(3)] == [c.message.content for c in many.choices]
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        sdk.chat.completions.create(model=TOOLS_MODEL, messages=ask, max_tokens=2, top_logprobs=2)
     with pytest.raises(openai.BadRequestError, match="stream_options"):
         sdk.chat.completions.create(model=TOOLS_MODEL, messages=ask, max_tokens=2, stream_options={"include_usage": True})
-    for model, kwargs, param in ((BUNDLED, {"tools": CHAT_TOOLS}, "tools"), (BUNDLED, {"messages": history}, "messages"),
-                                 (TOOLS_MODEL, {"tools": CHAT_TOOLS, "tool_choice": "required"}, "tool_choice")):
-        with pytest.raises(openai.BadRequestError) as e:
-            sdk.chat.completions.create(model=model, **({"messages": ask} | kwargs), max_tokens=2)
-        assert e.value.body["param"] == param, e.value.body
-        assert param == "tool_choice" or "--chat_template chatml-tools" in e.value.body["message"]
