@@ -160,10 +160,11 @@ class Chat:
         answer = tokenizer.decode(completion, skip_special_tokens=True).strip()
         return answer, int(batch["input_ids"].shape[1]), int(completion.shape[0])
 
-    def sample(self, model, tokenizer, text: str, options: dict) -> tuple[int, list[dict]]:
+    def sample(self, model, tokenizer, text: str, options: dict, raw: bool = False) -> tuple[int, list[dict]]:
         """(prompt tokens, n choices), all sampled in one batch: each {"text", "tokens" (ids, its end token
         included), "logprobs" (with options["logprobs"]: each token's log-probability under the model's own
-        distribution, and its top_logprobs alternatives, OpenAI's shape)}."""
+        distribution, and its top_logprobs alternatives, OpenAI's shape)}. raw: the text is not a chat template's
+        (legacy completions): the answer keeps its leading space."""
         import torch
 
         batch = tokenizer([text], return_tensors="pt", add_special_tokens=not tokenizer.chat_template).to(model.device)
@@ -184,7 +185,8 @@ class Chat:
             ids = out.sequences[i, start:].tolist()
             length = next((k + 1 for k, t in enumerate(ids) if t in ends), len(ids))
             ids = ids[:length]
-            choice = {"text": tokenizer.decode(ids, skip_special_tokens=True).strip(), "tokens": ids, "logprobs": None}
+            answer = tokenizer.decode(ids, skip_special_tokens=True)
+            choice = {"text": answer if raw else answer.strip(), "tokens": ids, "logprobs": None}
             if options.get("logprobs"):  # the answer's tokens, not the end token that closed it (as OpenAI's)
                 shown = ids[:-1] if ids and ids[-1] in ends else ids
                 steps = torch.stack([out.logits[k][i] for k in range(len(shown))]).float().log_softmax(-1) \
@@ -397,3 +399,106 @@ def chat_completions(svc: Svc, body: ChatRequest):
                 "logprobs": c["logprobs"]} for c in choices],
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
                       "total_tokens": n_prompt + n_completion}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Legacy completions (/v1/completions): the prompt as raw text, no chat template; the same sampling as chat.
+# ---------------------------------------------------------------------------------------------
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    prompt: Union[str, list[str]] = Field(min_length=1)  # token-id prompts are refused by the type: text only
+    max_tokens: Optional[Annotated[int, Field(ge=1, le=4096)]] = None
+    temperature: Optional[Annotated[float, Field(ge=0, le=2)]] = None
+    top_p: Optional[Annotated[float, Field(gt=0, le=1)]] = None
+    n: Optional[Annotated[int, Field(ge=1, le=MAX_CHOICES)]] = None
+    best_of: Optional[Annotated[int, Field(ge=1, le=MAX_CHOICES)]] = None
+    seed: Optional[Annotated[int, Field(ge=-2 ** 63, lt=2 ** 64)]] = None
+    stop: Union[str, list[str], None] = None
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
+    logprobs: Optional[Annotated[int, Field(ge=0, le=5)]] = None  # OpenAI's range for this endpoint
+    echo: Optional[bool] = None
+    suffix: Optional[str] = None
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, int]] = None
+    user: Optional[str] = None
+
+
+def legacy_logprobs(items: list[dict], start: int) -> dict:
+    """Chat-shaped token log-probabilities in the legacy completions' shape: tokens, token_logprobs, top_logprobs
+    ({token: logprob}) and each token's offset in the returned text (from `start`, the echoed prompt's length)."""
+    offsets, at = [], start
+    for item in items:
+        offsets.append(at)
+        at += len(item["token"])
+    return {"tokens": [i["token"] for i in items], "token_logprobs": [i["logprob"] for i in items],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in i["top_logprobs"]} for i in items],
+            "text_offset": offsets}
+
+
+@router.post("/completions")
+def completions(svc: Svc, body: CompletionRequest):
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(body, name):
+            raise ApiError(400, f"{name}: only 0 (this service samples without penalties)", name)
+    if body.logit_bias:
+        raise ApiError(400, "logit_bias: not supported by this service", "logit_bias")
+    if body.suffix:
+        raise ApiError(400, "suffix: not supported (no fill-in-the-middle)", "suffix")
+    n = body.n or 1
+    if body.best_of not in (None, n):
+        raise ApiError(400, "best_of: only equal to n (this service returns every answer it samples)", "best_of")
+    stream_options = body.stream_options or StreamOptions()
+    if stream_options.model_fields_set and not body.stream:
+        raise ApiError(400, "stream_options: only with stream=true", "stream_options")
+    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    if not all(prompts):
+        raise ApiError(400, "prompt: each prompt must be non-empty text", "prompt")
+    model, tokenizer = svc.chat.load(svc, body.model)
+    options = {"max_tokens": body.max_tokens or 16,
+               "temperature": 1.0 if body.temperature is None else body.temperature, "top_p": body.top_p or 1.0, "seed": body.seed, "n": n, "logprobs": body.logprobs is not None,
+               "top_logprobs": body.logprobs or 0}  # OpenAI's default max_tokens here is 16
+    stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+
+    def cut(answer: str) -> tuple[str, bool]:
+        hits = [answer.index(s) for s in stops if s and s in answer]
+        return (answer[:min(hits)], True) if hits else (answer, False)
+
+    choices, n_prompt, n_completion = [], 0, 0
+    with svc.chat.lock:
+        for prompt in prompts:  # OpenAI's order: every choice of the first prompt, then the second's, ...
+            prompt_tokens, sampled = svc.chat.sample(model, tokenizer, prompt, options, raw=True)
+            n_prompt += prompt_tokens
+            for c in choices_of(sampled, cut, False, options["max_tokens"]):
+                shown = (prompt if body.echo else "") + (c["words"] or "")
+                logprobs = legacy_logprobs(c["logprobs"]["content"], len(prompt) if body.echo else 0) \
+                    if c["logprobs"] is not None else None
+                choices.append({"text": shown, "index": len(choices), "logprobs": logprobs,
+                                "finish_reason": c["finish"]})
+                n_completion += c["tokens"]
+    completion_id, created = new_id("cmpl"), now()
+    usage = {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
+    if not body.stream:
+        return {"object": "text_completion", "id": completion_id, "created": created, "model": body.model,
+                "choices": choices, "usage": usage}
+
+    def event(choice_list: list, with_usage=None) -> str:
+        event = {"object": "text_completion", "id": completion_id, "created": created, "model": body.model,
+                 "choices": choice_list}
+        if stream_options.include_usage:
+            event["usage"] = with_usage
+        return "data: " + json.dumps(event) + "\n\n"
+
+    def events():  # each whole answer as it is done, then its finish
+        for c in choices:
+            yield event([c | {"finish_reason": None}])
+            yield event([{"text": "", "index": c["index"], "logprobs": None, "finish_reason": c["finish_reason"]}])
+        if stream_options.include_usage:
+            yield event([], usage)
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")

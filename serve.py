@@ -16,7 +16,7 @@ with the result, through the official `openai` SDK (only `base_url` changed) or 
 
 Endpoints (docs/service.md has the table; the running service describes them at /openapi.json and /docs):
 /v1/files, /v1/fine_tuning/jobs (create, list, get, cancel, pause, resume, events, checkpoints), /v1/models,
-/v1/chat/completions, /v1/fine_tuning/alpha/graders/run and /validate (api_openai.py, api_chat.py,
+/v1/chat/completions, /v1/completions, /v1/fine_tuning/alpha/graders/run and /validate (api_openai.py, api_chat.py,
 api_graders.py: graders' judges are this service's own chat unless --judge_base_url names another); nip's
 /version, /training/jobs and /vllm/* (api_nip.py); service.py holds what they share. This file is the command line and `create_app`, which assembles them.
 

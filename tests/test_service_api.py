@@ -258,6 +258,25 @@ def test_chat_bodies_the_schema_allows_on_a_real_model_get_no_server_error(keyed
     assert 200 in seen, seen  # the model answered
 
 
+def test_completion_bodies_the_schema_allows_on_a_real_model_get_no_server_error(keyed):
+    """Legacy completions: every body the schema allows, on the bundled model (a few tokens, a few prompts)."""
+    operation, seen = schema_operation(keyed, "/v1/completions", "POST"), set()
+
+    @settings(max_examples=30, suppress_health_check=list(HealthCheck))
+    @given(case=operation.as_strategy(), text=st.text(st.characters(blacklist_categories=("Cs",)), max_size=30))
+    def check(case, text):
+        if isinstance(case.body, dict):
+            case.body |= {"model": BUNDLED, "max_tokens": 2}
+            if isinstance(case.body.get("prompt"), list):
+                case.body["prompt"] = case.body["prompt"][:3]
+            elif text:
+                case.body["prompt"] = text
+        refusal_is_openai_shaped(case.call(headers=AUTH, timeout=120), seen)
+
+    check()
+    assert 200 in seen, seen  # the model answered
+
+
 def test_tool_calls_in_an_answer_become_openai_tool_calls():
     import api_chat
 
@@ -344,4 +363,34 @@ def test_chat_n_logprobs_and_stream_usage_as_the_sdk_reads_them(sdk):
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         sdk.chat.completions.create(model=TOOLS_MODEL, messages=ask, max_tokens=2, top_logprobs=2)
     with pytest.raises(openai.BadRequestError, match="stream_options"):
-        sdk.chat.completions.create(model=TOOLS_MODEL, messages=ask, max_tokens=2, stream_options={"include_usage": True})
+        sdk.chat.completions.create(model=TOOLS_MODEL, messages=ask, max_tokens=2,
+                                    stream_options={"include_usage": True})
+
+
+@pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="bundled model not converted (make model)")
+def test_legacy_completions_as_the_sdk_calls_them(sdk):
+    import openai
+
+    prompt = "The capital of France is"
+    one = sdk.completions.create(model=BUNDLED, prompt=prompt, max_tokens=5, temperature=0)
+    assert one.object == "text_completion" and one.choices[0].text.strip() and one.choices[0].finish_reason == "length"
+    assert one.usage.completion_tokens == 5 and one.usage.prompt_tokens == 5  # five tokens of SmolLM2's vocabulary
+    echoed = sdk.completions.create(model=BUNDLED, prompt=prompt, max_tokens=5, temperature=0, echo=True, logprobs=2)
+    choice = echoed.choices[0]
+    assert choice.text == prompt + one.choices[0].text  # greedy: the same words, after the prompt
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert lp.text_offset[0] == len(prompt) and all(len(t) <= 2 for t in lp.top_logprobs)
+    assert all(p <= max(top.values()) + 1e-4 for p, top in zip(lp.token_logprobs, lp.top_logprobs))
+    both = sdk.completions.create(model=BUNDLED, prompt=[prompt, "1, 2, 3,"], max_tokens=3, temperature=1.0, seed=1,
+                                  n=2)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3] and both.usage.completion_tokens <= 12
+    streamed = list(sdk.completions.create(model=BUNDLED, prompt=prompt, max_tokens=5, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == one.choices[0].text
+    assert streamed[-1].usage.completion_tokens == 5
+    for kwargs, param in (({"suffix": "x"}, "suffix"), ({"best_of": 3}, "best_of"), ({"presence_penalty": 1.0},
+                                                                                       "presence_penalty")):
+        with pytest.raises(openai.BadRequestError) as e:
+            sdk.completions.create(model=BUNDLED, prompt=prompt, max_tokens=2, **kwargs)
+        assert e.value.body["param"] == param, e.value.body
