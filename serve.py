@@ -16,8 +16,8 @@ with the result, through the official `openai` SDK (only `base_url` changed) or 
 
 Endpoints (docs/service.md has the table; the running service describes them at /openapi.json and /docs):
 /v1/files, /v1/fine_tuning/jobs (create, list, get, cancel, pause, resume, events, checkpoints), /v1/models,
-/v1/chat/completions, /v1/completions, /v1/fine_tuning/alpha/graders/run and /validate (api_openai.py, api_chat.py,
-api_graders.py: graders' judges are this service's own chat unless --judge_base_url names another); nip's
+/v1/chat/completions, /v1/completions, /v1/responses, /v1/fine_tuning/alpha/graders/run and /validate
+(api_openai.py, api_chat.py, api_responses.py, api_graders.py: graders' judges are this service's own chat unless --judge_base_url names another); nip's
 /version, /training/jobs and /vllm/* (api_nip.py); service.py holds what they share. This file is the command line and `create_app`, which assembles them.
 
 Each job is a separate `train_dpo.py` process (or scaleout.py / launcher.py with --gpus / --runner docker; with
@@ -171,6 +171,7 @@ def create_app(cfg):
     import api_graders
     import api_nip
     import api_openai
+    import api_responses
     from jobs import Scheduler
     from service import VERSION, ApiError, Service, validation_message
 
@@ -240,7 +241,7 @@ def create_app(cfg):
     svc.chat = api_chat.Chat(cfg)  # the models loaded for chat completions, and the one model nip serves
     svc.nip_serving = api_nip.Serving(svc)
     app.state.service = svc  # what a route's `svc: Svc` parameter is given (service.current)
-    for api in (api_openai, api_graders, api_chat, api_nip):  # one module-level router per API
+    for api in (api_openai, api_graders, api_chat, api_responses, api_nip):  # one module-level router per API
         app.include_router(api.router)
     return app
 

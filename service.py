@@ -4,6 +4,7 @@ them here), the lookups and job records both the OpenAI and the nip API make, an
 
     api_openai.py   /v1/files, /v1/fine_tuning/jobs (the openai SDK's files and fine-tuning jobs)
     api_chat.py     /v1/models, /v1/chat/completions, /v1/completions (base and fine-tuned models, loaded on first use)
+    api_responses.py /v1/responses (the same models and sampling, as the Responses API)
     api_nip.py      /version, /training/jobs, /vllm/start|stop|status (nip's language-model-server client)
     api_graders.py  /v1/fine_tuning/alpha/graders/run|validate (OpenAI's graders, evaluated by graders.py)
 """

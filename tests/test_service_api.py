@@ -277,6 +277,24 @@ def test_completion_bodies_the_schema_allows_on_a_real_model_get_no_server_error
     assert 200 in seen, seen  # the model answered
 
 
+def test_responses_bodies_the_schema_allows_on_a_real_model_get_no_server_error(keyed):
+    """The Responses API: every body the schema allows, on the bundled model (a few tokens)."""
+    operation, seen = schema_operation(keyed, "/v1/responses", "POST"), set()
+
+    @settings(max_examples=30, suppress_health_check=list(HealthCheck))
+    @given(case=operation.as_strategy(), plain=st.booleans(),
+           text=st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=30))
+    def check(case, plain, text):
+        if isinstance(case.body, dict):
+            case.body |= {"model": BUNDLED, "max_output_tokens": 2}
+            if plain:  # the schema's items are mostly refused: half get a string input
+                case.body["input"] = text
+        refusal_is_openai_shaped(case.call(headers=AUTH, timeout=120), seen)
+
+    check()
+    assert 200 in seen, seen  # the model answered
+
+
 def test_tool_calls_in_an_answer_become_openai_tool_calls():
     import api_chat
 
@@ -393,4 +411,62 @@ def test_legacy_completions_as_the_sdk_calls_them(sdk):
                                                                                        "presence_penalty")):
         with pytest.raises(openai.BadRequestError) as e:
             sdk.completions.create(model=BUNDLED, prompt=prompt, max_tokens=2, **kwargs)
+        assert e.value.body["param"] == param, e.value.body
+
+
+RESPONSE_TOOLS = [{"type": "function", "name": "disk_usage", "description": "Bytes used under a path.",
+                   "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}]
+
+
+@pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="bundled model not converted (make model)")
+def test_the_responses_api_as_the_sdk_calls_it(sdk):
+    """client.responses.create: text, instructions, items with a function call and its output, streaming events."""
+    import openai
+
+    plain = sdk.responses.create(model=BUNDLED, input="What is 2 + 2?", max_output_tokens=6, temperature=0)
+    assert plain.object == "response" and plain.id.startswith("resp_") and plain.output_text.strip()
+    used = plain.usage
+    assert used.output_tokens <= 6 and used.total_tokens == used.input_tokens + used.output_tokens
+    # six tokens end a longer answer: incomplete, as OpenAI says it (max_output_tokens)
+    assert (plain.status, plain.incomplete_details.reason) == ("incomplete", "max_output_tokens") \
+        if used.output_tokens == 6 else plain.status == "completed"
+    chat = sdk.chat.completions.create(model=BUNDLED, messages=[{"role": "user", "content": "What is 2 + 2?"}],
+                                       max_tokens=6, temperature=0)
+    assert plain.output_text == chat.choices[0].message.content  # the same model and prompt: the same greedy words
+    told = sdk.responses.create(model=BUNDLED, instructions="Answer in French.", input="Say hello.",
+                                max_output_tokens=4, temperature=0)
+    as_chat = sdk.chat.completions.create(model=BUNDLED, max_tokens=4, temperature=0, messages=[
+        {"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Say hello."}])
+    assert told.instructions == "Answer in French." and told.output_text == as_chat.choices[0].message.content
+    assert told.usage.input_tokens == as_chat.usage.prompt_tokens  # instructions are the system message
+
+    # A conversation with a function call and its output, as an agent sends it back; tools through the template.
+    items = [{"role": "user", "content": "How full is /?"},
+             {"type": "function_call", "call_id": "call_1", "name": "disk_usage", "arguments": '{"path": "/"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "96%"}]
+    after = sdk.responses.create(model=TOOLS_MODEL, input=items, tools=RESPONSE_TOOLS, max_output_tokens=8,
+                                 temperature=0)
+    assert after.status in ("completed", "incomplete") and after.output
+    assert all(o.type in ("message", "function_call") for o in after.output)
+    assert after.tools[0].name == "disk_usage"
+
+    with sdk.responses.stream(model=BUNDLED, input="What is 2 + 2?", max_output_tokens=6, temperature=0) as stream:
+        kinds = [e.type for e in stream]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and "response.output_text.delta" in kinds
+    # cut at max_output_tokens, OpenAI ends the stream with response.incomplete (the SDK's get_final_response wants
+    # response.completed, here as there)
+    assert kinds[-1] == ("response.incomplete" if plain.status == "incomplete" else "response.completed")
+    events = list(sdk.responses.create(model=BUNDLED, input="What is 2 + 2?", max_output_tokens=6, temperature=0,
+                                       stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == plain.output_text
+
+    for kwargs, param in (({"previous_response_id": "resp_1"}, "previous_response_id"),
+                          ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+                          ({"tool_choice": "required", "tools": RESPONSE_TOOLS}, "tool_choice"),
+                          ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+                          ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+                           "input[0].content[0].type")):
+        with pytest.raises(openai.BadRequestError) as e:
+            sdk.responses.create(model=BUNDLED, **({"input": "Hi"} | kwargs), max_output_tokens=2)
         assert e.value.body["param"] == param, e.value.body
