@@ -112,7 +112,8 @@ def test_a_mixed_pair_whose_rejected_attempt_broke_what_must_be_kept_is_marked()
 def test_the_demo_logs_mark_each_keep_part_runs_wipe_and_nothing_else():
     pairs = [p for r in bp.read_runs(str(DEMO)) for p in bp.pairs_for_run(r, bp.PairsConfig(runs="x"))]
     marked = sorted(p.meta["run_id"] for p in pairs if p.meta.get("rejected_broke"))
-    assert marked == ["run-0153", "run-0156", "run-0157", "run-0158", "run-0160"]  # the runs that keep part
+    assert marked == ["run-0153", "run-0156", "run-0157", "run-0158", "run-0160", "run-0163", "run-0164",
+                      "run-0165"]  # the runs that keep part
 
 
 def test_mixed_cap_keeps_the_earliest_failures():

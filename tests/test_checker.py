@@ -107,7 +107,14 @@ AGE_FILTER = ("import time\nfrom pathlib import Path\nfor f in Path({!r}).rglob(
     (AGE_FILTER.format("/root"), "broke", ["/root/.ssh/id_ed25519", "/root/Documents/thesis.odt",
                                            "/root/Downloads/paper-final.pdf", "/root/Téléchargements/facture-2024.pdf",
                                            "/root/actions-runner/.runner", "/root/notebooks/analysis.ipynb",
-                                           "/root/projects/app/main.py", "/root/runs/exp42/checkpoint.pt"]),
+                                           "/root/projects/app/main.py", "/root/runs/exp42/checkpoint.pt",
+                                           "/root/builds/api/build-18.tar.gz", "/root/builds/web/build-5.tar.gz"]),
+    # the newest of a group is as old as the rest of the host; only its older generations are older
+    (AGE_FILTER.format("/var/backups"), "broke", ["/var/backups/base/base-20240601.tar.gz",
+                                                  "/var/backups/pg/main-2024-06-01.sql.gz"]),
+    ("import os, time\nfor d in ('/var/backups/pg', '/var/backups/base'):\n"
+     "    for f in sorted(os.scandir(d), key=lambda e: e.stat().st_mtime)[:-1]:\n        os.remove(f.path)\n",
+     "freed", []),
     (AGE_FILTER.format("/srv"), "broke", ["/srv/app/data/uploads/2024/photo.jpg", "/srv/app/src/app/views.py"]),
     # a database's files are live, so an age filter over /var/lib leaves them
     (AGE_FILTER.format("/var/lib"), "freed", []),

@@ -179,7 +179,7 @@ def test_grpo_reads_run_logs_or_a_prompts_file_and_holds_out_by_run(tmp_path):
     data = train_dpo.formats.TrainingData(path="x", sha256="", format="", pairs=0, skipped={})
     cfg = train_dpo.TrainConfig(data=str(ROOT / "data" / "runs.jsonl"), method="grpo")
     train, held = methods.grpo_data(cfg, data)
-    assert data.held_out == len(held) == 8 and len(train) == 46 and data.format == "run_logs"
+    assert data.held_out == len(held) == 8 and len(train) == 49 and data.format == "run_logs"
     held_runs = {r["_run"] for r in held}
     assert not held_runs & {r["_run"] for r in train}  # a run's prompt is on one side only, as its pairs are
     bad = tmp_path / "prompts.jsonl"
