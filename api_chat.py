@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -206,18 +206,27 @@ class Chat:
             return self.model(name, svc.out / job["id"] if job else None, base)
 
 
-def render(tokenizer, messages: list[dict], name: str, tools: list | None = None) -> str:
-    """The prompt text through the model's chat template (with the request's tools); a conversation the template
-    cannot render, or whose tool use it would leave out, is the client's 400, not the service's 500."""
+TEMPLATE_HEADER = "x-dpo-kit-chat-template"  # set when tool use was rendered with the kit's template, not the model's
+
+
+def render(tokenizer, messages: list[dict], name: str, tools: list | None = None) -> tuple[str, str | None]:
+    """(the prompt text, the name of the kit's template used instead of the model's, or None). The model's chat
+    template renders the request (with its tools); where it leaves tool use out and it is ChatML (SmolLM2's), the
+    kit's chatml-tools template does, as training on tool use does (--chat_template chatml-tools). A conversation
+    no template can render is the client's 400, not the service's 500."""
+    template = None
     if tools or any("tool_calls" in m or m["role"] == "tool" for m in messages):
         problem = models.tool_template_problem(tokenizer)
-        if problem:
-            raise ApiError(400, f"model {name!r} cannot take tool use: {problem} (a run trained with "
-                           "--chat_template chatml-tools carries a template that can)", "tools" if tools else "messages")
+        if problem and "<|im_start|>" in (tokenizer.chat_template or ""):
+            template = "chatml-tools"
+        elif problem:
+            raise ApiError(400, f"model {name!r} cannot take tool use: {problem} (a run trained with a template "
+                           "that renders tools, --chat_template FILE.jinja, can)", "tools" if tools else "messages")
     try:
         if tokenizer.chat_template:
-            return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-        return models.prompt_texts(tokenizer, [messages])[0]
+            return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
+                                                 chat_template=models.chat_template_text(template or "")), template
+        return models.prompt_texts(tokenizer, [messages])[0], template
     except Exception as e:  # noqa: BLE001 - jinja's errors, a None content concatenated, ...
         raise ApiError(400, f"messages: model {name!r}'s chat template cannot render them "
                        f"({type(e).__name__}: {str(e)[:200]})", "messages") from None
@@ -304,7 +313,7 @@ def list_models(svc: Svc):
     return {"object": "list", "data": bases + tuned}
 
 @router.post("/chat/completions")
-def chat_completions(svc: Svc, body: ChatRequest):
+def chat_completions(svc: Svc, body: ChatRequest, response: Response):
     messages = plain_messages(body.messages)
     if body.tool_choice not in (None, "auto", "none"):
         raise ApiError(400, "tool_choice: 'auto' or 'none' (the model decides whether it calls a tool; this "
@@ -312,7 +321,10 @@ def chat_completions(svc: Svc, body: ChatRequest):
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     calls_parsed = bool(tools) and body.tool_choice != "none"
     model, tokenizer = svc.chat.load(svc, body.model)
-    text = render(tokenizer, messages, body.model, tools)
+    text, template = render(tokenizer, messages, body.model, tools)
+    headers = {TEMPLATE_HEADER: template} if template else {}
+    if template:  # the response says which template rendered the tools, in its body too
+        response.headers[TEMPLATE_HEADER] = template
     options = {"max_tokens": body.max_completion_tokens or body.max_tokens or 128,
                "temperature": 1.0 if body.temperature is None else body.temperature,
                "top_p": body.top_p or 1.0, "seed": body.seed}
@@ -361,7 +373,7 @@ def chat_completions(svc: Svc, body: ChatRequest):
                 yield chunk(None, usage=(n_prompt, sum(c["tokens"] for c in choices)))
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(whole(), media_type="text/event-stream")
+        return StreamingResponse(whole(), media_type="text/event-stream", headers=headers)
     if body.stream:
         from transformers import TextIteratorStreamer
 
@@ -388,13 +400,13 @@ def chat_completions(svc: Svc, body: ChatRequest):
                 yield chunk(None, usage=(result.get("prompt", 0), result.get("completion", 0)))
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
     with svc.chat.lock:
         n_prompt, sampled = svc.chat.sample(model, tokenizer, text, options)
     choices = choices_of(sampled, cut, calls_parsed, options["max_tokens"])
     n_completion = sum(c["tokens"] for c in choices)
     return {"object": "chat.completion", "id": completion_id, "created": created, "model": body.model,
-            "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["words"]} | (
+            "system_fingerprint": f"dpo-kit:{template}" if template else None, "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["words"]} | (
                 {"tool_calls": c["calls"]} if c["calls"] else {}), "finish_reason": c["finish"],
                 "logprobs": c["logprobs"]} for c in choices],
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_completion,

@@ -11,10 +11,10 @@ import secrets
 from typing import Annotated, Literal, Optional, Union
 
 from fastapi import APIRouter
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from api_chat import choices_of, render
+from api_chat import TEMPLATE_HEADER, choices_of, render
 from jobs import now
 from service import ApiError, Svc
 
@@ -188,7 +188,7 @@ def create_response(svc: Svc, body: ResponsesRequest):
              for t in body.tools] if body.tools else None
     calls_parsed = bool(tools) and body.tool_choice != "none"
     model, tokenizer = svc.chat.load(svc, body.model)
-    text = render(tokenizer, messages, body.model, tools)
+    text, template = render(tokenizer, messages, body.model, tools)
     options = {"max_tokens": body.max_output_tokens or 512,
                "temperature": 1.0 if body.temperature is None else body.temperature, "top_p": body.top_p or 1.0,
                "seed": None, "n": 1}
@@ -209,9 +209,10 @@ def create_response(svc: Svc, body: ResponsesRequest):
         "usage": {"input_tokens": n_input, "input_tokens_details": {"cached_tokens": 0},
                   "output_tokens": choice["tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                   "total_tokens": n_input + choice["tokens"]}}
+    headers = {TEMPLATE_HEADER: template} if template else {}  # tools rendered by the kit's template: said
     if not body.stream:
-        return response
-    return StreamingResponse(stream_events(response), media_type="text/event-stream")
+        return JSONResponse(response, headers=headers)
+    return StreamingResponse(stream_events(response), media_type="text/event-stream", headers=headers)
 
 
 def stream_events(response: dict):

@@ -337,12 +337,22 @@ def test_chat_with_tools_renders_them_through_a_template_that_can_and_refuses_on
     assert chunks[-1].choices[0].finish_reason == choice.finish_reason
     # The SDK does not check `object`; clients that dispatch on it (as OpenAI documents them) do.
     assert (reply.object, {c.object for c in chunks}) == ("chat.completion", {"chat.completion.chunk"})
-    for model, kwargs, param in ((BUNDLED, {"tools": CHAT_TOOLS}, "tools"), (BUNDLED, {"messages": history}, "messages"),
-                                 (TOOLS_MODEL, {"tools": CHAT_TOOLS, "tool_choice": "required"}, "tool_choice")):
-        with pytest.raises(openai.BadRequestError) as e:
-            sdk.chat.completions.create(model=model, **({"messages": ask} | kwargs), max_tokens=2)
-        assert e.value.body["param"] == param, e.value.body
-        assert param == "tool_choice" or "--chat_template chatml-tools" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.chat.completions.create(model=TOOLS_MODEL, messages=ask, tools=CHAT_TOOLS, tool_choice="required",
+                                    max_tokens=2)
+    assert e.value.body["param"] == "tool_choice", e.value.body
+    # A ChatML base whose own template drops tools (SmolLM2's): the kit's chatml-tools renders them, as training
+    # does, and the response says so (a header, and system_fingerprint); the prompt is the tools model's own.
+    raw = sdk.chat.completions.with_raw_response.create(model=BUNDLED, messages=ask, tools=CHAT_TOOLS, max_tokens=8,
+                                                        temperature=0)
+    fallback = raw.parse()
+    assert raw.headers["x-dpo-kit-chat-template"] == "chatml-tools"
+    assert fallback.system_fingerprint == "dpo-kit:chatml-tools" and reply.system_fingerprint is None
+    assert fallback.usage.prompt_tokens == reply.usage.prompt_tokens
+    continued = sdk.chat.completions.create(model=BUNDLED, messages=history, max_tokens=2, temperature=0)
+    assert continued.system_fingerprint == "dpo-kit:chatml-tools"  # a history with tool calls: the same template
+    plain_again = sdk.chat.completions.with_raw_response.create(model=BUNDLED, messages=ask, max_tokens=2)
+    assert "x-dpo-kit-chat-template" not in plain_again.headers  # no tools: the model's own template
 
 
 @pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="bundled model not converted (make model)")
@@ -449,6 +459,10 @@ def test_the_responses_api_as_the_sdk_calls_it(sdk):
     assert after.status in ("completed", "incomplete") and after.output
     assert all(o.type in ("message", "function_call") for o in after.output)
     assert after.tools[0].name == "disk_usage"
+    raw = sdk.responses.with_raw_response.create(model=BUNDLED, input=items, tools=RESPONSE_TOOLS, max_output_tokens=8,
+                                                 temperature=0)
+    assert raw.headers["x-dpo-kit-chat-template"] == "chatml-tools"  # SmolLM2's own template drops tools
+    assert raw.parse().usage.input_tokens == after.usage.input_tokens
 
     with sdk.responses.stream(model=BUNDLED, input="What is 2 + 2?", max_output_tokens=6, temperature=0) as stream:
         kinds = [e.type for e in stream]
