@@ -80,7 +80,11 @@ class ChatRequest(BaseModel):
     tools: Optional[list[ChatTool]] = None  # rendered by the model's chat template; calls parsed from <tool_call>
     tool_choice: Union[Literal["none", "auto", "required"], dict, None] = None
     parallel_tool_calls: Optional[bool] = None
+    frequency_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None  # 0 only (refused otherwise, below)
+    presence_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None
+    modalities: Optional[list[Literal["text", "audio"]]] = None  # text only
     # accepted and recorded nowhere: they do not change what the model generates
+    prompt_cache_retention: Optional[str] = None
     user: Optional[str] = None
     metadata: Optional[dict[str, str]] = None
     store: Optional[bool] = None
@@ -248,13 +252,15 @@ def token_logprobs(tokenizer, ids: list[int], steps, top: int) -> list[dict]:
     return out
 
 
-def choices_of(sampled: list[dict], cut, calls_parsed: bool, max_tokens: int) -> list[dict]:
+def choices_of(sampled: list[dict], cut, calls_parsed: bool, max_tokens: int, max_calls: int | None = None
+               ) -> list[dict]:
     """Each sampled answer (Chat.sample) as a choice: cut at the first stop string (its logprobs to the tokens
-    kept), its tool calls parsed when the request has tools, its finish reason."""
+    kept), its tool calls parsed when the request has tools (the first max_calls of them), its finish reason."""
     out = []
     for i, s in enumerate(sampled):
         answer, stopped = cut(s["text"])
         words, calls = tool_calls_in(answer) if calls_parsed else (answer, [])
+        calls = calls[:max_calls] if max_calls else calls
         logprobs = None
         if s["logprobs"] is not None:
             kept, shown = [], ""
@@ -312,14 +318,25 @@ def list_models(svc: Svc):
              for j in svc.store.query("SELECT * FROM jobs WHERE status = 'succeeded' ORDER BY seq")]
     return {"object": "list", "data": bases + tuned}
 
+def no_penalties(body) -> None:
+    """Frequency and presence penalties: 0 (OpenAI's default) is what this service samples with; others a 400."""
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(body, name):
+            raise ApiError(400, f"{name}: only 0 (this service samples without penalties)", name)
+
+
 @router.post("/chat/completions")
 def chat_completions(svc: Svc, body: ChatRequest, response: Response):
+    no_penalties(body)
+    if body.modalities and set(body.modalities) != {"text"}:
+        raise ApiError(400, "modalities: only ['text'] (the models served here write text)", "modalities")
     messages = plain_messages(body.messages)
     if body.tool_choice not in (None, "auto", "none"):
         raise ApiError(400, "tool_choice: 'auto' or 'none' (the model decides whether it calls a tool; this "
                        "service cannot force one)", "tool_choice")
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     calls_parsed = bool(tools) and body.tool_choice != "none"
+    one_call = 1 if body.parallel_tool_calls is False else None  # parallel_tool_calls false: the first call only
     model, tokenizer = svc.chat.load(svc, body.model)
     text, template = render(tokenizer, messages, body.model, tools)
     headers = {TEMPLATE_HEADER: template} if template else {}
@@ -360,7 +377,7 @@ def chat_completions(svc: Svc, body: ChatRequest, response: Response):
         def whole():
             with svc.chat.lock:
                 n_prompt, sampled = svc.chat.sample(model, tokenizer, text, options)
-            choices = choices_of(sampled, cut, calls_parsed, options["max_tokens"])
+            choices = choices_of(sampled, cut, calls_parsed, options["max_tokens"], one_call)
             for c in choices:
                 yield chunk({"role": "assistant", "content": ""}, index=c["index"])
                 if c["words"]:
@@ -403,7 +420,7 @@ def chat_completions(svc: Svc, body: ChatRequest, response: Response):
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
     with svc.chat.lock:
         n_prompt, sampled = svc.chat.sample(model, tokenizer, text, options)
-    choices = choices_of(sampled, cut, calls_parsed, options["max_tokens"])
+    choices = choices_of(sampled, cut, calls_parsed, options["max_tokens"], one_call)
     n_completion = sum(c["tokens"] for c in choices)
     return {"object": "chat.completion", "id": completion_id, "created": created, "model": body.model,
             "system_fingerprint": f"dpo-kit:{template}" if template else None, "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["words"]} | (
@@ -434,8 +451,8 @@ class CompletionRequest(BaseModel):
     logprobs: Optional[Annotated[int, Field(ge=0, le=5)]] = None  # OpenAI's range for this endpoint
     echo: Optional[bool] = None
     suffix: Optional[str] = None
-    frequency_penalty: Optional[float] = None
-    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None
+    presence_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None
     logit_bias: Optional[dict[str, int]] = None
     user: Optional[str] = None
 
@@ -454,9 +471,7 @@ def legacy_logprobs(items: list[dict], start: int) -> dict:
 
 @router.post("/completions")
 def completions(svc: Svc, body: CompletionRequest):
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(body, name):
-            raise ApiError(400, f"{name}: only 0 (this service samples without penalties)", name)
+    no_penalties(body)
     if body.logit_bias:
         raise ApiError(400, "logit_bias: not supported by this service", "logit_bias")
     if body.suffix:
@@ -503,6 +518,8 @@ def completions(svc: Svc, body: CompletionRequest):
                  "choices": choice_list}
         if stream_options.include_usage:
             event["usage"] = with_usage
+        if stream_options.include_obfuscation:
+            event["obfuscation"] = secrets.token_urlsafe(secrets.randbelow(24) + 1)
         return "data: " + json.dumps(event) + "\n\n"
 
     def events():  # each whole answer as it is done, then its finish

@@ -89,6 +89,7 @@ class ResponsesRequest(BaseModel):
     tools: Optional[list[FunctionTool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], dict, None] = None
     parallel_tool_calls: Optional[bool] = None
+    max_tool_calls: Optional[Annotated[int, Field(ge=1)]] = None  # the answer's first calls, at most this many
     stream: Optional[bool] = None
     text: Optional[TextOptions] = None
     previous_response_id: Optional[str] = None
@@ -103,6 +104,7 @@ class ResponsesRequest(BaseModel):
     user: Optional[str] = None
     safety_identifier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None
     service_tier: Optional[str] = None
 
 
@@ -194,7 +196,8 @@ def create_response(svc: Svc, body: ResponsesRequest):
                "seed": None, "n": 1}
     with svc.chat.lock:
         n_input, sampled = svc.chat.sample(model, tokenizer, text, options)
-    choice = choices_of(sampled, lambda answer: (answer, False), calls_parsed, options["max_tokens"])[0]
+    keep = 1 if body.parallel_tool_calls is False else body.max_tool_calls  # the answer's first calls only
+    choice = choices_of(sampled, lambda answer: (answer, False), calls_parsed, options["max_tokens"], keep)[0]
     incomplete = choice["finish"] == "length"
     response = {
         "id": f"resp_{secrets.token_hex(16)}", "object": "response", "created_at": now(),

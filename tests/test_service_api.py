@@ -307,6 +307,13 @@ def test_tool_calls_in_an_answer_become_openai_tool_calls():
     assert api_chat.tool_calls_in("<tool_call>{not json}</tool_call> plain") == (
         "<tool_call>{not json}</tool_call> plain", [])
     assert api_chat.tool_calls_in('<tool_call>{"name": "f", "arguments": "{}"}</tool_call>')[0] is None
+    two = '<tool_call>{"name": "du"}</tool_call><tool_call>{"name": "ls"}</tool_call>'
+    sampled = [{"text": two, "tokens": [1, 2], "logprobs": None}]
+    whole = api_chat.choices_of(sampled, lambda a: (a, False), True, 8)
+    first = api_chat.choices_of(sampled, lambda a: (a, False), True, 8, max_calls=1)  # parallel_tool_calls false
+    assert [len(c["calls"]) for c in whole + first] == [2, 1] and first[0]["calls"][0]["function"]["name"] == "du"
+    assert whole[0]["finish"] == "tool_calls" and api_chat.choices_of(sampled, lambda a: (a, False), False, 2)[0][
+        "finish"] == "length"  # without tools the words are the answer; two tokens of two: cut at the limit
 
 
 CHAT_TOOLS = [{"type": "function", "function": {"name": "disk_usage", "description": "Bytes used under a path.",
@@ -388,6 +395,14 @@ def test_chat_n_logprobs_and_stream_usage_as_the_sdk_reads_them(sdk):
                                                 n=3, stream=True))
     assert ["".join(c.choices[0].delta.content or "" for c in streamed if c.choices[0].index == i)
             for i in range(3)] == [c.message.content for c in many.choices]
+    zero = sdk.chat.completions.create(model=TOOLS_MODEL, messages=ask, max_tokens=2, temperature=0,
+                                       frequency_penalty=0, presence_penalty=0, modalities=["text"])
+    assert zero.choices[0].message.content  # OpenAI's defaults, said out loud: honoured
+    for kwargs, param in (({"frequency_penalty": 0.5}, "frequency_penalty"), ({"modalities": ["text", "audio"]},
+                                                                               "modalities")):
+        with pytest.raises(openai.BadRequestError) as e:
+            sdk.chat.completions.create(model=TOOLS_MODEL, messages=ask, max_tokens=2, **kwargs)
+        assert e.value.body["param"] == param, e.value.body
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         sdk.chat.completions.create(model=TOOLS_MODEL, messages=ask, max_tokens=2, top_logprobs=2)
     with pytest.raises(openai.BadRequestError, match="stream_options"):
