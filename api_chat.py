@@ -116,6 +116,21 @@ def plain_messages(messages: list[Message]) -> list[dict]:
     return out
 
 
+def prepared(tokenizer, model, text: str, options: dict) -> tuple:
+    """(the tokenised prompt on the model's device, generate's sampling arguments); torch seeded when asked. Below
+    GREEDY_BELOW the sampled distribution is the greedy one to float precision, and dividing the logits by the
+    temperature overflows them to inf (a 500 once, at temperature 1e-300): greedy there."""
+    import torch
+
+    batch = tokenizer([text], return_tensors="pt", add_special_tokens=not tokenizer.chat_template).to(model.device)
+    if options.get("seed") is not None:
+        torch.manual_seed(options["seed"])
+    temperature = options.get("temperature", 1.0)
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": options.get("top_p", 1.0)} \
+        if temperature and temperature >= GREEDY_BELOW else {"do_sample": False}
+    return batch, sampling
+
+
 class Chat:
     """Models loaded on first use (torch is imported only then), the least recently used dropped beyond
     --warm_models."""
@@ -149,14 +164,7 @@ class Chat:
         """(answer, prompt tokens, completion tokens): greedy at temperature 0, else sampled (seeded when asked)."""
         import torch
 
-        batch = tokenizer([text], return_tensors="pt", add_special_tokens=not tokenizer.chat_template).to(model.device)
-        if options.get("seed") is not None:
-            torch.manual_seed(options["seed"])
-        temperature = options.get("temperature", 1.0)
-        # Below GREEDY_BELOW the sampled distribution is the greedy one to float precision, and dividing the
-        # logits by it overflows them to inf (a 500 once, at temperature 1e-300): answer greedily.
-        sampling = {"do_sample": True, "temperature": temperature, "top_p": options.get("top_p", 1.0)} \
-            if temperature and temperature >= GREEDY_BELOW else {"do_sample": False}
+        batch, sampling = prepared(tokenizer, model, text, options)
         with torch.no_grad():
             out = model.generate(**batch, max_new_tokens=options["max_tokens"], streamer=streamer,
                                  pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, **sampling)
@@ -171,12 +179,8 @@ class Chat:
         (legacy completions): the answer keeps its leading space."""
         import torch
 
-        batch = tokenizer([text], return_tensors="pt", add_special_tokens=not tokenizer.chat_template).to(model.device)
-        if options.get("seed") is not None:
-            torch.manual_seed(options["seed"])
-        temperature, n = options.get("temperature", 1.0), options.get("n", 1)
-        sampling = {"do_sample": True, "temperature": temperature, "top_p": options.get("top_p", 1.0)} \
-            if temperature and temperature >= GREEDY_BELOW else {"do_sample": False}
+        batch, sampling = prepared(tokenizer, model, text, options)
+        n = options.get("n", 1)
         eos = getattr(model.generation_config, "eos_token_id", None)
         ends = ({*eos} if isinstance(eos, list) else {eos}) | {tokenizer.eos_token_id}
         drawn = n if sampling["do_sample"] else 1  # greedy answers are all the same: one, given n times

@@ -234,23 +234,18 @@ def test_nip_bodies_the_schema_allows_get_no_server_error(keyed):
 
 
 @pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="bundled model not converted (make model)")
-def test_chat_bodies_the_schema_allows_on_a_real_model_get_no_server_error(keyed):
-    """Messages of every shape the schema allows, through the bundled model's own chat template (a few tokens)."""
-    operation, seen = schema_operation(keyed, "/v1/chat/completions", "POST"), set()
-    for temperature in (1e-300, 5e-324, 1e-5):  # the schema's smallest temperatures: greedy, not logits / 0 = nan
-        reply = httpx.post(f"{keyed.url}/v1/chat/completions", headers=AUTH, timeout=120, json={
-            "model": BUNDLED, "max_tokens": 2, "temperature": temperature,
-            "messages": [{"role": "user", "content": "Hi"}]})
-        assert reply.status_code == 200, reply.text
+def fuzz_answers_on_the_bundled_model(keyed, path: str, fix, max_examples: int) -> None:
+    """Bodies the schema allows for an answering endpoint, each made to ask the bundled model for a few tokens
+    (fix(body, plain, text): half the cases get plain text where the schema's would mostly be refused); every
+    response is under 500, its refusals OpenAI-shaped, and the model answered at least once."""
+    operation, seen = schema_operation(keyed, path, "POST"), set()
 
-    @settings(max_examples=40, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=max_examples, suppress_health_check=list(HealthCheck))
     @given(case=operation.as_strategy(), plain=st.booleans(),
            text=st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=40))
     def check(case, plain, text):
         if isinstance(case.body, dict):
-            case.body |= {"model": BUNDLED, "max_tokens": 2, "max_completion_tokens": None}
-            if plain:  # the schema's messages are mostly refused (no content, image parts): half get a user turn
-                case.body["messages"] = [{"role": "user", "content": text}]
+            fix(case.body, plain, text)
         # not schemathesis' 10 s: the first answer loads the model, which a busy 2-core machine took longer for
         refusal_is_openai_shaped(case.call(headers=AUTH, timeout=120), seen)
 
@@ -258,41 +253,42 @@ def test_chat_bodies_the_schema_allows_on_a_real_model_get_no_server_error(keyed
     assert 200 in seen, seen  # the model answered
 
 
+def test_chat_bodies_the_schema_allows_on_a_real_model_get_no_server_error(keyed):
+    """Messages of every shape the schema allows, through the bundled model's own chat template (a few tokens)."""
+    for temperature in (1e-300, 5e-324, 1e-5):  # the schema's smallest temperatures: greedy, not logits / 0 = nan
+        reply = httpx.post(f"{keyed.url}/v1/chat/completions", headers=AUTH, timeout=120, json={
+            "model": BUNDLED, "max_tokens": 2, "temperature": temperature,
+            "messages": [{"role": "user", "content": "Hi"}]})
+        assert reply.status_code == 200, reply.text
+
+    def fix(body, plain, text):
+        body |= {"model": BUNDLED, "max_tokens": 2, "max_completion_tokens": None}
+        if plain:  # the schema's messages are mostly refused (no content, image parts): half get a user turn
+            body["messages"] = [{"role": "user", "content": text}]
+
+    fuzz_answers_on_the_bundled_model(keyed, "/v1/chat/completions", fix, 40)
+
+
 def test_completion_bodies_the_schema_allows_on_a_real_model_get_no_server_error(keyed):
     """Legacy completions: every body the schema allows, on the bundled model (a few tokens, a few prompts)."""
-    operation, seen = schema_operation(keyed, "/v1/completions", "POST"), set()
+    def fix(body, plain, text):
+        body |= {"model": BUNDLED, "max_tokens": 2}
+        if isinstance(body.get("prompt"), list):
+            body["prompt"] = body["prompt"][:3]
+        elif plain:
+            body["prompt"] = text
 
-    @settings(max_examples=30, suppress_health_check=list(HealthCheck))
-    @given(case=operation.as_strategy(), text=st.text(st.characters(blacklist_categories=("Cs",)), max_size=30))
-    def check(case, text):
-        if isinstance(case.body, dict):
-            case.body |= {"model": BUNDLED, "max_tokens": 2}
-            if isinstance(case.body.get("prompt"), list):
-                case.body["prompt"] = case.body["prompt"][:3]
-            elif text:
-                case.body["prompt"] = text
-        refusal_is_openai_shaped(case.call(headers=AUTH, timeout=120), seen)
-
-    check()
-    assert 200 in seen, seen  # the model answered
+    fuzz_answers_on_the_bundled_model(keyed, "/v1/completions", fix, 30)
 
 
 def test_responses_bodies_the_schema_allows_on_a_real_model_get_no_server_error(keyed):
     """The Responses API: every body the schema allows, on the bundled model (a few tokens)."""
-    operation, seen = schema_operation(keyed, "/v1/responses", "POST"), set()
+    def fix(body, plain, text):
+        body |= {"model": BUNDLED, "max_output_tokens": 2}
+        if plain:  # the schema's items are mostly refused: half get a string input
+            body["input"] = text
 
-    @settings(max_examples=30, suppress_health_check=list(HealthCheck))
-    @given(case=operation.as_strategy(), plain=st.booleans(),
-           text=st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=30))
-    def check(case, plain, text):
-        if isinstance(case.body, dict):
-            case.body |= {"model": BUNDLED, "max_output_tokens": 2}
-            if plain:  # the schema's items are mostly refused: half get a string input
-                case.body["input"] = text
-        refusal_is_openai_shaped(case.call(headers=AUTH, timeout=120), seen)
-
-    check()
-    assert 200 in seen, seen  # the model answered
+    fuzz_answers_on_the_bundled_model(keyed, "/v1/responses", fix, 30)
 
 
 def test_tool_calls_in_an_answer_become_openai_tool_calls():
