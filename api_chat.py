@@ -17,6 +17,7 @@ from fastapi import APIRouter, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+import constrain
 import models
 import runs
 from jobs import new_id, now
@@ -24,6 +25,7 @@ from service import ApiError, Svc, parse_model_map
 
 GREEDY_BELOW = 1e-4  # a chat temperature under this samples greedily (see Models.generate)
 MAX_CHOICES = 8  # n: answers sampled together, one batch
+DEFAULT_MAX_TOKENS = 1024  # an answer's tokens when the request sets no limit (OpenAI's: the model's context)
 
 
 class TextPart(BaseModel):
@@ -56,6 +58,59 @@ class ChatTool(BaseModel):
     function: FunctionDef
 
 
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: Optional[str] = None
+    schema_: Optional[dict] = Field(None, alias="schema")  # none: any JSON object
+    strict: Optional[bool] = None
+
+
+class FormatText(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+
+
+class FormatJSONObject(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["json_object"]
+
+
+class FormatJSONSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+class ChosenName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedChoice(BaseModel):  # {"type": "function", "function": {"name": ...}}: that function, called
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: ChosenName
+
+
+class CustomChoice(BaseModel):  # a custom tool, refused (this service has function tools only)
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["custom"]
+    custom: ChosenName
+
+
+class AllowedTools(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["auto", "required"]
+    tools: list[dict]
+
+
+class AllowedChoice(BaseModel):  # only these tools: called if mode is required, offered if auto
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: Optional[bool] = None  # a last chunk with no choices and the request's usage
@@ -78,8 +133,11 @@ class ChatRequest(BaseModel):
     stream_options: Optional[StreamOptions] = None
     stop: Union[str, list[str], None] = None
     tools: Optional[list[ChatTool]] = None  # rendered by the model's chat template; calls parsed from <tool_call>
-    tool_choice: Union[Literal["none", "auto", "required"], dict, None] = None
+    tool_choice: Union[Literal["none", "auto", "required"], Annotated[Union[NamedChoice, CustomChoice, AllowedChoice],
+                                                                      Field(discriminator="type")], None] = None
     parallel_tool_calls: Optional[bool] = None
+    response_format: Optional[Annotated[Union[FormatText, FormatJSONObject, FormatJSONSchema],
+                                        Field(discriminator="type")]] = None  # constrained decoding (constrain.py)
     frequency_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None  # 0 only (refused otherwise, below)
     presence_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None
     modalities: Optional[list[Literal["text", "audio"]]] = None  # text only
@@ -128,7 +186,16 @@ def prepared(tokenizer, model, text: str, options: dict) -> tuple:
     temperature = options.get("temperature", 1.0)
     sampling = {"do_sample": True, "temperature": temperature, "top_p": options.get("top_p", 1.0)} \
         if temperature and temperature >= GREEDY_BELOW else {"do_sample": False}
+    if options.get("grammar"):  # structured output or a forced call: each step masked to what the grammar allows
+        sampling["logits_processor"] = [constrain.GrammarProcessor(options["grammar"], tokenizer,
+                                                                   sorted(end_ids(model, tokenizer)))]
     return batch, sampling
+
+
+def end_ids(model, tokenizer) -> set[int]:
+    """The tokens that end an answer: the model's generation config's, and the tokenizer's end of text."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    return ({*eos} if isinstance(eos, list) else {eos} if eos is not None else set()) | {tokenizer.eos_token_id}
 
 
 class Chat:
@@ -175,14 +242,14 @@ class Chat:
     def sample(self, model, tokenizer, text: str, options: dict, raw: bool = False) -> tuple[int, list[dict]]:
         """(prompt tokens, n choices), all sampled in one batch: each {"text", "tokens" (ids, its end token
         included), "logprobs" (with options["logprobs"]: each token's log-probability under the model's own
-        distribution, and its top_logprobs alternatives, OpenAI's shape)}. raw: the text is not a chat template's
+        distribution, and its top_logprobs alternatives, OpenAI's shape), "ended" (its end token drawn, not cut at
+        max_tokens)}. raw: the text is not a chat template's
         (legacy completions): the answer keeps its leading space."""
         import torch
 
         batch, sampling = prepared(tokenizer, model, text, options)
         n = options.get("n", 1)
-        eos = getattr(model.generation_config, "eos_token_id", None)
-        ends = ({*eos} if isinstance(eos, list) else {eos}) | {tokenizer.eos_token_id}
+        ends = end_ids(model, tokenizer)
         drawn = n if sampling["do_sample"] else 1  # greedy answers are all the same: one, given n times
         with torch.no_grad():
             out = model.generate(**batch, max_new_tokens=options["max_tokens"], num_return_sequences=drawn,
@@ -194,7 +261,8 @@ class Chat:
             length = next((k + 1 for k, t in enumerate(ids) if t in ends), len(ids))
             ids = ids[:length]
             answer = tokenizer.decode(ids, skip_special_tokens=True)
-            choice = {"text": answer if raw else answer.strip(), "tokens": ids, "logprobs": None}
+            choice = {"text": answer if raw else answer.strip(), "tokens": ids, "logprobs": None,
+                      "ended": bool(ids) and ids[-1] in ends}
             if options.get("logprobs"):  # the answer's tokens, not the end token that closed it (as OpenAI's)
                 shown = ids[:-1] if ids and ids[-1] in ends else ids
                 steps = torch.stack([out.logits[k][i] for k in range(len(shown))]).float().log_softmax(-1) \
@@ -256,15 +324,18 @@ def token_logprobs(tokenizer, ids: list[int], steps, top: int) -> list[dict]:
     return out
 
 
-def choices_of(sampled: list[dict], cut, calls_parsed: bool, max_tokens: int, max_calls: int | None = None
-               ) -> list[dict]:
+def choices_of(sampled: list[dict], cut, calls_parsed: bool, max_tokens: int, max_calls: int | None = None,
+               calls_only: bool = False) -> list[dict]:
     """Each sampled answer (Chat.sample) as a choice: cut at the first stop string (its logprobs to the tokens
-    kept), its tool calls parsed when the request has tools (the first max_calls of them), its finish reason."""
+    kept), its tool calls parsed when the request has tools (the first max_calls of them), its finish reason:
+    "length" when max_tokens cut it, whatever it holds, else "tool_calls" or "stop". calls_only: the answer was held
+    to tool calls (a forced call), so what is left beside them (a call cut short) is not words."""
     out = []
     for i, s in enumerate(sampled):
         answer, stopped = cut(s["text"])
         words, calls = tool_calls_in(answer) if calls_parsed else (answer, [])
         calls = calls[:max_calls] if max_calls else calls
+        words = None if calls_only else words
         logprobs = None
         if s["logprobs"] is not None:
             kept, shown = [], ""
@@ -274,7 +345,8 @@ def choices_of(sampled: list[dict], cut, calls_parsed: bool, max_tokens: int, ma
                 shown += item["token"]
                 kept.append(item)
             logprobs = {"content": kept, "refusal": None}
-        finish = "tool_calls" if calls else "stop" if stopped or len(s["tokens"]) < max_tokens else "length"
+        cut_short = not stopped and not s.get("ended", len(s["tokens"]) < max_tokens) and len(s["tokens"]) >= max_tokens
+        finish = "length" if cut_short else "tool_calls" if calls else "stop"
         out.append({"index": i, "words": words, "calls": calls, "finish": finish, "logprobs": logprobs,
                     "tokens": len(s["tokens"])})
     return out
@@ -322,6 +394,54 @@ def list_models(svc: Svc):
              for j in svc.store.query("SELECT * FROM jobs WHERE status = 'succeeded' ORDER BY seq")]
     return {"object": "list", "data": bases + tuned}
 
+
+def constraint(tools: list[dict] | None, mode: str, names: list[str] | None, parallel: bool,
+               answer_format: tuple | None, format_param: str) -> tuple[list[dict] | None, str | None, bool, bool]:
+    """(the tools the chat template renders, the grammar the answer is held to or None, whether the answer's tool
+    calls are read, whether it is held to calls only), from a request's tools, its tool choice (mode "none", "auto"
+    or "required"; names: the tools it narrows to, a named function or allowed_tools) and its answer format ((schema
+    or None, strict) for JSON, None for text). Forced calls and JSON are constrained decoding (constrain.py); with
+    tools offered and a JSON format, the answer is either calls or the JSON. A tool choice naming no tool of the
+    request, or a schema the grammar library cannot enforce, is a 400 naming it."""
+    if names is not None:
+        offered = [t["function"]["name"] for t in tools or ()]
+        unknown = [name for name in names if name not in offered]
+        if unknown:
+            raise ApiError(400, f"tool_choice: no function named {unknown[0]!r} in tools", "tool_choice")
+        tools = [t for t in tools if t["function"]["name"] in names]
+    if mode == "required" and not tools:
+        raise ApiError(400, "tool_choice: 'required' needs tools to call", "tool_choice")
+    calls_parsed = bool(tools) and mode != "none"
+    if mode != "required" and answer_format is None:
+        return tools, None, calls_parsed, False
+    functions = [t["function"] for t in tools] if calls_parsed else []
+    try:
+        grammar = constrain.grammar(*(answer_format or (None, False)), json_answer=answer_format is not None,
+                                    functions=functions, calls_only=mode == "required", parallel=parallel)
+    except ValueError as e:
+        param = "tools" if str(e).startswith("function ") else format_param
+        raise ApiError(400, f"{param}: {e}", param) from None
+    return tools, grammar, calls_parsed, mode == "required"
+
+
+def chat_constraint(body: ChatRequest, tools: list[dict] | None):
+    """constraint() for a chat request: its tool_choice and response_format in chat completions' shapes."""
+    choice, names = body.tool_choice, None
+    if isinstance(choice, CustomChoice):
+        raise ApiError(400, "tool_choice: custom tools are not served here (function tools only)", "tool_choice")
+    parallel = body.parallel_tool_calls is not False
+    if isinstance(choice, NamedChoice):  # that function, called once
+        choice, names, parallel = "required", [choice.function.name], False
+    elif isinstance(choice, AllowedChoice):
+        names = [(t.get("function") or {}).get("name") or t.get("name") for t in choice.allowed_tools.tools]
+        choice = choice.allowed_tools.mode
+    fmt = body.response_format
+    answer_format = (None, False) if isinstance(fmt, FormatJSONObject) else \
+        (fmt.json_schema.schema_, bool(fmt.json_schema.strict)) if isinstance(fmt, FormatJSONSchema) else None
+    return constraint(tools, choice or "auto", names, parallel, answer_format,
+                      "response_format.json_schema.schema" if isinstance(fmt, FormatJSONSchema) else "response_format")
+
+
 def no_penalties(body) -> None:
     """Frequency and presence penalties: 0 (OpenAI's default) is what this service samples with; others a 400."""
     for name in ("frequency_penalty", "presence_penalty"):
@@ -335,20 +455,17 @@ def chat_completions(svc: Svc, body: ChatRequest, response: Response):
     if body.modalities and set(body.modalities) != {"text"}:
         raise ApiError(400, "modalities: only ['text'] (the models served here write text)", "modalities")
     messages = plain_messages(body.messages)
-    if body.tool_choice not in (None, "auto", "none"):
-        raise ApiError(400, "tool_choice: 'auto' or 'none' (the model decides whether it calls a tool; this "
-                       "service cannot force one)", "tool_choice")
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    calls_parsed = bool(tools) and body.tool_choice != "none"
+    tools, grammar, calls_parsed, calls_only = chat_constraint(body, tools)
     one_call = 1 if body.parallel_tool_calls is False else None  # parallel_tool_calls false: the first call only
     model, tokenizer = svc.chat.load(svc, body.model)
     text, template = render(tokenizer, messages, body.model, tools)
     headers = {TEMPLATE_HEADER: template} if template else {}
     if template:  # the response says which template rendered the tools, in its body too
         response.headers[TEMPLATE_HEADER] = template
-    options = {"max_tokens": body.max_completion_tokens or body.max_tokens or 128,
+    options = {"max_tokens": body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS,
                "temperature": 1.0 if body.temperature is None else body.temperature,
-               "top_p": body.top_p or 1.0, "seed": body.seed}
+               "top_p": body.top_p or 1.0, "seed": body.seed, "grammar": grammar}
     stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
     completion_id, created = new_id("chatcmpl"), now()
 
@@ -381,7 +498,7 @@ def chat_completions(svc: Svc, body: ChatRequest, response: Response):
         def whole():
             with svc.chat.lock:
                 n_prompt, sampled = svc.chat.sample(model, tokenizer, text, options)
-            choices = choices_of(sampled, cut, calls_parsed, options["max_tokens"], one_call)
+            choices = choices_of(sampled, cut, calls_parsed, options["max_tokens"], one_call, calls_only)
             for c in choices:
                 yield chunk({"role": "assistant", "content": ""}, index=c["index"])
                 if c["words"]:
@@ -424,7 +541,7 @@ def chat_completions(svc: Svc, body: ChatRequest, response: Response):
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
     with svc.chat.lock:
         n_prompt, sampled = svc.chat.sample(model, tokenizer, text, options)
-    choices = choices_of(sampled, cut, calls_parsed, options["max_tokens"], one_call)
+    choices = choices_of(sampled, cut, calls_parsed, options["max_tokens"], one_call, calls_only)
     n_completion = sum(c["tokens"] for c in choices)
     return {"object": "chat.completion", "id": completion_id, "created": created, "model": body.model,
             "system_fingerprint": f"dpo-kit:{template}" if template else None, "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["words"]} | (

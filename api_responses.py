@@ -1,7 +1,8 @@
 """OpenAI's Responses API for the jobs service (service.py assembles it): POST /v1/responses on the same models and
 sampling as chat completions (api_chat.py). `instructions`, `input` as a string or as items (messages, function
 calls and their outputs), function tools through the model's chat template, `max_output_tokens`, streamed as the
-Responses API's typed events when asked. Nothing is stored: a response cannot be retrieved or continued
+Responses API's typed events when asked. Structured outputs (text.format) and forced calls (tool_choice) are
+constrained decoding, as in chat. Nothing is stored: a response cannot be retrieved or continued
 (`previous_response_id`, `conversation`), and built-in tools (web search, file search, ...) are refused."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from api_chat import TEMPLATE_HEADER, choices_of, render
+from api_chat import DEFAULT_MAX_TOKENS, TEMPLATE_HEADER, choices_of, constraint, render
 from jobs import now
 from service import ApiError, Svc
 
@@ -117,17 +118,43 @@ def refused(body: ResponsesRequest) -> None:
                       ("include", "there is nothing extra to include from models served here")):
         if getattr(body, name):
             raise ApiError(400, f"{name}: {why}", name)
-    if body.tool_choice not in (None, "auto", "none"):
-        raise ApiError(400, "tool_choice: 'auto' or 'none' (this service cannot force a call)", "tool_choice")
-    if body.text and body.text.format and body.text.format.type != "text":
-        raise ApiError(400, f"text.format: only 'text' (got {body.text.format.type!r}: no structured outputs here)",
-                       "text.format")
     for i, tool in enumerate(body.tools or ()):
         if tool.type != "function":
             raise ApiError(400, f"tools[{i}].type: only function tools (got {tool.type!r}: no built-in tools here)",
                            f"tools[{i}].type")
         if not tool.name:
             raise ApiError(400, f"tools[{i}].name is required", f"tools[{i}].name")
+
+
+def responses_constraint(body: ResponsesRequest, tools: list[dict] | None):
+    """api_chat.constraint() for a Responses request: tool_choice as "none", "auto", "required",
+    {"type": "function", "name"} or {"type": "allowed_tools", "mode", "tools"}; text.format as text, json_object or
+    {"type": "json_schema", "name", "schema", "strict"}. Built-in tool choices are refused, naming their type."""
+    choice, names, parallel = body.tool_choice, None, body.parallel_tool_calls is not False
+    if isinstance(choice, dict):
+        kind = choice.get("type")
+        if kind == "function" and isinstance(choice.get("name"), str):
+            choice, names, parallel = "required", [choice["name"]], False
+        elif kind == "allowed_tools" and choice.get("mode") in ("auto", "required") and \
+                isinstance(choice.get("tools"), list) and all(isinstance(t, dict) for t in choice["tools"]):
+            names = [t.get("name") or (t.get("function") or {}).get("name") for t in choice["tools"]]
+            choice = choice["mode"]
+        else:
+            raise ApiError(400, "tool_choice: 'none', 'auto', 'required', {'type': 'function', 'name': ...} or "
+                           f"{{'type': 'allowed_tools', ...}} (got type {kind!r}: function tools only here)",
+                           "tool_choice")
+    fmt = body.text.format if body.text and body.text.format else None
+    answer_format = None
+    if fmt is not None and fmt.type == "json_object":
+        answer_format = (None, False)
+    elif fmt is not None and fmt.type == "json_schema":
+        extra = fmt.model_extra or {}
+        if not isinstance(extra.get("name"), str) or not isinstance(extra.get("schema"), dict):
+            raise ApiError(400, "text.format: json_schema needs a name and a schema object", "text.format")
+        answer_format = (extra["schema"], bool(extra.get("strict")))
+    elif fmt is not None and fmt.type != "text":
+        raise ApiError(400, f"text.format: 'text', 'json_object' or 'json_schema' (got {fmt.type!r})", "text.format")
+    return constraint(tools, choice or "auto", names, parallel, answer_format, "text.format")
 
 
 def text_of(content, where: str) -> str:
@@ -188,16 +215,17 @@ def create_response(svc: Svc, body: ResponsesRequest):
     tools = [{"type": "function", "function": {k: v for k, v in (("name", t.name), ("description", t.description),
                                                                  ("parameters", t.parameters)) if v is not None}}
              for t in body.tools] if body.tools else None
-    calls_parsed = bool(tools) and body.tool_choice != "none"
+    tools, grammar, calls_parsed, calls_only = responses_constraint(body, tools)
     model, tokenizer = svc.chat.load(svc, body.model)
     text, template = render(tokenizer, messages, body.model, tools)
-    options = {"max_tokens": body.max_output_tokens or 512,
+    options = {"max_tokens": body.max_output_tokens or DEFAULT_MAX_TOKENS,
                "temperature": 1.0 if body.temperature is None else body.temperature, "top_p": body.top_p or 1.0,
-               "seed": None, "n": 1}
+               "seed": None, "n": 1, "grammar": grammar}
     with svc.chat.lock:
         n_input, sampled = svc.chat.sample(model, tokenizer, text, options)
     keep = 1 if body.parallel_tool_calls is False else body.max_tool_calls  # the answer's first calls only
-    choice = choices_of(sampled, lambda answer: (answer, False), calls_parsed, options["max_tokens"], keep)[0]
+    choice = choices_of(sampled, lambda answer: (answer, False), calls_parsed, options["max_tokens"], keep,
+                        calls_only)[0]
     incomplete = choice["finish"] == "length"
     response = {
         "id": f"resp_{secrets.token_hex(16)}", "object": "response", "created_at": now(),
@@ -206,7 +234,8 @@ def create_response(svc: Svc, body: ResponsesRequest):
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": body.model,
         "output": output_items(choice), "parallel_tool_calls": body.parallel_tool_calls is not False,
         "previous_response_id": None, "reasoning": None, "store": False,
-        "temperature": options["temperature"], "top_p": options["top_p"], "text": {"format": {"type": "text"}},
+        "temperature": options["temperature"], "top_p": options["top_p"],
+        "text": {"format": body.text.format.model_dump() if body.text and body.text.format else {"type": "text"}},
         "tool_choice": body.tool_choice or "auto", "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
         "truncation": body.truncation or "disabled", "metadata": body.metadata or {}, "user": body.user,
         "usage": {"input_tokens": n_input, "input_tokens_details": {"cached_tokens": 0},

@@ -340,10 +340,10 @@ def test_chat_with_tools_renders_them_through_a_template_that_can_and_refuses_on
     assert chunks[-1].choices[0].finish_reason == choice.finish_reason
     # The SDK does not check `object`; clients that dispatch on it (as OpenAI documents them) do.
     assert (reply.object, {c.object for c in chunks}) == ("chat.completion", {"chat.completion.chunk"})
-    with pytest.raises(openai.BadRequestError) as e:
-        sdk.chat.completions.create(model=TOOLS_MODEL, messages=ask, tools=CHAT_TOOLS, tool_choice="required",
-                                    max_tokens=2)
-    assert e.value.body["param"] == "tool_choice", e.value.body
+    with pytest.raises(openai.BadRequestError) as e:  # a tool choice naming a function the request does not offer
+        sdk.chat.completions.create(model=TOOLS_MODEL, messages=ask, tools=CHAT_TOOLS, max_tokens=2,
+                                    tool_choice={"type": "function", "function": {"name": "rm_rf"}})
+    assert e.value.body["param"] == "tool_choice" and "rm_rf" in e.value.body["message"], e.value.body
     # A ChatML base whose own template drops tools (SmolLM2's): the kit's chatml-tools renders them, as training
     # does, and the response says so (a header, and system_fingerprint); the prompt is the tools model's own.
     raw = sdk.chat.completions.with_raw_response.create(model=BUNDLED, messages=ask, tools=CHAT_TOOLS, max_tokens=8,
@@ -435,6 +435,84 @@ def test_legacy_completions_as_the_sdk_calls_them(sdk):
         assert e.value.body["param"] == param, e.value.body
 
 
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+FORCED_TOOLS = CHAT_TOOLS + [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER,
+                                                               "strict": True}}]
+
+
+def valid(schema: dict, text: str) -> bool:
+    import jsonschema_rs
+
+    try:
+        return jsonschema_rs.is_valid(schema, json.loads(text))
+    except ValueError:
+        return False
+
+
+@pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="bundled model not converted (make model)")
+def test_structured_outputs_and_forced_tool_calls_as_the_sdk_asks_for_them(sdk):
+    """response_format (json_schema, json_object, the SDK's own parse() with a pydantic model) and tool_choice
+    ("required", a named function, allowed_tools) on the bundled model: every answer that ends parses and validates
+    against its schema, every forced call names an offered function with arguments valid against its parameters."""
+    import openai
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        city: str
+        population: int
+
+    ask = [{"role": "user", "content": "Name a big city and its population, as JSON."}]
+    parsed = sdk.chat.completions.parse(model=BUNDLED, messages=ask, response_format=City, temperature=0,
+                                        max_tokens=60)
+    city = parsed.choices[0].message.parsed
+    assert isinstance(city, City) and abs(city.population) < 2 ** 53, parsed.choices[0].message.content
+    schema = City.model_json_schema()
+    several = sdk.chat.completions.create(model=BUNDLED, messages=ask, n=4, temperature=1.0, seed=5, max_tokens=60,
+                                          response_format={"type": "json_schema", "json_schema": {
+                                              "name": "city", "schema": schema, "strict": True}})
+    ended = [c for c in several.choices if c.finish_reason == "stop"]
+    assert len(ended) >= 2 and all(valid(schema, c.message.content) for c in ended), several.choices
+    anything = sdk.chat.completions.create(model=BUNDLED, messages=ask, temperature=0, max_tokens=60,
+                                           response_format={"type": "json_object"})
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    streamed = list(sdk.chat.completions.create(model=BUNDLED, messages=ask, temperature=0, max_tokens=60, stream=True,
+                                                response_format={"type": "json_object"}))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == anything.choices[0].message.content
+
+    parameters = {t["function"]["name"]: t["function"]["parameters"] for t in FORCED_TOOLS}
+    weather = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for choice, names in (("required", set(parameters)), ({"type": "function", "function": {"name": "get_weather"}},
+                                                          {"get_weather"}),
+                          ({"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+                              {"type": "function", "function": {"name": "get_weather"}}]}}, {"get_weather"})):
+        reply = sdk.chat.completions.create(model=BUNDLED, messages=weather, tools=FORCED_TOOLS, tool_choice=choice,
+                                            temperature=0, max_tokens=80)
+        message = reply.choices[0].message
+        assert message.tool_calls and message.content is None, reply
+        for call in message.tool_calls:
+            assert call.function.name in names and valid(parameters[call.function.name], call.function.arguments)
+        if isinstance(choice, dict) and choice["type"] == "function":  # a named function: called once, then the end
+            assert len(message.tool_calls) == 1 and reply.choices[0].finish_reason == "tool_calls"
+    chunks = list(sdk.chat.completions.create(model=BUNDLED, messages=weather, tools=FORCED_TOOLS, max_tokens=80,
+                                              temperature=0, stream=True, tool_choice={
+                                                  "type": "function", "function": {"name": "get_weather"}}))
+    calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or ()]
+    assert [c.function.name for c in calls] == ["get_weather"] and valid(WEATHER, calls[0].function.arguments)
+
+    for kwargs, param in (
+            ({"tool_choice": "required"}, "tool_choice"),  # nothing to call
+            ({"tools": CHAT_TOOLS, "tool_choice": {"type": "custom", "custom": {"name": "x"}}}, "tool_choice"),
+            ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "strict": True, "schema": {
+                "type": "string", "format": "phone"}}}}, "response_format.json_schema.schema"),
+            ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+                "type": "object", "properties": {"n": {"type": "string", "format": "weird"}}}}}],
+              "tool_choice": "required"}, "tools")):
+        with pytest.raises(openai.BadRequestError) as e:
+            sdk.chat.completions.create(model=BUNDLED, messages=ask, max_tokens=2, **kwargs)
+        assert e.value.body["param"] == param, e.value.body
+
+
 RESPONSE_TOOLS = [{"type": "function", "name": "disk_usage", "description": "Bytes used under a path.",
                    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}]
 
@@ -488,10 +566,35 @@ def test_the_responses_api_as_the_sdk_calls_it(sdk):
 
     for kwargs, param in (({"previous_response_id": "resp_1"}, "previous_response_id"),
                           ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-                          ({"tool_choice": "required", "tools": RESPONSE_TOOLS}, "tool_choice"),
-                          ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+                          ({"tool_choice": {"type": "function", "name": "rm_rf"}, "tools": RESPONSE_TOOLS},
+                           "tool_choice"),
+                          ({"tool_choice": {"type": "file_search"}, "tools": RESPONSE_TOOLS}, "tool_choice"),
+                          ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
                           ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
                            "input[0].content[0].type")):
         with pytest.raises(openai.BadRequestError) as e:
             sdk.responses.create(model=BUNDLED, **({"input": "Hi"} | kwargs), max_output_tokens=2)
         assert e.value.body["param"] == param, e.value.body
+
+
+@pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="bundled model not converted (make model)")
+def test_the_responses_api_gives_structured_outputs_and_forced_calls_streamed_as_agents_read_them(sdk):
+    """responses.parse with a pydantic model (text.format json_schema), and a named function forced while streaming:
+    its arguments arrive as function_call_arguments events and validate against the function's parameters."""
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        city: str
+        population: int
+
+    parsed = sdk.responses.parse(model=BUNDLED, input="Name a big city and its population.", text_format=City,
+                                 temperature=0, max_output_tokens=60)
+    assert isinstance(parsed.output_parsed, City) and parsed.text.format.type == "json_schema"
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER, "strict": True}
+    events = list(sdk.responses.create(model=BUNDLED, input="What is the weather in Paris?", tools=RESPONSE_TOOLS + [tool],
+                                       tool_choice={"type": "function", "name": "get_weather"}, stream=True,
+                                       temperature=1.0, max_output_tokens=80))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and done[0].name == "get_weather" and valid(WEATHER, done[0].arguments)
+    final = events[-1].response
+    assert events[-1].type == "response.completed" and [o.type for o in final.output] == ["function_call"]
