@@ -334,7 +334,7 @@ compare: $(STAMP) $(BUNDLED_MODEL)/config.json ## base vs make train (a round), 
 	$(PY) bench/compare.py --logs $(LOGS) $(if $(ATTEMPTS),--extra_runs $(ATTEMPTS)) $(ARGS)
 
 .PHONY: bench-serve
-bench-serve: $(STAMP) $(BUNDLED_MODEL)/config.json ## status polling while a job trains: 50 clients for 30 s, p50/p99/errors -> bench/results-serve.md
+bench-serve: $(STAMP) $(BUNDLED_MODEL)/config.json ## status polling while a job trains (50 clients, p50/p99), then chat answers to 1/4/16 clients (first-token p50/p99, tokens/s) -> bench/results-serve.md
 	$(PY) bench/serve_bench.py $(ARGS)
 
 # A lent GPU machine (bench/gpu.sh) has torch, accelerate (the lock's 1.15.0), an older transformers (5.17) and peft,

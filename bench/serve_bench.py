@@ -1,6 +1,7 @@
-"""Measure serve.py's status polling while a job trains: many clients poll GET /v1/fine_tuning/jobs/{id} at once.
+"""Measure serve.py under load: status polling while a job trains, then answers (chat completions) to concurrent
+clients on the CPU path.
 
-    make bench-serve [ARGS="--clients 50 --seconds 30"]
+    make bench-serve [ARGS="--clients 50 --seconds 30 --chat_clients 1,4,16 --chat_seconds 30"]
     .venv/bin/python bench/serve_bench.py [--clients 50] [--seconds 30] [--port 0]
 
 Starts the service (a subprocess on a free port, its own output directory under a temporary folder), uploads
@@ -10,6 +11,13 @@ the job's status as fast as they can for --seconds. Writes bench/results-serve.m
 p50 / p99 / max latency, errors (any status but 200, any transport error); then cancels the job and stops the
 service. The clients share the machine with the training (and on a small CPU with each other), so the latency is
 what an agent sees on a busy box, not the service alone.
+
+Then, the job cancelled and its training stopped, each of --chat_clients concurrent clients streams chat
+completions from the bundled model for --chat_seconds, as plain text and as structured output (a json_schema
+response_format, constrained decoding), each answer up to --chat_tokens tokens: first-token latency (request sent to
+the first chunk with content) at p50 / p99, and generated tokens per second across all clients (from each stream's
+usage chunk). The service answers one request at a time (one model, one generate call), so a client's first token
+waits for the answers queued before it.
 """
 
 import asyncio
@@ -40,10 +48,17 @@ class ServeBenchConfig:
     seconds: float = field(30.0, "how long they poll")
     pairs: int = field(200, "pairs in the job (batch 1: one step each), enough to outlast the polling")
     port: int = field(0, "the service's port (0: a free one)")
+    chat_clients: str = field("1,4,16", "concurrent chat clients, one measurement each (comma-separated; '' skips)")
+    chat_seconds: float = field(30.0, "how long each chat measurement runs")
+    chat_tokens: int = field(64, "max_tokens of each answer")
     out: str = field("bench/results-serve", "results: OUT.md and OUT.json")
 
     def problems(self) -> list[str]:
-        return [f"--{k} must be positive" for k in ("clients", "seconds", "pairs") if getattr(self, k) <= 0]
+        bad = [f"--{k} must be positive" for k in ("clients", "seconds", "pairs", "chat_seconds", "chat_tokens")
+               if getattr(self, k) <= 0]
+        if not all(c.strip().isdigit() and int(c) > 0 for c in self.chat_clients.split(",") if self.chat_clients):
+            bad.append(f"--chat_clients: positive integers separated by commas (got {self.chat_clients!r})")
+        return bad
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -62,14 +77,84 @@ def summarize(latencies: list[float], errors: int, seconds: float, clients: int)
             "p99_ms": round(percentile(ms, 99), 1) if ms else None, "max_ms": round(max(ms), 1) if ms else None}
 
 
+CITY = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+        "required": ["city", "population"], "additionalProperties": False}
+
+
+def summarize_chat(first_tokens: list[float], tokens: int, errors: int, seconds: float, clients: int,
+                   kind: str) -> dict:
+    """First-token latencies in seconds and generated tokens -> p50 / p99 in milliseconds, tokens per second."""
+    ms = [x * 1000 for x in first_tokens]
+    return {"kind": kind, "clients": clients, "seconds": round(seconds, 1), "answers": len(ms), "errors": errors,
+            "first_token_p50_ms": round(percentile(ms, 50), 1) if ms else None,
+            "first_token_p99_ms": round(percentile(ms, 99), 1) if ms else None,
+            "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1)}
+
+
+async def chat_load(base: str, clients: int, seconds: float, max_tokens: int, structured: bool) -> dict:
+    """--clients streams of chat completions for --seconds (each answer started before the end is counted)."""
+    import httpx
+
+    first_tokens, counted, errors = [], [0], 0
+    stop_at = time.perf_counter() + seconds
+    body = {"model": "SmolLM2-135M-Instruct", "max_tokens": max_tokens, "temperature": 1.0, "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": "Name a big city and its population."}]}
+    if structured:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+
+    async def client():
+        nonlocal errors
+        async with httpx.AsyncClient(timeout=600) as http:
+            while time.perf_counter() < stop_at:
+                t0, first = time.perf_counter(), None
+                try:
+                    async with http.stream("POST", f"{base}/v1/chat/completions", json=body) as reply:
+                        if reply.status_code != 200:
+                            errors += 1
+                            continue
+                        async for line in reply.aiter_lines():
+                            if not line.startswith("data: {"):
+                                continue
+                            event = json.loads(line[6:])
+                            if first is None and any(c["delta"].get("content") for c in event["choices"]):
+                                first = time.perf_counter() - t0
+                            if event.get("usage"):
+                                counted[0] += event["usage"]["completion_tokens"]
+                except httpx.HTTPError:
+                    errors += 1
+                    continue
+                if first is not None:
+                    first_tokens.append(first)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return summarize_chat(first_tokens, counted[0], errors, time.perf_counter() - t0, clients,
+                          "json_schema" if structured else "text")
+
+
+def chat_markdown(rows: list[dict], max_tokens: int) -> str:
+    if not rows:
+        return ""
+    lines = ["\n## Answers: chat completions under concurrent clients (CPU)\n",
+             f"Each client streams answers of up to {max_tokens} tokens from the bundled model (temperature 1), "
+             "one request after another; `json_schema` holds each answer to a schema (constrained decoding). "
+             "The service answers one request at a time, so first-token latency grows with the clients queued.\n",
+             "| answer | clients | answers | first token p50 | first token p99 | generated tokens/s | errors |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['kind']} | {r['clients']} | {r['answers']} | {r['first_token_p50_ms']} ms | "
+              f"{r['first_token_p99_ms']} ms | {r['tokens_per_s']} | {r['errors']} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
 def markdown(r: dict) -> str:
     return (f"# serve.py: status polling while a job trains\n\n"
             f"{r['clients']} concurrent clients polled `GET /v1/fine_tuning/jobs/{{id}}` for {r['seconds']} s while "
             f"the job's training process ran (the bundled model, {r['job_state']}), on {r['machine']}.\n\n"
             "| requests | requests/s | p50 | p99 | max | errors |\n| --- | --- | --- | --- | --- | --- |\n"
             f"| {r['requests']:,} | {r['requests_per_s']} | {r['p50_ms']} ms | {r['p99_ms']} ms | {r['max_ms']} ms "
-            f"| {r['errors']} |\n\n`make bench-serve` ({time.strftime('%Y-%m-%d', time.gmtime())}); "
-            "bench/serve_bench.py says how.\n")
+            f"| {r['errors']} |\n" + chat_markdown(r.get("chat", []), r.get("chat_tokens", 0)) +
+            f"\n`make bench-serve` ({time.strftime('%Y-%m-%d', time.gmtime())}); bench/serve_bench.py says how.\n")
 
 
 async def poll(url: str, clients: int, seconds: float) -> tuple[list[float], int]:
@@ -138,6 +223,16 @@ def main(argv=None) -> int:
                        "loading and starting to train", "machine": f"{os.cpu_count()} CPU cores, "
                        f"{platform.processor() or platform.machine()}, Python {platform.python_version()}"}
             httpx.post(f"{url}/cancel")
+            while httpx.get(url).json()["status"] not in ("cancelled", "failed", "succeeded"):
+                time.sleep(0.5)  # its training process gone: the answers below have the machine to themselves
+            result |= {"chat": [], "chat_tokens": cfg.chat_tokens}
+            httpx.post(f"{base}/v1/chat/completions", timeout=600, json={  # load the model before timing answers
+                "model": "SmolLM2-135M-Instruct", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]})
+            for clients in (int(c) for c in cfg.chat_clients.split(",") if cfg.chat_clients):
+                for structured in (False, True):
+                    row = asyncio.run(chat_load(base, clients, cfg.chat_seconds, cfg.chat_tokens, structured))
+                    print(f"[bench] {json.dumps(row)}", flush=True)
+                    result["chat"].append(row)
         finally:
             service.send_signal(signal.SIGTERM)
             service.wait(timeout=300)

@@ -290,6 +290,11 @@ def test_serve_bench_summary_on_worked_numbers():
     r = serve_bench.summarize([0.001, 0.002, 0.003, 0.010], errors=1, seconds=2.0, clients=2)
     assert r == {"clients": 2, "seconds": 2.0, "requests": 5, "errors": 1, "requests_per_s": 2.5, "p50_ms": 2.0,
                  "p99_ms": 10.0, "max_ms": 10.0}
+    chat = serve_bench.summarize_chat([0.2, 0.1, 0.4], tokens=150, errors=0, seconds=10.0, clients=3, kind="text")
+    assert chat == {"kind": "text", "clients": 3, "seconds": 10.0, "answers": 3, "errors": 0, "first_token_p50_ms": 200.0,
+                    "first_token_p99_ms": 400.0, "tokens": 150, "tokens_per_s": 15.0}
+    assert "| text | 3 | 3 | 200.0 ms | 400.0 ms | 15.0 | 0 |" in serve_bench.chat_markdown([chat], 64)
+    assert serve_bench.ServeBenchConfig(chat_clients="1,x").problems() and not serve_bench.ServeBenchConfig().problems()
 
 
 # ------------------------------------------------------------------ a real service
