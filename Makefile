@@ -279,6 +279,34 @@ merge: $(STAMP) ## merge RUN=name (or TARBALL=) into a standalone 16-bit model i
 	@test -n "$(RUN_OR_TARBALL)" || { echo "usage: make merge RUN=<name> | TARBALL=x.tar.gz" >&2; exit 2; }
 	$(PY) entrypoint.py merge $(RUN_OR_TARBALL)
 
+# make export's llama.cpp: its runtime (llama-cpp-python) compiled from the pinned source once per venv (minutes on a
+# small CPU: it builds llama.cpp; needs cmake and a C/C++ compiler), and the same source's converter unpacked beside it.
+LLAMA_STAMP := $(VENV)/.llama-cpp-$(shell cat requirements-export.txt 2>/dev/null | cksum | cut -d' ' -f1)
+LLAMA_SRC := $(VENV)/.llama-src
+
+$(LLAMA_STAMP): $(STAMP) requirements-export.txt
+	@command -v cmake >/dev/null && command -v c++ >/dev/null || { echo "make: llama.cpp's runtime is compiled from \
+source for make export: install cmake and a C/C++ compiler (Debian/Ubuntu: apt-get install cmake g++)" >&2; exit 1; }
+	@rm -rf $(LLAMA_SRC) $(VENV)/share/llama.cpp $(VENV)/.llama-cpp-* && mkdir -p $(LLAMA_SRC) $(VENV)/share/llama.cpp
+	$(VENV)/bin/pip download -q --no-deps --no-binary :all: -d $(LLAMA_SRC) \
+	  $$(grep -E '^llama-cpp-python==' requirements-export.txt | cut -d' ' -f1)
+	tar xzf $(LLAMA_SRC)/llama_cpp_python-*.tar.gz -C $(VENV)/share/llama.cpp --strip-components=3 --wildcards \
+	  '*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/gguf-py' '*/vendor/llama.cpp/conversion'
+	@began=$$(date +%s); CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+	  $(VENV)/bin/pip install -q --no-deps $(LLAMA_SRC)/llama_cpp_python-*.tar.gz \
+	  $$(grep -vE '^(#|llama-cpp-python)' requirements-export.txt | cut -d' ' -f1) \
+	  && echo "[llama-cpp] llama.cpp's runtime built and installed in $$(( $$(date +%s) - began )) s"
+	@rm -rf $(LLAMA_SRC)
+	@touch $@
+
+.PHONY: llama-cpp
+llama-cpp: $(LLAMA_STAMP) ## install make export's llama.cpp (converter, quantiser, runtime) into .venv, once
+
+.PHONY: export
+export: $(LLAMA_STAMP) ## RUN=name (or TARBALL=) FORMAT=gguf|merged [QUANT=f16|q8_0|q4_k_m]: a checked export in artifacts/<run>-<format>
+	@test -n "$(RUN_OR_TARBALL)" || { echo "usage: make export RUN=<name> | TARBALL=x.tar.gz [FORMAT=gguf|merged] [QUANT=q8_0]" >&2; exit 2; }
+	$(PY) entrypoint.py export $(RUN_OR_TARBALL) --format $(or $(FORMAT),gguf) --quant $(or $(QUANT),q8_0) $(ARGS)
+
 .PHONY: eval
 eval: $(STAMP) ## re-evaluate RUN=name (or TARBALL=) on its held-out pairs, or on DATA=file: artifacts/<run>-eval/report.md
 	@test -n "$(RUN_OR_TARBALL)" || { echo "usage: make eval RUN=<name> | TARBALL=x.tar.gz [DATA=pairs.jsonl]" >&2; exit 2; }
@@ -298,7 +326,7 @@ test-container: ## build the image on a local base with podman, train in it thro
 	.ci/container-smoke.sh
 
 .PHONY: test
-test: $(STAMP) $(BUNDLED_MODEL)/config.json ## run the tests (unit, then integration on the bundled model in 4-bit) in TEST_WORKERS processes
+test: $(STAMP) $(BUNDLED_MODEL)/config.json $(LLAMA_STAMP) ## run the tests (unit, then integration on the bundled model in 4-bit) in TEST_WORKERS processes
 	$(PY) -m pytest -q tests -m "not slurm" -n $(TEST_WORKERS) --dist worksteal $(ARGS)
 
 # The cluster is started once and left up (.ci/slurm-cluster.sh stop ends it); exit 77 from the script: SLURM cannot

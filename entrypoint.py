@@ -8,6 +8,7 @@
     python entrypoint.py verify RUN.tar.gz      # checksums, safe paths, serving rules; what the adapter is
     python entrypoint.py chat RUN_DIR|RUN.tar.gz [--compare] [PROMPT ...]   # no PROMPT: read the terminal
     python entrypoint.py merge RUN_DIR|RUN.tar.gz [OUT_DIR]                  # standalone 16-bit model
+    python entrypoint.py export RUN_DIR|RUN.tar.gz [--format gguf|merged] [--quant q8_0] [--force]  # checked export
     python entrypoint.py eval RUN_DIR|RUN.tar.gz [PAIRS.jsonl]   # held-out accuracy, probes -> <run>-eval/report.md
     python entrypoint.py runs [ARTIFACTS_DIR]   # every run: status, data, steps, held-out accuracy, size
     python entrypoint.py iterate [PLAN.yaml] [--output_dir DIR]   # rounds: SPIN / self-reward / DPO / SFT stages
@@ -46,6 +47,11 @@ def verify(argv) -> int:
     import runs
 
     manifest = runs.verify_tarball(argv[0])
+    if manifest.get("kind") == "export":
+        print(f"{argv[0]}: OK\n{manifest['run_name']}: {manifest['format']} export"
+              f"{' (' + manifest['quant'] + ')' if manifest.get('quant') else ''} of run {manifest['exported_from']}, "
+              f"{len(manifest['files'])} files; see its README.md and export_report.json")
+        return 0
     print(f"{argv[0]}: OK\n" + runs.describe_run(manifest))
     for warning in manifest["serving_warnings"]:
         print(f"warning: {warning}")
@@ -69,6 +75,12 @@ def merge(argv) -> int:
         raise kit.UserError("usage: entrypoint.py merge RUN_DIR|RUN.tar.gz [OUT_DIR]")
     evaluate.merge(*argv)
     return 0
+
+
+def export_run(argv) -> int:
+    import export
+
+    return export.main(argv)
 
 
 def eval_run(argv) -> int:
@@ -115,10 +127,10 @@ def main(argv=None) -> int:
         import serve
 
         return serve.main(rest)
-    commands = {"model": model, "check": check, "verify": verify, "chat": chat, "merge": merge, "eval": eval_run,
-                "runs": list_runs, "launch": launch}
+    commands = {"model": model, "check": check, "verify": verify, "chat": chat, "merge": merge, "export": export_run,
+                "eval": eval_run, "runs": list_runs, "launch": launch}
     if command in commands:
-        if rest[:1] in (["-h"], ["--help"]):  # this file's own commands: their lines of the usage above
+        if rest[:1] in (["-h"], ["--help"]) and command != "export":  # its own usage lines above (export: its own)
             print("\n".join(line for line in USAGE.splitlines() if f"entrypoint.py {command} " in line + " "))
             return 0
         return commands[command](rest)

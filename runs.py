@@ -359,6 +359,40 @@ def file_hashes(root: str | os.PathLike, skip: tuple[str, ...] = ("manifest.json
     return out
 
 
+def write_export_manifest(directory: Path, name: str, report: dict) -> None:
+    """manifest.json of an export (export.py): what it is and every file's sha256, as a run's manifest lists its
+    files, so verify_tarball checks an export's tarball as it checks an adapter's."""
+    atomic_write_json(Path(directory) / "manifest.json", {
+        "kind": "export", "run_name": name, "format": report["format"], "quant": report["quant"],
+        "exported_from": report["run"], "files": file_hashes(directory)})
+
+
+def export_problems(run_dir: Path, manifest: dict) -> list[str]:
+    """What is wrong with an unpacked export beyond its checksums: a GGUF that llama.cpp's gguf reader cannot read
+    (or that holds no tensors; where the gguf package is installed), a merged model without its config or
+    weights."""
+    if manifest.get("format") == "merged":
+        model = run_dir / "model"
+        missing = [f for f in ("config.json",) if not (model / f).exists()]
+        if not list(model.glob("*.safetensors")):
+            missing.append("*.safetensors")
+        return [f"model/{f} is missing" for f in missing]
+    problems = []
+    ggufs = sorted(run_dir.glob("*.gguf"))
+    if len(ggufs) != 1:
+        return [f"an export holds one .gguf file (found {len(ggufs)})"]
+    try:
+        from gguf import GGUFReader  # the checksums above need nothing; reading the GGUF needs this package
+    except ImportError:
+        return problems
+    try:
+        if not GGUFReader(str(ggufs[0])).tensors:
+            problems.append(f"{ggufs[0].name} holds no tensors")
+    except Exception as e:  # noqa: BLE001 - the reader's ValueError, struct and numpy errors on a bad file
+        problems.append(f"{ggufs[0].name} is not a readable GGUF ({type(e).__name__}: {str(e)[:160]})")
+    return problems
+
+
 def make_tarball(src_dir: str | os.PathLike, dest: str | os.PathLike) -> str:
     """Pack src_dir as `<name>/...` into dest (.tar.gz) reproducibly; returns the tarball's sha256.
 
@@ -431,7 +465,8 @@ def serving_problems(adapter_config: dict) -> list[str]:
 
 def verify_tarball(path: str | os.PathLike, extract_to: str | os.PathLike | None = None) -> dict:
     """Check a run tarball: safe members only, every file matches manifest.json's sha256, nothing
-    unlisted, the adapter obeys the serving rules. Returns the manifest; raises UserError.
+    unlisted, the adapter obeys the serving rules (an export's tarball: its GGUF reads, or its merged model is
+    whole). Returns the manifest; raises UserError.
 
     Extraction goes to a temporary directory (removed afterwards) unless extract_to is given; the run's
     directory must not exist there yet.
@@ -491,12 +526,17 @@ def verify_tarball(path: str | os.PathLike, extract_to: str | os.PathLike | None
                     if name in found and found[name] != listed[name]]
         problems += [f"{name}: listed in manifest.json but missing" for name in sorted(set(listed) - set(found))]
         problems += [f"{name}: present but not in manifest.json" for name in sorted(set(found) - set(listed))]
-        if not (run_dir / "adapter_config.json").exists():
+        exported = manifest.get("kind") == "export"
+        if exported and not problems:
+            problems += export_problems(run_dir, manifest)
+        elif not exported and not (run_dir / "adapter_config.json").exists():
             problems.append("adapter_config.json is missing")
         if manifest.get("run_name") != top:  # open_run finds the unpacked run by this name
             problems.append(f"manifest.json names run {manifest.get('run_name')!r}, but the archive holds {top!r}")
         if problems:
             raise UserError("refused:\n  - " + "\n  - ".join(problems), path)
+        if exported:
+            return manifest
         manifest["adapter_config"] = read_json_object(run_dir / "adapter_config.json", "adapter_config.json is "
                                                       "not readable", path)
         serving = serving_problems(manifest["adapter_config"])

@@ -30,7 +30,7 @@ def test_no_command_is_a_usage_error(capsys):
 def test_unknown_command_is_one_line_and_exit_2():
     out = subprocess.run([sys.executable, str(ROOT / "entrypoint.py"), "fit"], capture_output=True, text=True)
     assert out.returncode == 2
-    assert out.stderr.strip() == "error: unknown command 'fit'; expected one of: train, pairs, iterate, serve, model, check, verify, chat, merge, eval, runs, launch"
+    assert out.stderr.strip() == "error: unknown command 'fit'; expected one of: train, pairs, iterate, serve, model, check, verify, chat, merge, export, eval, runs, launch"
 
 
 def test_train_validates_the_data_before_anything_loads(tmp_path):

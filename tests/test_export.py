@@ -1,0 +1,147 @@
+"""make export (export.py): the refusal rule and the Ollama Modelfile without a model; then a real run exported
+as a GGUF by llama.cpp's converter, checked in llama.cpp's runtime (held-out answers scored by the checker, greedy
+probe tokens against the merged model), answering a chat with its template, kept with checksums that make verify
+reads, and refused by it once corrupted."""
+import gzip
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+import export
+import kit
+import runs
+from test_serve import MODEL, needs_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_an_export_is_refused_for_a_pass_rate_below_the_tolerance_or_too_little_agreement_and_says_which():
+    adapter = {"pass_rate": 0.40, "mean_score": 0.01}
+    assert export.verdict(adapter, {"pass_rate": 0.36}, 0.99, 0.05, 0.95) is None  # within 0.05
+    assert export.verdict(adapter, {"pass_rate": 0.35}, 0.99, 0.05, 0.95) is None  # exactly at the edge
+    low = export.verdict(adapter, {"pass_rate": 0.30}, 0.99, 0.05, 0.95)
+    assert "0.300" in low and "0.400" in low and "agreement" not in low and "top-1" not in low
+    disagree = export.verdict(adapter, {"pass_rate": 0.40}, 0.90, 0.05, 0.95)
+    assert "90.0%" in disagree and "pass rate" not in disagree
+    both = export.verdict(adapter, {"pass_rate": 0.0}, 0.5, 0.05, 0.95)
+    assert "pass rate" in both and "top-1" in both
+    assert export.verdict(None, None, 0.97, 0.05, 0.95) is None  # no held-out prompts: agreement only
+    assert export.ExportConfig(run="r", quant="q4_k_m").tolerance() == 0.10
+    assert export.ExportConfig(run="r", format="merged").tolerance() == 0.05
+    assert export.ExportConfig(run="r", pass_tolerance=0.2).tolerance() == 0.2
+    assert export.ExportConfig(run="r", quant="q4_k_m").agreement() == 0.90
+    assert export.ExportConfig(run="r").agreement() == 0.95
+    assert export.ExportConfig().problems() and export.ExportConfig(run="r", min_agreement=2).problems()
+
+
+def test_agreement_counts_the_answer_tokens_only():
+    # sequences of 5 tokens whose answer starts at 3: positions 2..3 predict tokens 3..4
+    reference, other = [[9, 9, 1, 2, 0]], [[7, 7, 1, 5, 0]]
+    assert export.agreement(reference, other, [3]) == 0.5
+    assert export.agreement(reference, reference, [3]) == 1.0
+
+
+def test_the_modelfile_points_at_the_gguf_and_stops_at_the_end_tokens():
+    text = export.modelfile("run-q8_0.gguf", "{% for m in messages %}<|im_start|>{{ m.role }}...", ["<|im_end|>"])
+    assert text.splitlines()[0] == "FROM ./run-q8_0.gguf" and 'PARAMETER stop "<|im_end|>"' in text
+    assert "TEMPLATE" in text and "TEMPLATE" not in export.modelfile("x.gguf", "[INST]", ["</s>"])
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A two-step run on the bundled model with held-out prompts and probes, exported as a q8_0 GGUF."""
+    if not (MODEL / "config.json").exists():
+        pytest.skip("bundled model not converted (make model)")
+    from test_train_dpo import small_run
+
+    import checker
+
+    tmp = tmp_path_factory.mktemp("export")
+    prompts = tmp / "prompts.jsonl"  # three of the demo's tasks on their hosts (no run: each is held out)
+    prompts.write_text("".join(json.dumps({"prompt": p["prompt"], "host": p["host"]}) + "\n"
+                               for p in checker.prompts_from_logs(str(ROOT / "data" / "runs.jsonl"))[:3]))
+    run_dir, _ = small_run(tmp, "trl_conversational", "exp", "--probes", ROOT / "data" / "probes.jsonl",
+                           "--eval_prompts", prompts, "--eval_samples", "2", "--eval_max_new_tokens", "48")
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        dest = export.export(export.ExportConfig(run=str(run_dir), format="gguf", quant="q8_0", force=True))
+    finally:
+        os.chdir(cwd)
+    return run_dir, dest
+
+
+@needs_model
+@pytest.mark.integration
+def test_a_run_exports_to_a_gguf_checked_in_llama_cpps_runtime_against_the_adapter(exported):
+    run_dir, dest = exported
+    report = json.loads((dest / "export_report.json").read_text())
+    evaluation = json.loads((run_dir / "evaluation.json").read_text())["execution"]
+    assert report["held_out_prompts"] == evaluation["prompts"] > 0  # the report's prompts, the report's figures
+    assert report["adapter"]["pass_rate"] == evaluation["tuned"]["pass_rate"]
+    assert report["export"]["answers"] == evaluation["tuned"]["answers"]  # every held-out answer scored
+    assert report["probe_top1_agreement"] >= 0.95 and report["probe_tokens"] > 20  # q8_0 keeps the greedy tokens
+    assert report["tokens_per_s"] > 0 and report["bytes"] == (dest / "exp-q8_0.gguf").stat().st_size
+    card = (dest / "README.md").read_text()
+    assert "| held-out pass rate" in card and "Top-1 agreement" in card
+    assert (dest / "Modelfile").read_text().startswith("FROM ./exp-q8_0.gguf")
+    manifest = runs.verify_tarball(dest.parent / f"{dest.name}.tar.gz")
+    assert manifest["kind"] == "export" and set(manifest["files"]) >= {"exp-q8_0.gguf", "export_report.json"}
+
+
+@needs_model
+@pytest.mark.integration
+def test_the_exported_gguf_answers_a_chat_in_llama_cpp_with_the_template_it_trained_with(exported):
+    import llama_cpp
+    from gguf import GGUFReader
+    from transformers import AutoTokenizer
+
+    run_dir, dest = exported
+    gguf_file = dest / "exp-q8_0.gguf"
+    field = GGUFReader(str(gguf_file)).fields["tokenizer.chat_template"]
+    template = bytes(field.parts[field.data[0]]).decode()
+    assert template == AutoTokenizer.from_pretrained(run_dir).chat_template
+    llm = llama_cpp.Llama(str(gguf_file), n_ctx=512, verbose=False)
+    reply = llm.create_chat_completion(messages=[{"role": "user", "content": "What is 1+1?"}], max_tokens=12,
+                                       temperature=0)
+    assert reply["choices"][0]["message"]["content"].strip()
+    prompt = llm.tokenize(b"x")  # the runtime works on the vocabulary the kit's tokenizer has
+    assert llm.n_vocab() == len(AutoTokenizer.from_pretrained(run_dir)) and prompt
+
+
+@needs_model
+@pytest.mark.integration
+def test_verify_refuses_a_corrupted_or_truncated_export(exported, tmp_path):
+    _, dest = exported
+    good = dest.parent / f"{dest.name}.tar.gz"
+    data = good.read_bytes()
+    cut = tmp_path / "cut.tar.gz"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(kit.UserError, match="not a readable"):
+        runs.verify_tarball(cut)
+    # the GGUF changed inside a well-formed archive: its sha256 no longer matches the manifest
+    with tarfile.open(good) as tar:
+        members = [(m, tar.extractfile(m).read() if m.isfile() else None) for m in tar.getmembers()]
+    buf = io.BytesIO()
+    with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) as gz, tarfile.open(fileobj=gz, mode="w") as out:
+        for m, content in members:
+            if content is not None and m.name.endswith(".gguf"):
+                content = content[:-4096] + bytes(4096)
+            out.addfile(m, io.BytesIO(content) if content is not None else None)
+    bad = tmp_path / "bad.tar.gz"
+    bad.write_bytes(buf.getvalue())
+    with pytest.raises(kit.UserError, match="exp-q8_0.gguf: sha256 differs"):
+        runs.verify_tarball(bad)
+    # a GGUF cut short and its manifest rewritten to match: the checksums pass, the GGUF does not read
+    unpacked = tmp_path / "unpacked"
+    manifest = runs.verify_tarball(good, unpacked)
+    top = unpacked / manifest["run_name"]
+    (top / "exp-q8_0.gguf").write_bytes((top / "exp-q8_0.gguf").read_bytes()[:100_000])
+    runs.write_export_manifest(top, manifest["run_name"], json.loads((top / "export_report.json").read_text()))
+    runs.make_tarball(top, tmp_path / "short.tar.gz")
+    with pytest.raises(kit.UserError, match="not a readable GGUF"):
+        runs.verify_tarball(tmp_path / "short.tar.gz")
