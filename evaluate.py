@@ -683,14 +683,13 @@ def evaluate_run(path: str, data: str = "", out_dir: str | None = None) -> Path:
 
 
 def merge(path: str, out_dir: str | None = None, dtype: str = "bfloat16", tolerance: float = 1e-3) -> Path:
-    """Merge the adapter into a 16-bit copy of the base and save a standalone model directory.
+    """Merge the adapter into the base it trained against and save a standalone model directory.
 
-    The base is loaded in float32 from its original weights (never the 4-bit ones: merging into
-    quantised weights changes outputs) and the LoRA deltas merged in float32; the merged logits
-    must match base + adapter (unmerged) within `tolerance` on a few probes, or nothing is kept.
-    Then the model is cast to `dtype`, saved, reloaded with plain AutoModelForCausalLM, and the
-    16-bit rounding's effect recorded (max logit difference, top-1 agreement), as is the gap to
-    the 4-bit model that was actually trained.
+    The base is the one the run trained against, in float32 (models.trained_base: a 4-bit base's dequantised
+    weights, never re-quantised), and the LoRA deltas are merged in float32; the merged logits must match
+    base + adapter (unmerged, the trained model) within `tolerance` on a few probes, or nothing is kept. Then
+    the model is cast to `dtype`, saved, reloaded with plain AutoModelForCausalLM, and the rounding's effect
+    recorded (max logit difference, top-1 agreement against the trained model).
     """
     import torch
     from peft import PeftModel
@@ -698,17 +697,15 @@ def merge(path: str, out_dir: str | None = None, dtype: str = "bfloat16", tolera
 
     with tempfile.TemporaryDirectory(prefix="merge-") as tmp:
         run_dir, cfg = runs.open_run(path, tmp)
-        base_path = models.resolve_model_path(cfg["model_name_or_path"])
         dest = Path(out_dir or Path(cfg["output_dir"]) / f"{run_dir.name}-merged")
         tokenizer = AutoTokenizer.from_pretrained(run_dir)
+        model = PeftModel.from_pretrained(models.trained_base(cfg), run_dir).eval()
         probes = tokenizer(MERGE_PROBES, return_tensors="pt", padding=True)
-        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-        model = PeftModel.from_pretrained(base, run_dir).eval()
         with torch.no_grad():
-            unmerged = model(**probes).logits
-        merged = model.merge_and_unload()
-        with torch.no_grad():
-            merged_fp32 = merged(**probes).logits
+            unmerged = model(**probes.to(model.device)).logits.cpu()
+            merged = model.merge_and_unload()
+            merged_fp32 = merged(**probes.to(merged.device)).logits.cpu()
+        probes = probes.to("cpu")
         mask = probes["attention_mask"].bool()
         merge_error = (merged_fp32 - unmerged)[mask].abs().max().item()
         if merge_error > tolerance:
@@ -721,28 +718,25 @@ def merge(path: str, out_dir: str | None = None, dtype: str = "bfloat16", tolera
         reloaded = AutoModelForCausalLM.from_pretrained(partial, dtype=torch.float32).eval()
         with torch.no_grad():
             merged_logits = reloaded(**probes).logits
-            quantised, _ = models.load_run(run_dir, cfg)  # on the GPU where there is one: the probes go there
-            trained = quantised(**probes.to(quantised.device)).logits.float().cpu()
         report = {
             "dtype": dtype, "tolerance": tolerance, "float32_merge_max_abs_diff": merge_error,
+            "base": "dequantised 4-bit weights" if cfg["load_in_4bit"] else "the base's weights",
             "max_abs_diff_vs_unmerged": (merged_logits - unmerged)[mask].abs().max().item(),
             "top1_agreement_vs_unmerged": (merged_logits.argmax(-1) == unmerged.argmax(-1))[mask].float().mean().item(),
-            "max_abs_diff_vs_trained_4bit": (merged_logits - trained)[mask].abs().max().item() if cfg["load_in_4bit"] else None,
             "probes": MERGE_PROBES}
         kit.atomic_write_json(partial / "merge_report.json", report)
         kit.atomic_write_text(partial / "README.md", (
             f"# {dest.name}\n\n{cfg['model_name_or_path']} with the LoRA adapter of run {run_dir.name} merged in "
-            f"(float32 merge, saved as {dtype}). Loads with `AutoModelForCausalLM.from_pretrained`.\n\n"
-            f"Check against base + adapter on {len(MERGE_PROBES)} probes: the float32 merge differs by at most "
-            f"{merge_error:.1e} in the logits (tolerance {tolerance}); after the cast to {dtype}, by "
-            f"{report['max_abs_diff_vs_unmerged']:.3f}, with top-1 agreement "
-            f"{report['top1_agreement_vs_unmerged']:.3f}. Training used a "
-            f"{'4-bit' if cfg['load_in_4bit'] else 'full-precision'} base; see merge_report.json.\n\n"
+            f"(into {report['base']}, the weights it trained against, in float32; saved as {dtype}). Loads with "
+            f"`AutoModelForCausalLM.from_pretrained`.\n\n"
+            f"Check against the trained model (base + adapter) on {len(MERGE_PROBES)} probes: the float32 merge "
+            f"differs by at most {merge_error:.1e} in the logits (tolerance {tolerance}); after the cast to {dtype}, "
+            f"by {report['max_abs_diff_vs_unmerged']:.3f}, with top-1 agreement "
+            f"{report['top1_agreement_vs_unmerged']:.3f}; see merge_report.json.\n\n"
             f"Adapter card:\n\n" + (run_dir / "README.md").read_text()))
         shutil.rmtree(dest, ignore_errors=True)
         os.replace(partial, dest)
-    print(f"[merge] {dest}: float32 merge within {merge_error:.1e}; as {dtype}: max |logit diff| "
-          f"{report['max_abs_diff_vs_unmerged']:.3f}, top-1 agreement "
-          f"{report['top1_agreement_vs_unmerged']:.3f} (vs 4-bit trained model: "
-          f"{report['max_abs_diff_vs_trained_4bit']})", flush=True)
+    print(f"[merge] {dest}: float32 merge within {merge_error:.1e} of the trained model; as {dtype}: max |logit "
+          f"diff| {report['max_abs_diff_vs_unmerged']:.3f}, top-1 agreement {report['top1_agreement_vs_unmerged']:.3f}",
+          flush=True)
     return dest

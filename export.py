@@ -5,7 +5,7 @@ LM Studio) or a merged model directory (transformers, vLLM), checked before it i
     .venv/bin/python entrypoint.py export RUN_DIR|RUN.tar.gz [--format gguf] [--quant q8_0] [--force]
 
 The adapter is merged into the base it trained against (the 4-bit base's dequantised weights, in float32; checked
-against base + adapter: merge_as_trained). A GGUF is that model converted by llama.cpp's own converter and
+against base + adapter: evaluate.merge). A GGUF is that model converted by llama.cpp's own converter and
 quantised by llama.cpp's own quantiser; a merged export is it saved in bfloat16. Then the export is checked, not
 trusted:
   - it answers the run's held-out prompts with the report's seeded sampling, in its own runtime (llama.cpp for a
@@ -72,53 +72,6 @@ class ExportConfig:
 
     def agreement(self) -> float:
         return MIN_AGREEMENT[self.kind()] if self.min_agreement == -1.0 else self.min_agreement
-
-
-def merge_as_trained(path: str, dest: Path, tolerance: float = 1e-3) -> float:
-    """The run's adapter merged into the base it was trained against: the 4-bit base's dequantised weights where
-    it trained in 4-bit (exactly what its 4-bit kernels multiplied by), in float32, saved with the run's tokenizer
-    and chat template. Merging into the original weights instead changes the model: on the default make train
-    run that merge's logits differ from the trained model's by up to 10.7 and its held-out pass rate fell from
-    0.297 to 0.078. The merged logits must match base + adapter (unmerged) within `tolerance` on
-    evaluate.MERGE_PROBES, or nothing is kept. Returns that largest difference."""
-    import torch
-
-    import evaluate
-    import models
-    import runs
-
-    with tempfile.TemporaryDirectory(prefix="merge-") as tmp:
-        from peft import PeftModel
-        from transformers import AutoTokenizer
-
-        run_dir, rcfg = runs.open_run(path, tmp)
-        on_gpu, bf16_ok = models.device()
-        base = models.load_model(models.resolve_model_path(rcfg["model_name_or_path"]), models.LoadOptions.of(rcfg),
-                                 on_gpu, bf16_ok)
-        models.dequantize_4bit_(base)  # plain layers holding the 4-bit weights' values, for PEFT to merge into
-        base.config.__dict__.pop("quantization_config", None)
-        base.hf_quantizer = None
-        for flag in ("is_loaded_in_4bit", "is_loaded_in_8bit", "is_quantized", "quantization_method"):
-            if hasattr(base, flag):
-                setattr(base, flag, False)
-        for tensor in [*base.parameters(), *base.buffers()]:  # float32 (transformers' .to refuses a bnb model)
-            if tensor.is_floating_point():
-                tensor.data = tensor.data.float()
-        base.config.dtype = torch.float32
-        model = PeftModel.from_pretrained(base, run_dir).eval()
-        tokenizer = AutoTokenizer.from_pretrained(run_dir)
-        probes = tokenizer(evaluate.MERGE_PROBES, return_tensors="pt", padding=True).to(model.device)
-        with torch.no_grad():
-            unmerged = model(**probes).logits
-            merged = model.merge_and_unload()
-            after = merged(**probes).logits
-        mask = probes["attention_mask"].bool()
-        error = (after - unmerged)[mask].abs().max().item()
-        if error > tolerance:
-            raise UserError(f"merged logits differ from base + adapter by {error:.2e} (> {tolerance}); nothing kept")
-        merged.save_pretrained(dest)
-        tokenizer.save_pretrained(dest)
-    return error
 
 
 def verdict(adapter: dict | None, export: dict | None, agreement: float, tolerance: float,
@@ -278,8 +231,8 @@ def export(cfg: ExportConfig) -> Path:
         out_root = Path(cfg.output_dir or rcfg["output_dir"])
         name = f"{run_dir.name}-{cfg.format}" + (f"-{cfg.quant}" if cfg.format == "gguf" else "")
         dest, partial = out_root / name, out_root / f"{name}.partial"
-        merged32 = Path(tmp) / "merged32"
-        merge_error = merge_as_trained(cfg.run, merged32)
+        merged32 = evaluate.merge(cfg.run, str(Path(tmp) / "merged32"), dtype="float32")
+        merge_error = json.loads((merged32 / "merge_report.json").read_text())["float32_merge_max_abs_diff"]
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         tokenizer = AutoTokenizer.from_pretrained(merged32)

@@ -512,6 +512,28 @@ def dequantize_4bit_(model) -> int:
     return swapped
 
 
+def trained_base(config: dict):
+    """A finished run's base as the run trained against it, as plain float32 layers: where it trained in 4-bit, the
+    4-bit weights' dequantised values (exactly what its kernels multiplied by), so an adapter merged into it is
+    the trained model; merged into the original weights instead, the default make train run's logits moved by up
+    to 10.7 and its held-out pass rate fell from 0.297 to 0.078. config: the run's config.json."""
+    import torch
+
+    on_gpu, bf16_ok = device()
+    base = load_model(resolve_model_path(config["model_name_or_path"]), LoadOptions.of(config), on_gpu, bf16_ok)
+    dequantize_4bit_(base)
+    base.config.__dict__.pop("quantization_config", None)  # nothing is quantised any more
+    base.hf_quantizer = None
+    for flag in ("is_loaded_in_4bit", "is_loaded_in_8bit", "is_quantized", "quantization_method"):
+        if hasattr(base, flag):
+            setattr(base, flag, False)
+    for tensor in [*base.parameters(), *base.buffers()]:  # float32 by hand: transformers' .to refuses a bnb model
+        if tensor.is_floating_point():
+            tensor.data = tensor.data.float()
+    base.config.dtype = torch.float32
+    return base.eval()
+
+
 def available_memory_mb() -> float:
     """MemAvailable from /proc/meminfo (Linux), else a conservative 4 GB."""
     try:
