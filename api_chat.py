@@ -408,7 +408,7 @@ def constraint(tools: list[dict] | None, mode: str, names: list[str] | None, par
         unknown = [name for name in names if name not in offered]
         if unknown:
             raise ApiError(400, f"tool_choice: no function named {unknown[0]!r} in tools", "tool_choice")
-        tools = [t for t in tools if t["function"]["name"] in names]
+        tools = [t for t in tools or () if t["function"]["name"] in names] or None  # allowed_tools may list none
     if mode == "required" and not tools:
         raise ApiError(400, "tool_choice: 'required' needs tools to call", "tool_choice")
     calls_parsed = bool(tools) and mode != "none"
@@ -418,10 +418,23 @@ def constraint(tools: list[dict] | None, mode: str, names: list[str] | None, par
     try:
         grammar = constrain.grammar(*(answer_format or (None, False)), json_answer=answer_format is not None,
                                     functions=functions, calls_only=mode == "required", parallel=parallel)
+    except RecursionError:
+        raise ApiError(400, f"{format_param}: nested too deeply", format_param) from None
     except ValueError as e:
         param = "tools" if str(e).startswith("function ") else format_param
         raise ApiError(400, f"{param}: {e}", param) from None
     return tools, grammar, calls_parsed, mode == "required"
+
+
+def allowed_names(tools: list[dict]) -> list:
+    """The function names an allowed_tools list gives, chat's shape ({"function": {"name"}}) or Responses' ({"name"});
+    an entry with no name string gives None, which no tool is called (so the request is a 400 naming tool_choice)."""
+    names = []
+    for tool in tools:
+        inner = tool.get("function")
+        name = inner.get("name") if isinstance(inner, dict) else tool.get("name")
+        names.append(name if isinstance(name, str) else None)
+    return names
 
 
 def chat_constraint(body: ChatRequest, tools: list[dict] | None):
@@ -433,7 +446,7 @@ def chat_constraint(body: ChatRequest, tools: list[dict] | None):
     if isinstance(choice, NamedChoice):  # that function, called once
         choice, names, parallel = "required", [choice.function.name], False
     elif isinstance(choice, AllowedChoice):
-        names = [(t.get("function") or {}).get("name") or t.get("name") for t in choice.allowed_tools.tools]
+        names = allowed_names(choice.allowed_tools.tools)
         choice = choice.allowed_tools.mode
     fmt = body.response_format
     answer_format = (None, False) if isinstance(fmt, FormatJSONObject) else \

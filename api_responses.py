@@ -15,7 +15,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from api_chat import DEFAULT_MAX_TOKENS, TEMPLATE_HEADER, choices_of, constraint, render
+from api_chat import DEFAULT_MAX_TOKENS, TEMPLATE_HEADER, allowed_names, choices_of, constraint, render
 from jobs import now
 from service import ApiError, Svc
 
@@ -137,7 +137,7 @@ def responses_constraint(body: ResponsesRequest, tools: list[dict] | None):
             choice, names, parallel = "required", [choice["name"]], False
         elif kind == "allowed_tools" and choice.get("mode") in ("auto", "required") and \
                 isinstance(choice.get("tools"), list) and all(isinstance(t, dict) for t in choice["tools"]):
-            names = [t.get("name") or (t.get("function") or {}).get("name") for t in choice["tools"]]
+            names = allowed_names(choice["tools"])
             choice = choice["mode"]
         else:
             raise ApiError(400, "tool_choice: 'none', 'auto', 'required', {'type': 'function', 'name': ...} or "

@@ -22,7 +22,10 @@ def problem(grammar: str) -> str | None:
     """Why llguidance cannot build this grammar (an unsupported or malformed schema), or None."""
     from llguidance import LLMatcher
 
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    try:
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    except Exception as e:  # noqa: BLE001 - whatever the library raises on a grammar it cannot take: the schema's fault
+        return f"{type(e).__name__}: {str(e)[:200]}"
     if not is_error:
         return None
     first = messages[0].splitlines()[0] if messages and messages[0].strip() else "invalid grammar"

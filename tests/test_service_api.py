@@ -503,6 +503,10 @@ def test_structured_outputs_and_forced_tool_calls_as_the_sdk_asks_for_them(sdk):
     for kwargs, param in (
             ({"tool_choice": "required"}, "tool_choice"),  # nothing to call
             ({"tools": CHAT_TOOLS, "tool_choice": {"type": "custom", "custom": {"name": "x"}}}, "tool_choice"),
+            ({"tools": CHAT_TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {  # the fuzzer's finds
+                "mode": "required", "tools": [{"function": "disk_usage"}]}}}, "tool_choice"),
+            ({"tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": []}}},
+             "tool_choice"),
             ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "strict": True, "schema": {
                 "type": "string", "format": "phone"}}}}, "response_format.json_schema.schema"),
             ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
