@@ -220,9 +220,7 @@ def scored(answers: list[str], prompts: list[dict], samples: int) -> dict:
 
 
 def export(cfg: ExportConfig) -> Path:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    """Merge, export and check the run (checked_export), then rename the export into place and pack its tarball."""
     import evaluate
     import runs
 
@@ -235,65 +233,86 @@ def export(cfg: ExportConfig) -> Path:
         merge_error = json.loads((merged32 / "merge_report.json").read_text())["float32_merge_max_abs_diff"]
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-        tokenizer = AutoTokenizer.from_pretrained(merged32)
-        if cfg.format == "gguf":
-            model_file = partial / f"{run_dir.name}-{cfg.quant}.gguf"
-            to_gguf(merged32, model_file, cfg.quant)
-            runtime = GgufRuntime(model_file)
-        else:
-            model_file = partial / "model"
-            AutoModelForCausalLM.from_pretrained(merged32, dtype=torch.bfloat16).save_pretrained(model_file)
-            tokenizer.save_pretrained(model_file)
-        reference = AutoModelForCausalLM.from_pretrained(merged32, dtype=torch.float32).eval()
-        probes = evaluate.load_probes(rcfg.get("probes") or "")
-        sequences, starts = probe_sequences(reference, tokenizer, probes) if probes else ([], [])
-        mine = AutoModelForCausalLM.from_pretrained(model_file, dtype=torch.float32).eval() \
-            if cfg.format == "merged" else None
-        tops = [runtime.top1(s) if mine is None else hf_top1(mine, s) for s in sequences]
-        agree = agreement([hf_top1(reference, s) for s in sequences], tops, starts)
-        _, prompts = evaluate.held_out_data(rcfg["data"], rcfg, every=False) if Path(rcfg["data"]).exists() \
-            else ([], [])
-        samples, max_tokens, seed = rcfg.get("eval_samples", 4), rcfg.get("eval_max_new_tokens", 256), rcfg["seed"]
-        adapter = mine_figures = None
-        speed = None
-        if prompts:
-            adapter = adapter_figures(run_dir, prompts)
-            messages = [p["prompt"] for p in prompts]
-            if mine is None:
-                answers, speed = runtime.answers(messages, samples, evaluate.CODE_SAMPLING, seed, max_tokens)
-            else:
-                import models
-
-                began = time.perf_counter()
-                answers = models.generate(mine, tokenizer, messages, max_tokens, evaluate.CODE_SAMPLING, seed,
-                                          n=samples, label="export answers")
-                speed = sum(len(tokenizer.encode(a)) for a in answers) / (time.perf_counter() - began)
-            mine_figures = scored(answers, prompts, samples)
-        why = verdict(adapter, mine_figures, agree, cfg.tolerance(), cfg.agreement())
-        if why and not cfg.force:
+        try:
+            size, why = checked_export(cfg, run_dir, rcfg, merged32, merge_error, partial, name)
+        except BaseException:  # a converter failure, a refusal, ^C: no half-written export is left behind
             shutil.rmtree(partial, ignore_errors=True)
-            raise UserError(f"export refused: {why} (nothing kept; --force keeps it, marked)")
-        size = sum(f.stat().st_size for f in ([model_file] if model_file.is_file() else model_file.rglob("*"))
-                   if f.is_file())
-        report = {"run": run_dir.name, "format": cfg.format, "quant": cfg.quant if cfg.format == "gguf" else None,
-                  "adapter": adapter, "export": mine_figures, "held_out_prompts": len(prompts), "samples": samples,
-                  "probe_top1_agreement": agree, "probe_tokens": sum(len(s) - st for s, st in zip(sequences, starts)),
-                  "pass_tolerance": cfg.tolerance(), "min_agreement": cfg.agreement(), "bytes": size,
-                  "tokens_per_s": speed, "merge_max_abs_diff": merge_error, "forced": bool(why),
-                  "refused_because": why}
-        kit.atomic_write_json(partial / "export_report.json", report)
-        if cfg.format == "gguf":
-            template = tokenizer.chat_template or ""
-            ends = {tokenizer.eos_token} | ({"<|im_end|>"} if "<|im_end|>" in template else set())
-            kit.atomic_write_text(partial / "Modelfile", modelfile(model_file.name, template, sorted(ends - {None})))
-        kit.atomic_write_text(partial / "README.md", card(report, rcfg, model_file.name))
-        runs.write_export_manifest(partial, name, report)
+            raise
         shutil.rmtree(dest, ignore_errors=True)
         os.replace(partial, dest)
     digest = runs.make_tarball(dest, out_root / f"{name}.tar.gz")
     print(f"[export] {dest} ({size / 2**20:,.0f} MiB){' FORCED: ' + why if why else ''}; "
           f"{out_root / (name + '.tar.gz')} sha256 {digest[:16]}", flush=True)
     return dest
+
+
+def checked_export(cfg: ExportConfig, run_dir: Path, rcfg: dict, merged32: Path, merge_error: float,
+                   partial: Path, name: str) -> tuple[int, str | None]:
+    """Write the export into `partial`, check it (held-out answers scored, probe tokens compared) and write its
+    report, card, Modelfile and manifest there; a UserError when it is refused. Returns (model bytes, why it
+    failed its check when --force kept it)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import evaluate
+    import runs
+
+    tokenizer = AutoTokenizer.from_pretrained(merged32)
+    if cfg.format == "gguf":
+        model_file = partial / f"{run_dir.name}-{cfg.quant}.gguf"
+        to_gguf(merged32, model_file, cfg.quant)
+        runtime = GgufRuntime(model_file)
+    else:
+        model_file = partial / "model"
+        AutoModelForCausalLM.from_pretrained(merged32, dtype=torch.bfloat16).save_pretrained(model_file)
+        tokenizer.save_pretrained(model_file)
+    reference = AutoModelForCausalLM.from_pretrained(merged32, dtype=torch.float32).eval()
+    probes = evaluate.load_probes(rcfg.get("probes") or "")
+    sequences, starts = probe_sequences(reference, tokenizer, probes) if probes else ([], [])
+    mine = AutoModelForCausalLM.from_pretrained(model_file, dtype=torch.float32).eval() \
+        if cfg.format == "merged" else None
+    tops = [runtime.top1(s) if mine is None else hf_top1(mine, s) for s in sequences]
+    agree = agreement([hf_top1(reference, s) for s in sequences], tops, starts)
+    _, prompts = evaluate.held_out_data(rcfg["data"], rcfg, every=False) if Path(rcfg["data"]).exists() \
+        else ([], [])
+    samples, max_tokens, seed = rcfg.get("eval_samples", 4), rcfg.get("eval_max_new_tokens", 256), rcfg["seed"]
+    adapter = mine_figures = None
+    speed = None
+    if prompts:
+        adapter = adapter_figures(run_dir, prompts)
+        messages = [p["prompt"] for p in prompts]
+        if mine is None:
+            answers, speed = runtime.answers(messages, samples, evaluate.CODE_SAMPLING, seed, max_tokens)
+        else:
+            import models
+
+            began = time.perf_counter()
+            answers = models.generate(mine, tokenizer, messages, max_tokens, evaluate.CODE_SAMPLING, seed,
+                                      n=samples, label="export answers")
+            speed = sum(len(tokenizer.encode(a)) for a in answers) / (time.perf_counter() - began)
+        mine_figures = scored(answers, prompts, samples)
+    why = verdict(adapter, mine_figures, agree, cfg.tolerance(), cfg.agreement())
+    if not prompts:
+        print("[export] the run has no held-out prompts here (--eval_prompts, its data file): only the probe "
+              "tokens are checked, not the pass rate", flush=True)
+    if why and not cfg.force:
+        raise UserError(f"export refused: {why} (nothing kept; --force keeps it, marked)")
+    size = sum(f.stat().st_size for f in ([model_file] if model_file.is_file() else model_file.rglob("*"))
+               if f.is_file())
+    report = {"run": run_dir.name, "format": cfg.format, "quant": cfg.quant if cfg.format == "gguf" else None,
+              "adapter": adapter, "export": mine_figures, "held_out_prompts": len(prompts), "samples": samples,
+              "probe_top1_agreement": agree, "probe_tokens": sum(len(s) - st for s, st in zip(sequences, starts)),
+              "pass_tolerance": cfg.tolerance(), "min_agreement": cfg.agreement(), "bytes": size,
+              "tokens_per_s": speed, "merge_max_abs_diff": merge_error, "forced": bool(why),
+              "refused_because": why}
+    kit.atomic_write_json(partial / "export_report.json", report)
+    if cfg.format == "gguf":
+        template = tokenizer.chat_template or ""
+        ends = {tokenizer.eos_token} | ({"<|im_end|>"} if "<|im_end|>" in template else set())
+        kit.atomic_write_text(partial / "Modelfile", modelfile(model_file.name, template, sorted(ends - {None})))
+    kit.atomic_write_text(partial / "README.md", card(report, rcfg, model_file.name))
+    runs.write_export_manifest(partial, name, report)
+    return size, why
 
 
 def card(report: dict, rcfg: dict, model_name: str) -> str:
