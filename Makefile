@@ -127,7 +127,7 @@ endif
 
 .PHONY: help
 help: ## list the targets
-	@echo "usage: make TARGET [DATA=pairs.jsonl | LOGS=runs.jsonl] [METHOD=kto|grpo] [MODEL=dir|hub-id] [RUN=name] [ARGS=\"--flag value\"]"
+	@echo "usage: make TARGET [DATA=pairs.jsonl | LOGS=runs.jsonl] [METHOD=kto|grpo] [MODEL=dir|file.gguf|hub-id] [RUN=name] [ARGS=\"--flag value\"]"
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
 
 $(STAMP): requirements.txt

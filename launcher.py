@@ -74,7 +74,8 @@ class LaunchConfig:
                         "file is unpaired); grpo: sample answers to the logs' prompts, scored by the checker (the "
                         "logs are the data); dpo; '' = what the data holds", choices=("", "dpo", "kto", "grpo"))
     output_dir: str = field("artifacts", "host directory mounted at /artifacts (runs, tarballs, pairs)")
-    model: str = field("", "host model directory (mounted read-only) or hub id; empty = bundled in the image")
+    model: str = field("", "host model directory or GGUF file (mounted read-only), or hub id; empty = bundled in "
+                           "the image")
     run_name: str = field("", "run name (the same name resumes)")
     rounds: str = field("", "train: a plan in the image (iterate.py; configs/rounds.yaml) run on the logs instead of "
                         "one training: its pairs, then the model's own scored attempts (make train ROUNDS=1 on the "
@@ -369,7 +370,8 @@ def host_paths(cfg: LaunchConfig, env: dict[str, str]) -> dict[str, str]:
     paths = {"output": os.path.abspath(cfg.output_dir),
              "hf": os.path.abspath(cfg.hf_cache or env.get("HF_HOME") or Path.home() / ".cache" / "huggingface"),
              "data": os.path.abspath(data) if data else "",
-             "model": os.path.abspath(cfg.model) if cfg.model and Path(cfg.model).is_dir() else ""}
+             "model": os.path.abspath(cfg.model) if cfg.model and (Path(cfg.model).is_dir() or (
+                 cfg.model.lower().endswith(".gguf") and Path(cfg.model).is_file())) else ""}
     if not cfg.dry_run:
         for key in ("output", "hf"):
             Path(paths[key]).mkdir(parents=True, exist_ok=True)

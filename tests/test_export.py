@@ -14,7 +14,7 @@ import pytest
 import export
 import kit
 import runs
-from test_serve import MODEL, needs_model
+from test_serve import MODEL, free_port, needs_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -145,3 +145,86 @@ def test_verify_refuses_a_corrupted_or_truncated_export(exported, tmp_path):
     runs.make_tarball(top, tmp_path / "short.tar.gz")
     with pytest.raises(kit.UserError, match="not a readable GGUF"):
         runs.verify_tarball(tmp_path / "short.tar.gz")
+
+
+@needs_model
+@pytest.mark.integration
+def test_an_exported_gguf_is_a_base_to_train_from_again(exported, tmp_path, monkeypatch, capsys):
+    """The round trip: the GGUF the export wrote is --model_name_or_path (make train MODEL=) for a second run,
+    converted once into the cache; the base that run trains is the export's model, not the bundled one."""
+    import models
+    from test_train_dpo import small_run
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run_dir, dest = exported
+    gguf_file = dest / "exp-q8_0.gguf"
+    monkeypatch.setenv("DPO_KIT_CACHE", str(tmp_path / "cache"))
+    again, printed = small_run(tmp_path, "trl_conversational", "again", "--model_name_or_path", gguf_file)
+    assert (again / "adapter_model.safetensors").exists()
+    base = json.loads((again / "manifest.json").read_text())["base_model"]
+    assert base["origin"]["gguf_sha256"] == kit.sha256_file(gguf_file)
+    assert "converting exp-q8_0.gguf" in printed
+    capsys.readouterr()
+    converted = Path(models.resolve_model_path(str(gguf_file)))  # the cache's copy: not converted a second time
+    assert converted.parent == tmp_path / "cache" / "gguf" and "converting" not in capsys.readouterr().out
+    tokenizer = AutoTokenizer.from_pretrained(converted)
+    assert tokenizer.chat_template == AutoTokenizer.from_pretrained(run_dir).chat_template
+    # the converted base is the GGUF's model: its greedy answers to the probes, token by token, are what llama.cpp's
+    # runtime predicts from the same file (the export's own check, the other way round)
+    model = AutoModelForCausalLM.from_pretrained(converted).eval()
+    probes = [json.loads(line) for line in (ROOT / "data" / "probes.jsonl").read_text().splitlines()[:3]]
+    sequences, starts = export.probe_sequences(model, tokenizer, probes)
+    runtime = export.GgufRuntime(gguf_file, n_ctx=512)
+    assert export.agreement([export.hf_top1(model, s) for s in sequences], [runtime.top1(s) for s in sequences],
+                            starts) >= 0.95
+    with pytest.raises(kit.UserError, match="no such GGUF"):
+        models.resolve_model_path(str(tmp_path / "missing.gguf"))
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
+    with pytest.raises(kit.UserError, match="cannot load this GGUF"):
+        models.resolve_model_path(str(tmp_path / "junk.gguf"))
+
+
+@needs_model
+@pytest.mark.integration
+def test_llama_cpps_openai_server_serves_the_export_as_docs_handoff_says(exported, tmp_path):
+    """docs/handoff.md's llama.cpp line, run: `python -m llama_cpp.server --model <gguf>` (llama-cpp-python's
+    server, installed by make llama-cpp) answers the openai SDK with the chat template the run trained with."""
+    import subprocess
+    import sys
+    import time
+
+    import openai
+    from transformers import AutoTokenizer
+
+    run_dir, dest = exported
+    port = free_port()
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(dest / "exp-q8_0.gguf"),
+                               "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "1024"],
+                              stdout=log, stderr=subprocess.STDOUT)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        for _ in range(120):
+            try:
+                models = [m.id for m in client.models.list()]
+                break
+            except openai.APIConnectionError:
+                assert server.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
+                time.sleep(0.5)
+        else:
+            pytest.fail("llama_cpp.server did not answer in 60 s")
+        messages = [{"role": "user", "content": "What is 1+1?"}]
+        reply = client.chat.completions.create(model=models[0], messages=messages, max_tokens=16, temperature=0)
+        assert reply.choices[0].message.content.strip() and reply.choices[0].finish_reason in ("stop", "length")
+        # the prompt the server built is the one the run's own tokenizer and template build
+        rendered = AutoTokenizer.from_pretrained(run_dir).apply_chat_template(messages, add_generation_prompt=True,
+                                                                             tokenize=False)
+        tokens = AutoTokenizer.from_pretrained(run_dir).encode(rendered, add_special_tokens=False)
+        assert reply.usage.prompt_tokens == len(tokens)
+        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+            model=models[0], messages=messages, max_tokens=16, temperature=0, stream=True) if chunk.choices)
+        assert streamed == reply.choices[0].message.content
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()

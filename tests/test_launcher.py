@@ -102,6 +102,20 @@ def test_run_spec_mounts_a_local_model_and_passes_a_hub_id():
     assert hub["command"][-2:] == ["--model_name_or_path", "org/name"] and len(hub["mounts"]) == 3
 
 
+def test_a_gguf_file_as_the_model_is_mounted_as_a_file(tmp_path):
+    """make export's GGUF trains again in the image (MODEL=run-q8_0.gguf): the file itself is mounted read-only."""
+    gguf = tmp_path / "run-q8_0.gguf"
+    gguf.write_bytes(b"GGUF")
+    cfg = LaunchConfig(model=str(gguf), output_dir=str(tmp_path / "out"), dry_run=True)
+    paths = launcher.host_paths(cfg, {})
+    assert paths["model"] == str(gguf)
+    spec = launcher.run_spec(cfg, "i:t", {**PATHS, "model": paths["model"]}, [], "0:0", {})
+    assert {"source": str(gguf), "target": "/models/run-q8_0.gguf", "read_only": True} in spec["mounts"]
+    assert spec["command"][-2:] == ["--model_name_or_path", "/models/run-q8_0.gguf"]
+    assert launcher.host_paths(LaunchConfig(model=str(tmp_path / "absent.gguf"), output_dir=str(tmp_path),
+                                            dry_run=True), {})["model"] == ""
+
+
 def test_job_commands_for_pairs_check_and_shell():
     assert launcher.job_command(LaunchConfig(action="pairs"), "/data/runs.jsonl", [], "") == [
         "pairs", "/data/runs.jsonl", "-o", "/artifacts/pairs/runs.pairs.jsonl",
