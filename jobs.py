@@ -205,11 +205,14 @@ CREATE TABLE IF NOT EXISTS jobs (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT 
 CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, job_id TEXT,
     created_at INTEGER, level TEXT, message TEXT, type TEXT, data TEXT);
 CREATE INDEX IF NOT EXISTS events_job ON events (job_id, seq);
+CREATE TABLE IF NOT EXISTS exports (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, job_id TEXT,
+    created_at INTEGER, finished_at INTEGER, status TEXT, format TEXT, quant TEXT, force INTEGER, file_id TEXT,
+    report TEXT, error TEXT, pid INTEGER);
 """
 # Columns added since the first serve.db: added to an older database when the service opens it.
 ADDED_COLUMNS = {"jobs": {"slurm_job_id": "TEXT", "submitted_at": "INTEGER", "slurm_state": "TEXT",
                           "resubmits": "INTEGER DEFAULT 0", "resubmit_step": "INTEGER"}}
-JSON_COLUMNS = ("method", "hyperparameters", "flags", "metadata", "nip_config", "error", "result_files")
+JSON_COLUMNS = ("method", "hyperparameters", "flags", "metadata", "nip_config", "error", "result_files", "report")
 
 
 class Store:
@@ -279,8 +282,17 @@ class Store:
                                 (*values.values(), job_id, *from_statuses))
             return cursor.rowcount == 1
 
+    def update_export(self, export_id: str, **values) -> None:
+        values = {k: json.dumps(v) if k in JSON_COLUMNS and v is not None else v for k, v in values.items()}
+        self.execute(f"UPDATE exports SET {', '.join(f'{k} = ?' for k in values)} WHERE id = ?", *values.values(),
+                     export_id)
+
     def job(self, job_id: str) -> dict | None:
         rows = self.query("SELECT * FROM jobs WHERE id = ?", job_id)
+        return rows[0] if rows else None
+
+    def export(self, export_id: str) -> dict | None:
+        rows = self.query("SELECT * FROM exports WHERE id = ?", export_id)
         return rows[0] if rows else None
 
     def file(self, file_id: str) -> dict | None:
@@ -330,11 +342,15 @@ class Scheduler(threading.Thread):
         self.procs: dict[str, subprocess.Popen] = {}
         self.stopping = threading.Event()
         self.stopped = threading.Event()
+        self.export_proc: tuple[str, subprocess.Popen] | None = None
         self.recover()
 
     def recover(self) -> None:
         for job in self.store.query("SELECT * FROM jobs WHERE status = 'running'"):
             self.recover_job(job)
+        # an export the last service was writing has no process here: it is made again from the start (its
+        # output was only ever a .partial directory)
+        self.store.execute("UPDATE exports SET status = 'queued', pid = NULL WHERE status = 'running'")
 
     def recover_job(self, job: dict) -> None:
         """After a restart (however the last service ended), a job marked running has no process here: it goes
@@ -368,6 +384,84 @@ class Scheduler(threading.Thread):
             with self.one_job(job["id"], "starting its training"):
                 if not self.launch(job):
                     break  # first come, first trained: a job waiting on its lock keeps its place
+        self.follow_exports()
+
+    # -- exports (POST /v1/fine_tuning/jobs/{id}/exports): one at a time, each `entrypoint.py export` in a child
+    # process here, whatever the runner (the service's own venv has llama.cpp: make llama-cpp) --------------------
+    def export_dir(self, e: dict) -> Path:
+        return self.store.jobs_dir / e["job_id"] / "exports" / e["id"]
+
+    def follow_exports(self) -> None:
+        if self.export_proc is not None:
+            export_id, proc = self.export_proc
+            if proc.poll() is None:
+                return
+            self.export_proc = None
+            try:
+                self.reap_export(self.store.export(export_id), proc.returncode)
+            except Exception as e:  # noqa: BLE001 - one export must not stop the service
+                traceback.print_exc()
+                self.store.update_export(export_id, status="failed", finished_at=now(), pid=None, error={
+                    "code": "service_error", "message": surprise_message(e, "reading the export")})
+        queued = self.store.query("SELECT * FROM exports WHERE status = 'queued' ORDER BY seq LIMIT 1")
+        if queued:
+            self.start_export(queued[0])
+
+    def start_export(self, e: dict) -> None:
+        where = self.export_dir(e)
+        where.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, str(ROOT / "entrypoint.py"), "export", str(runs.Run(self.out, e["job_id"]).final),
+                   "--format", e["format"], "--output_dir", str(where)]
+        command += (["--quant", e["quant"]] if e["format"] == "gguf" else []) + (["--force"] if e["force"] else [])
+        with open(where / "export.log", "ab") as log:
+            log.write(f"\n[serve] {' '.join(command)}\n".encode())
+            log.flush()
+            proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_training_child)
+        self.export_proc = (e["id"], proc)
+        self.store.update_export(e["id"], status="running", pid=proc.pid)
+        self.store.event(e["job_id"], f"Export {e['id']} started ({export_label(e)})", data={"export_id": e["id"]})
+
+    def reap_export(self, e: dict, rc: int) -> None:
+        """The export's process ended: its tarball becomes a file the client downloads (GET /v1/files/{id}/content),
+        its report goes on the export; or it failed (refused by its check, or an error) with the reason it gave."""
+        where = self.export_dir(e)
+        tarballs = sorted(where.glob("*.tar.gz"))
+        if rc == 0 and tarballs:
+            tarball = tarballs[0]
+            report = runs.read_json(where / tarball.name.removesuffix(".tar.gz") / "export_report.json")
+            f = self.store.add_file(f"{e['job_id']}-{tarball.name}", "fine-tune-results", tarball,
+                                    tarball.stat().st_size)
+            self.store.update_export(e["id"], status="succeeded", finished_at=now(), pid=None, file_id=f["id"],
+                                     report=report)
+            self.store.event(e["job_id"], f"Export {e['id']} ({export_label(e)}) is ready: file {f['id']}"
+                             + (" (kept with force although its check failed)" if report.get("forced") else ""),
+                             data={"export_id": e["id"], "file_id": f["id"]})
+            return
+        lines = [x for x in (where / "export.log").read_text(errors="replace").splitlines() if x.strip()]
+        said = [x for x in lines if "export refused" in x or x.startswith(("error", "Error")) or ": error" in x]
+        message = (said or lines or [f"the export exited with status {rc}"])[-1].strip().removeprefix("error: ")[-1500:]
+        code = "export_refused" if "export refused" in message else "export_failed"
+        self.store.update_export(e["id"], status="failed", finished_at=now(), pid=None,
+                                 error={"code": code, "message": message})
+        self.store.event(e["job_id"], f"Export {e['id']} failed: {message}", level="error",
+                         data={"export_id": e["id"]})
+
+    def stop_export(self) -> None:
+        """The service is stopping: the export in progress is stopped and queued again (made anew at the next
+        start)."""
+        if self.export_proc is None:
+            return
+        export_id, proc = self.export_proc
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=self.cfg.shutdown_seconds)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        self.export_proc = None
+        self.store.update_export(export_id, status="queued", pid=None)
 
     @contextlib.contextmanager
     def one_job(self, job_id: str, doing: str):
@@ -664,6 +758,7 @@ class Scheduler(threading.Thread):
 
     def stop_all(self) -> None:
         """The service is stopping: every training saves a checkpoint and stops; its job goes back to the queue."""
+        self.stop_export()
         for job_id, proc in self.procs.items():
             self.store.update_job(job_id, stop_request="shutdown")
             with contextlib.suppress(ProcessLookupError):
@@ -678,6 +773,10 @@ class Scheduler(threading.Thread):
             job = self.store.job(job_id)
             self.follow_metrics(job)
             self.reap(job, proc.returncode)
+
+
+def export_label(e: dict) -> str:
+    return f"GGUF {e['quant']}" if e["format"] == "gguf" else "merged model"
 
 
 def _with(e: UserError, param: str, filename: str) -> UserError:

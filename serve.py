@@ -168,6 +168,7 @@ def create_app(cfg):
     from starlette.exceptions import HTTPException
 
     import api_chat
+    import api_exports
     import api_graders
     import api_nip
     import api_openai
@@ -241,7 +242,7 @@ def create_app(cfg):
     svc.chat = api_chat.Chat(cfg)  # the models loaded for chat completions, and the one model nip serves
     svc.nip_serving = api_nip.Serving(svc)
     app.state.service = svc  # what a route's `svc: Svc` parameter is given (service.current)
-    for api in (api_openai, api_graders, api_chat, api_responses, api_nip):  # one module-level router per API
+    for api in (api_openai, api_exports, api_graders, api_chat, api_responses, api_nip):  # one module-level router per API
         app.include_router(api.router)
     return app
 

@@ -3,6 +3,7 @@ them here), the lookups and job records both the OpenAI and the nip API make, an
 `create_app` assembles it with one router per API:
 
     api_openai.py   /v1/files, /v1/fine_tuning/jobs (the openai SDK's files and fine-tuning jobs)
+    api_exports.py  /v1/fine_tuning/jobs/{id}/exports (the kit's own: a job's model as a checked GGUF or merged model)
     api_chat.py     /v1/models, /v1/chat/completions, /v1/completions (base and fine-tuned models, loaded on first use)
     api_responses.py /v1/responses (the same models and sampling, as the Responses API)
     api_nip.py      /version, /training/jobs, /vllm/start|stop|status (nip's language-model-server client)

@@ -486,7 +486,9 @@ class SlurmScheduler(jobs.Scheduler):
         self.reap(job, rc if rc is not None else 0 if state == "COMPLETED" else 1)
 
     def stop_all(self) -> None:
-        """The service is stopping: SLURM's jobs run on, and the service follows them again when it starts."""
+        """The service is stopping: SLURM's jobs run on, and the service follows them again when it starts. An
+        export in progress (a process here) is stopped and queued again."""
+        self.stop_export()
         for job_id, slurm_id in self.slurm_jobs.items():
             self.store.event(job_id, f"The service stopped; SLURM job {slurm_id} runs on")
 

@@ -69,3 +69,8 @@ def test_the_migration_page_runs_as_written_against_the_service(tmp_path, monkey
     sft = namespace["sft_job"]
     assert sft.status == "succeeded", sft.error
     assert f"succeeded {sft.fine_tuned_model}" in out
+    exported = namespace["export"]  # the kit's own export endpoint, as the page calls it
+    assert exported["status"] == "succeeded" and exported["report"]["format"] == "gguf"
+    import hashlib
+
+    assert hashlib.sha256((tmp_path / "model-gguf.tar.gz").read_bytes()).hexdigest() == exported["sha256"]

@@ -163,6 +163,27 @@ def add_job(store: jobs.Store, path: Path, method: dict, name: str | None = None
     return job_id
 
 
+def test_an_export_refused_by_its_check_fails_with_its_reason_and_one_cut_off_by_a_restart_is_made_again(tmp_path):
+    store = jobs.Store(tmp_path / "serve")
+    (tmp_path / "p.jsonl").write_text(openai_pairs(1))
+    job_id = add_job(store, tmp_path / "p.jsonl", {"type": "dpo"})
+    for export_id, status in (("ftexport-refused", "running"), ("ftexport-cut", "running")):
+        store.insert("exports", {"id": export_id, "job_id": job_id, "created_at": jobs.now(), "status": status,
+                                 "format": "gguf", "quant": "q4_k_m", "force": 0})
+    scheduler = jobs.Scheduler(serve.ServeConfig(output_dir=str(tmp_path)), store)  # a restart: both queued again
+    assert {e["status"] for e in store.query("SELECT * FROM exports")} == {"queued"}
+    where = scheduler.export_dir(store.export("ftexport-refused"))
+    where.mkdir(parents=True)
+    (where / "export.log").write_text("[export] converting\nerror: export refused: its held-out pass rate 0.100 is "
+                                      "more than 0.10 below the adapter's 0.300 (nothing kept; --force keeps it, "
+                                      "marked)\n")
+    scheduler.reap_export(store.export("ftexport-refused"), 2)
+    e = store.export("ftexport-refused")
+    assert e["status"] == "failed" and e["error"]["code"] == "export_refused" and e["file_id"] is None
+    assert e["error"]["message"].startswith("export refused: its held-out pass rate 0.100")
+    assert any("failed: export refused" in x["message"] for x in store.query("SELECT * FROM events"))
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_hostile_uploads_fail_their_own_jobs_naming_the_line_and_the_next_job_is_validated(tmp_path, method):
     store = jobs.Store(tmp_path / "serve")
@@ -1055,3 +1076,63 @@ def test_a_users_python_grader_is_refused_where_the_sandbox_has_only_limits_unle
     assert refused.value.status == 400 and "--limits_graders" in str(refused.value)
     assert api_openai.sandbox_problem(grader, serve.ServeConfig(limits_graders=True)) is None
     assert api_openai.sandbox_problem({"type": "python", "name": "checker", "source": ""}, serve.ServeConfig()) is None
+
+
+@needs_model
+@pytest.mark.integration
+def test_a_finished_jobs_model_exports_over_http_as_a_checked_gguf_the_client_downloads(service, client, tmp_path):
+    """The kit's own endpoint (api_exports.py), called as an openai SDK user calls a path the SDK has no method for
+    (client.post / client.get), the tarball downloaded with the SDK's files.content and checked as make verify
+    checks it; the GGUF in it answers in llama.cpp."""
+    import openai
+
+    import runs
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(openai_pairs(4))
+    f = client.files.create(file=open(path, "rb"), purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(model="SmolLM2-135M-Instruct", training_file=f.id,
+                                         method={"type": "dpo", "dpo": {"hyperparameters": {"batch_size": 2}}})
+    with pytest.raises(openai.BadRequestError, match="only a succeeded job") as early:
+        client.post(f"/fine_tuning/jobs/{job.id}/exports", body={}, cast_to=object)
+    assert early.value.body["param"] == "fine_tuning_job_id"
+    job = wait_for(lambda: client.fine_tuning.jobs.retrieve(job.id), lambda j: j.status in jobs.TERMINAL)
+    assert job.status == "succeeded", (job.error, job_log(service.out, job.id)[-2000:])
+    for bad, param in (({"format": "onnx"}, "format"), ({"quant": "q2_k"}, "quant"), ({"colour": 1}, "colour"),
+                       ({"force": "maybe"}, "force")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.post(f"/fine_tuning/jobs/{job.id}/exports", body=bad, cast_to=object)
+        assert refused.value.body["param"] == param
+    with pytest.raises(openai.NotFoundError):
+        client.post("/fine_tuning/jobs/ftjob-nothere/exports", body={}, cast_to=object)
+
+    made = client.post(f"/fine_tuning/jobs/{job.id}/exports", body={"format": "gguf", "quant": "q8_0"}, cast_to=object)
+    assert made["object"] == "fine_tuning.job.export" and made["status"] in ("queued", "running")
+    again = client.post(f"/fine_tuning/jobs/{job.id}/exports", body={"format": "gguf", "quant": "q8_0"},
+                        cast_to=object)
+    assert again["id"] == made["id"]  # asked twice, made once
+    done = wait_for(lambda: client.get(f"/fine_tuning/jobs/{job.id}/exports/{made['id']}", cast_to=object),
+                    lambda e: e["status"] in ("succeeded", "failed"), what="the export")
+    assert done["status"] == "succeeded", (done["error"], service.tail())
+    assert done["report"]["format"] == "gguf" and done["report"]["quant"] == "q8_0" and done["sha256"]
+    listed = client.get(f"/fine_tuning/jobs/{job.id}/exports", cast_to=object)
+    assert [e["id"] for e in listed["data"]] == [made["id"]]
+    tarball = tmp_path / "export.tar.gz"
+    tarball.write_bytes(client.files.content(done["file_id"]).read())
+    import hashlib
+
+    assert hashlib.sha256(tarball.read_bytes()).hexdigest() == done["sha256"]
+    import httpx
+
+    assert httpx.get(f"{service.url}/v1/fine_tuning/jobs/{job.id}/exports/{made['id']}/content",
+                     timeout=60).content == tarball.read_bytes()
+    manifest = runs.verify_tarball(tarball, tmp_path / "unpacked")
+    gguf_file = next((tmp_path / "unpacked" / manifest["run_name"]).glob("*.gguf"))
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(gguf_file), n_ctx=256, verbose=False)
+    reply = llm.create_chat_completion(messages=[{"role": "user", "content": "What is 2 + 2?"}], max_tokens=8,
+                                       temperature=0)
+    assert reply["choices"][0]["message"]["content"].strip()
+    events = [e.message for e in client.fine_tuning.jobs.list_events(job.id, limit=100)]
+    assert any(f"Export {made['id']}" in m and "is ready" in m for m in events)
