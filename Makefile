@@ -36,7 +36,8 @@ PRUNE ?= 1
 DRY_RUN ?=
 BASE_IMAGE ?=
 TORCH_VARIANT ?=
-# Optional image extras: EXTRAS=deepspeed (requirements-deepspeed.txt, for DIST=zero2|zero3)
+# Image extras (launcher.py's default: export, make export's llama.cpp): EXTRAS="export deepspeed" adds
+# requirements-deepspeed.txt (DIST=zero2|zero3); EXTRAS=none builds neither
 EXTRAS ?=
 # Several processes, GPUs and machines (scaleout.py runs `accelerate launch`; docs/multi-node.md):
 #   GPUS=N      N GPUs and N processes, one per GPU (GPUS=0,1: those devices, one process each)
@@ -76,7 +77,7 @@ LVENV := .venv-launcher
 LAUNCHER_PINS := $(shell grep -E '^(docker|requests|urllib3|certifi|idna|charset-normalizer)==' requirements.txt 2>/dev/null)
 LAUNCHER_STAMP := $(LVENV)/.installed-$(shell echo '$(LAUNCHER_PINS)' | cksum | cut -d' ' -f1)
 LAUNCH_IMAGE = --image $(IMAGE) $(if $(TAG),--tag $(TAG)) $(if $(BASE_IMAGE),--base_image $(BASE_IMAGE)) \
-  $(if $(TORCH_VARIANT),--torch_variant $(TORCH_VARIANT)) $(if $(EXTRAS),--extras $(EXTRAS))
+  $(if $(TORCH_VARIANT),--torch_variant $(TORCH_VARIANT)) $(if $(EXTRAS),--extras "$(EXTRAS)")
 DIST_FLAGS = $(if $(NPROC),--nproc $(NPROC)) $(if $(NNODES),--nnodes $(NNODES)) $(if $(NODE_RANK),--node_rank $(NODE_RANK)) \
   $(if $(MASTER_ADDR),--master_addr $(MASTER_ADDR)) $(if $(MASTER_PORT),--master_port $(MASTER_PORT)) $(if $(DIST),--dist $(DIST))
 # Through scaleout.py when any of these asks for more than one plain process (GPUS=all alone does not).
@@ -238,7 +239,7 @@ $(LAUNCHER_STAMP): requirements.txt
 	@touch $@
 
 .PHONY: build
-build: $(LAUNCHER_STAMP) ## build the image IMAGE:TAG (BASE_IMAGE=, TORCH_VARIANT=cpu|cuda, EXTRAS=deepspeed) with the Docker SDK
+build: $(LAUNCHER_STAMP) ## build the image IMAGE:TAG (BASE_IMAGE=, TORCH_VARIANT=cpu|cuda, EXTRAS=export|deepspeed|none) with the Docker SDK
 	$(LVENV)/bin/python launcher.py build $(LAUNCH_IMAGE) $(if $(DRY_RUN),--dry_run)
 
 # The base by digest: a re-pushed tag changes nothing until this runs again (needs docker buildx, skopeo or crane

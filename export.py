@@ -198,16 +198,47 @@ def probe_sequences(model, tokenizer, probes: list[dict]) -> tuple[list[list[int
     return sequences, starts
 
 
-def adapter_figures(run_dir: Path, prompts: list[dict]) -> dict | None:
+def save_bfloat16(model, dest: Path) -> None:
+    """A float32 model saved in bfloat16 without a second copy of it loaded: the tensors cast as they are written,
+    and config.json's dtype made to say so (save_pretrained writes the parameters' dtype, float32)."""
+    import torch
+
+    model.save_pretrained(dest, state_dict={k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
+    config = json.loads((dest / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    kit.atomic_write_json(dest / "config.json", config)
+
+
+def hf_answers(model, tokenizer, messages: list[list[dict]], samples: int, seed: int, max_tokens: int
+               ) -> tuple[list[str], float]:
+    """The report's seeded sampling through transformers (models.generate); (answers, generated tokens/s)."""
+    import evaluate
+    import models
+
+    began = time.perf_counter()
+    answers = models.generate(model, tokenizer, messages, max_tokens, evaluate.CODE_SAMPLING, seed, n=samples,
+                              label="export answers")
+    return answers, sum(len(tokenizer.encode(a)) for a in answers) / (time.perf_counter() - began)
+
+
+def prompt_text(messages) -> str:
+    """A held-out prompt's task as the report's rows name it (evaluate.py: the last message's content)."""
+    return messages if isinstance(messages, str) else messages[-1]["content"]
+
+
+def adapter_figures(run_dir: Path, prompts: list[dict], samples: int) -> dict | None:
     """The adapter's held-out pass rate and mean score as the run's report gives them (evaluation.json), when the
-    report ran the same held-out prompts."""
+    report scored these very prompts (the same tasks, as many samples); else None."""
     path = run_dir / "evaluation.json"
     if not path.exists():
         return None
     execution = json.loads(path.read_text()).get("execution") or {}
-    if execution.get("prompts") != len(prompts) or "tuned" not in execution:
+    if execution.get("prompts") != len(prompts) or "tuned" not in execution or execution.get("samples") != samples:
         return None
-    return {k: execution["tuned"].get(k) for k in ("pass_rate", "mean_score", "answers")}
+    scored_tasks = {r.get("prompt") for r in execution.get("rows", []) if r.get("model") == "tuned"}
+    if scored_tasks != {prompt_text(p["prompt"]) for p in prompts}:
+        return None
+    return {k: execution["tuned"].get(k) for k in ("pass_rate", "mean_score", "answers")} | {"source": "the run's report"}
 
 
 def scored(answers: list[str], prompts: list[dict], samples: int) -> dict:
@@ -229,7 +260,7 @@ def export(cfg: ExportConfig) -> Path:
         out_root = Path(cfg.output_dir or rcfg["output_dir"])
         name = f"{run_dir.name}-{cfg.format}" + (f"-{cfg.quant}" if cfg.format == "gguf" else "")
         dest, partial = out_root / name, out_root / f"{name}.partial"
-        merged32 = evaluate.merge(cfg.run, str(Path(tmp) / "merged32"), dtype="float32")
+        merged32 = evaluate.merge(str(run_dir), str(Path(tmp) / "merged32"), dtype="float32")  # not unpacked again
         merge_error = json.loads((merged32 / "merge_report.json").read_text())["float32_merge_max_abs_diff"]
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
@@ -258,19 +289,19 @@ def checked_export(cfg: ExportConfig, run_dir: Path, rcfg: dict, merged32: Path,
     import runs
 
     tokenizer = AutoTokenizer.from_pretrained(merged32)
+    reference = AutoModelForCausalLM.from_pretrained(merged32, dtype=torch.float32).eval()
+    runtime = mine = None
     if cfg.format == "gguf":
         model_file = partial / f"{run_dir.name}-{cfg.quant}.gguf"
         to_gguf(merged32, model_file, cfg.quant)
         runtime = GgufRuntime(model_file)
-    else:
+    else:  # bfloat16 from the float32 model already loaded, then read back from disk: the check is of the files
         model_file = partial / "model"
-        AutoModelForCausalLM.from_pretrained(merged32, dtype=torch.bfloat16).save_pretrained(model_file)
+        save_bfloat16(reference, model_file)
         tokenizer.save_pretrained(model_file)
-    reference = AutoModelForCausalLM.from_pretrained(merged32, dtype=torch.float32).eval()
+        mine = AutoModelForCausalLM.from_pretrained(model_file, dtype=torch.float32).eval()
     probes = evaluate.load_probes(rcfg.get("probes") or "")
     sequences, starts = probe_sequences(reference, tokenizer, probes) if probes else ([], [])
-    mine = AutoModelForCausalLM.from_pretrained(model_file, dtype=torch.float32).eval() \
-        if cfg.format == "merged" else None
     tops = [runtime.top1(s) if mine is None else hf_top1(mine, s) for s in sequences]
     agree = agreement([hf_top1(reference, s) for s in sequences], tops, starts)
     _, prompts = evaluate.held_out_data(rcfg["data"], rcfg, every=False) if Path(rcfg["data"]).exists() \
@@ -279,17 +310,17 @@ def checked_export(cfg: ExportConfig, run_dir: Path, rcfg: dict, merged32: Path,
     adapter = mine_figures = None
     speed = None
     if prompts:
-        adapter = adapter_figures(run_dir, prompts)
         messages = [p["prompt"] for p in prompts]
+        adapter = adapter_figures(run_dir, prompts, samples)
+        if adapter is None:  # the report scored other prompts (or none): the adapter's side is measured here
+            print(f"[export] the run's report did not score these {len(prompts)} held-out prompts: the adapter's "
+                  "answers are sampled now, from the merged float32 model (base + adapter)", flush=True)
+            answers, _ = hf_answers(reference, tokenizer, messages, samples, seed, max_tokens)
+            adapter = scored(answers, prompts, samples) | {"source": "measured by the export (merged float32 model)"}
         if mine is None:
             answers, speed = runtime.answers(messages, samples, evaluate.CODE_SAMPLING, seed, max_tokens)
         else:
-            import models
-
-            began = time.perf_counter()
-            answers = models.generate(mine, tokenizer, messages, max_tokens, evaluate.CODE_SAMPLING, seed,
-                                      n=samples, label="export answers")
-            speed = sum(len(tokenizer.encode(a)) for a in answers) / (time.perf_counter() - began)
+            answers, speed = hf_answers(mine, tokenizer, messages, samples, seed, max_tokens)
         mine_figures = scored(answers, prompts, samples)
     why = verdict(adapter, mine_figures, agree, cfg.tolerance(), cfg.agreement())
     if not prompts:
@@ -328,7 +359,8 @@ def card(report: dict, rcfg: dict, model_name: str) -> str:
               f"trained against (the 4-bit base's dequantised values, float32; largest logit change "
               f"{report['merge_max_abs_diff']:.1e}), exported "
               f"as `{model_name}`, {report['bytes'] / 2**20:,.1f} MiB.", "",
-              "| | adapter (the run's report) | this export |", "| --- | --- | --- |",
+              f"| | adapter ({(report['adapter'] or {}).get('source', 'no held-out prompts')}) | this export |",
+              "| --- | --- | --- |",
               f"| held-out pass rate ({report['held_out_prompts']} prompts x {report['samples']}) | "
               f"{figure(report['adapter'], 'pass_rate', '.3f')} | {figure(report['export'], 'pass_rate', '.3f')} |",
               f"| mean score | {figure(report['adapter'], 'mean_score', '+.4f')} | "

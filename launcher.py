@@ -65,7 +65,8 @@ class LaunchConfig:
     base_image: str = field("", "build arg BASE_IMAGE (default: the Dockerfile's CUDA runtime image)")
     torch_variant: str = field("cuda", "build arg TORCH_VARIANT: cuda = whole lock, cpu = without CUDA wheels",
                                choices=("cuda", "cpu"))
-    extras: str = field("", "build arg EXTRAS: optional requirements-<name>.txt to add, e.g. deepspeed (DIST=zero2|zero3)")
+    extras: str = field("export", "build arg EXTRAS: export (make export's llama.cpp), deepspeed (DIST=zero2|zero3), "
+                                  "space-separated; none: neither")
     data: str = field("", "preference pairs on the host (JSONL), mounted read-only")
     logs: str = field("data/runs.jsonl", "agent run logs on the host, used when --data is not given")
     extra_runs: str = field("", "more run log files on the host, comma-separated, mounted read-only and read after "
@@ -133,8 +134,7 @@ def build_args(cfg: LaunchConfig, epoch: str | None = None) -> dict[str, str]:
     args = {"TORCH_VARIANT": cfg.torch_variant, **({"SOURCE_DATE_EPOCH": epoch} if epoch else {})}
     if cfg.base_image:
         args["BASE_IMAGE"] = cfg.base_image
-    if cfg.extras:
-        args["EXTRAS"] = cfg.extras
+    args["EXTRAS"] = "" if cfg.extras == "none" else cfg.extras
     return args
 
 

@@ -21,7 +21,7 @@ RUN=ci-container
 STEPS="--max_steps 2 --max_length 96 --per_device_train_batch_size 2 --lora_r 4 --probes= --eval_samples 1 --eval_max_new_tokens 16"  # in the image and .venv; probes and the checker's samples cut short: the adapter is saved before them
 SOCK=/run/dpo-kit-smoke-$$.sock
 export DOCKER_HOST=unix://$SOCK
-BUILD=(BASE_IMAGE=$BASE TORCH_VARIANT=cpu)
+BUILD=(BASE_IMAGE=$BASE TORCH_VARIANT=cpu EXTRAS=none)
 T0=$SECONDS
 step() { echo; echo "=== [$((SECONDS - T0))s] $*"; }
 skip() { echo "container smoke SKIPPED: $*" >&2; exit 77; }
@@ -92,7 +92,7 @@ docker run --name dpo-kit-smoke-kitleft --label dpo-kit=1 $BASE true            
 docker run --name dpo-kit-smoke-foreign $BASE true                                    # a stopped foreign one
 
 # The tag hashes the code: fix it now, so an edit during the run does not make a second image.
-TAG=$(python3 -c 'import launcher; print(launcher.tag_for(launcher.LaunchConfig(base_image="'$BASE'", torch_variant="cpu")))')
+TAG=$(python3 -c 'import launcher; print(launcher.tag_for(launcher.LaunchConfig(base_image="'$BASE'", torch_variant="cpu", extras="none")))')
 BUILD+=(TAG=$TAG)
 image=dpo-kit:$TAG
 

@@ -228,3 +228,54 @@ def test_llama_cpps_openai_server_serves_the_export_as_docs_handoff_says(exporte
         server.terminate()
         server.wait(timeout=30)
         log.close()
+
+
+def test_the_adapters_figures_come_from_the_report_only_when_it_scored_the_same_prompts(tmp_path):
+    """Otherwise None, and the export samples the adapter's side itself (never a silent skip of the pass rate)."""
+    prompts = [{"prompt": [{"role": "user", "content": f"task {i}"}], "host": "h"} for i in range(2)]
+    rows = [{"model": m, "prompt": f"task {i}"} for m in ("base", "tuned") for i in range(2) for _ in range(4)]
+    tuned = {"pass_rate": 0.5, "mean_score": 0.1, "answers": 8}
+    (tmp_path / "evaluation.json").write_text(json.dumps({"execution": {"prompts": 2, "samples": 4, "rows": rows,
+                                                                        "tuned": tuned}}))
+    got = export.adapter_figures(tmp_path, prompts, 4)
+    assert got["pass_rate"] == 0.5 and got["source"] == "the run's report"
+    assert export.adapter_figures(tmp_path, prompts, 8) is None  # other samples
+    other = [{"prompt": [{"role": "user", "content": "task 0"}]}, {"prompt": [{"role": "user", "content": "task 9"}]}]
+    assert export.adapter_figures(tmp_path, other, 4) is None  # as many prompts, not the same ones
+    assert export.adapter_figures(tmp_path, prompts[:1], 4) is None
+    assert export.adapter_figures(tmp_path / "nowhere", prompts, 4) is None
+
+
+@needs_model
+@pytest.mark.integration
+def test_a_merged_export_is_bfloat16_checked_from_its_files_and_measures_the_adapter_when_the_report_cannot(
+        exported, tmp_path):
+    """FORMAT=merged: written in bfloat16 from the float32 merge, read back for the check. The run's report here
+    scored other prompts (its rows renamed), so the adapter's side is sampled by the export, and says so."""
+    import shutil
+
+    from safetensors import safe_open
+
+    run_dir, _ = exported
+    copy = tmp_path / run_dir.name
+    shutil.copytree(run_dir, copy)
+    evaluation = json.loads((copy / "evaluation.json").read_text())
+    for row in evaluation["execution"]["rows"]:
+        row["prompt"] = "another task"
+    (copy / "evaluation.json").write_text(json.dumps(evaluation))
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        dest = export.export(export.ExportConfig(run=str(copy), format="merged", output_dir=str(tmp_path / "out"),
+                                                 force=True))
+    finally:
+        os.chdir(cwd)
+    report = json.loads((dest / "export_report.json").read_text())
+    assert report["adapter"]["source"].startswith("measured by the export")
+    assert report["adapter"]["answers"] == report["export"]["answers"] > 0
+    assert report["probe_top1_agreement"] >= 0.95  # bfloat16 rounding moves few greedy tokens
+    assert json.loads((dest / "model" / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(str(dest / "model" / "model.safetensors"), "pt") as f:
+        assert {str(f.get_slice(k).get_dtype()) for k in f.keys()} == {"BF16"}
+    assert "measured by the export" in (dest / "README.md").read_text()
+    assert runs.verify_tarball(dest.parent / f"{dest.name}.tar.gz")["kind"] == "export"

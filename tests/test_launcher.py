@@ -165,8 +165,10 @@ def test_docker_run_cli_names_every_flag_and_never_prints_a_secret():
 
 def test_build_args_carry_source_date_epoch_outside_the_tag():
     cfg = LaunchConfig()
-    assert launcher.build_args(cfg, "1767225600") == {"TORCH_VARIANT": "cuda", "SOURCE_DATE_EPOCH": "1767225600"}
-    assert launcher.build_args(cfg) == {"TORCH_VARIANT": "cuda"}  # what the tag hashes: the lock it follows is in it
+    assert launcher.build_args(cfg, "1767225600") == {"TORCH_VARIANT": "cuda", "SOURCE_DATE_EPOCH": "1767225600",
+                                                      "EXTRAS": "export"}  # make export's llama.cpp, by default
+    assert launcher.build_args(cfg) == {"TORCH_VARIANT": "cuda", "EXTRAS": "export"}  # what the tag hashes
+    assert launcher.build_args(LaunchConfig(extras="none"))["EXTRAS"] == ""  # the CI smoke's image: neither
     epoch = launcher.lock_epoch()
     assert epoch is None or epoch.isdigit()  # the commit time of requirements.txt's last change
     out = run_launcher("build", "--tag", "t", "--dry_run")
