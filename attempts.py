@@ -26,6 +26,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import checker
 import kit
 from kit import field
 
@@ -83,11 +84,11 @@ def attempt_record(answer: str, code: str, check) -> dict:
     import build_pairs  # its reader marks such an attempt's pair by these words (build_pairs.broke_in_log)
 
     ran = check.outcome != "failed"
-    error = None if check.outcome in ("freed", "no_effect") else (
+    error = None if checker.ran(check.outcome) else (
         f"{build_pairs.BROKE_ERROR}: {', '.join(check.broken[:3])}" if check.outcome == "broke"
         else check.reason or "failed")
     return {"code": code, "ran": ran, "error": error,
-            "space_freed": check.freed_bytes if check.outcome == "freed" else 0 if ran else None,
+            "space_freed": check.freed_bytes if checker.passed(check.outcome) else 0 if ran else None,
             "outcome": check.outcome, "answer": answer}
 
 
@@ -110,10 +111,11 @@ def summary(records: list[dict], empty: int = 0, unscorable: int = 0) -> dict:
     one the sandbox's limits mode could not score is not in them either, and is counted apart, out of the rate)."""
     outcomes = Counter(a["outcome"] for r in records for a in r["attempts"])
     outcomes["failed"] += empty
-    runs_ok = sum(any(a["outcome"] == "freed" for a in r["attempts"]) for r in records)
+    runs_ok = sum(any(checker.passed(a["outcome"]) for a in r["attempts"]) for r in records)
     n = sum(outcomes.values())
     return {"runs": len(records), "attempts": n, "empty_answers": empty, "unscorable": unscorable,
-            "outcomes": {k: v for k, v in outcomes.items() if v}, "pass_rate": outcomes["freed"] / max(n, 1),
+            "outcomes": {k: v for k, v in outcomes.items() if v},
+            "pass_rate": checker.pass_rate(outcomes.elements()) or 0.0,
             "runs_with_a_pass": runs_ok}
 
 
@@ -123,7 +125,6 @@ def summary(records: list[dict], empty: int = 0, unscorable: int = 0) -> dict:
 
 def make(cfg: AttemptsConfig) -> dict:
     import build_pairs
-    import checker
     import models
     import self_pairs
 

@@ -151,6 +151,23 @@ AGE_DAYS = 60  # every planted file but LIVE's and OLDER's was last modified thi
 OLDER_DAYS = 120
 OUTCOMES = ("failed", "no_effect", "freed", "broke")  # scored; an answer limits mode cannot score is "unscorable"
 UNSCORABLE = "unscorable"
+
+
+def passed(outcome: str) -> bool:
+    """The one pass rule: the answer ran, freed space and deleted nothing it had to keep. Every pass rate (reports,
+    attempts, rewards' metrics, exports) counts answers by this."""
+    return outcome == "freed"
+
+
+def ran(outcome: str) -> bool:
+    """The answer ran to its end without harm (passed, or freed nothing)."""
+    return outcome in ("freed", "no_effect")
+
+
+def pass_rate(outcomes) -> float | None:
+    """The share of scored outcomes that pass (unscorable ones left out); None when none could be scored."""
+    scored = [o for o in outcomes if o != UNSCORABLE]
+    return sum(map(passed, scored)) / len(scored) if scored else None
 CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
 
@@ -552,12 +569,12 @@ def tally(checks: list) -> dict:
     scored = [c for c in checks if c.outcome != UNSCORABLE]
     n = len(scored)
     return {"answers": len(checks), "scored": n, "unscorable": len(checks) - n,
-            "pass_rate": sum(c.outcome == "freed" for c in scored) / n if n else None,
-            "ran_rate": sum(c.outcome in ("freed", "no_effect") for c in scored) / n if n else None,
+            "pass_rate": pass_rate(c.outcome for c in scored),
+            "ran_rate": sum(ran(c.outcome) for c in scored) / n if n else None,
             "mean_score": sum(c.score for c in scored) / n if n else None,
             "outcomes": dict(Counter(c.outcome for c in checks)), "broke": sum(c.outcome == "broke" for c in scored),
             "kept_files_touched": sum(len(c.broken) for c in scored),
-            "freed_bytes": sum(c.freed_bytes for c in scored if c.outcome == "freed")}
+            "freed_bytes": sum(c.freed_bytes for c in scored if passed(c.outcome))}
 
 
 def unscorable_note(counts: dict, mode: str) -> str:
@@ -686,9 +703,9 @@ def agreement(logs: str, limits=None) -> dict:
             if result.outcome == UNSCORABLE:  # limits mode: counted apart, neither agreeing nor not
                 unscorable += 1
                 continue
-            ran, succeeded = result.outcome in ("no_effect", "freed"), result.outcome == "freed"
+            did_run, succeeded = ran(result.outcome), passed(result.outcome)
             n += 1
-            ran_same += ran == attempt.ran
+            ran_same += did_run == attempt.ran
             ok_same += succeeded == attempt.succeeded
             rows.append({"run_id": run.run_id, "logged": {"ran": attempt.ran, "succeeded": attempt.succeeded},
                          "checker": {"outcome": result.outcome, "score": result.score, "reason": result.reason}})

@@ -474,7 +474,7 @@ def new_text_scores(result: dict, name: str) -> dict | None:
     scored = [r for r in new if r["outcome"] != checker.UNSCORABLE]
     n = len(scored)
     return {"prompts": len({r["prompt"] for r in new}), "answers": len(new), "unscorable": len(new) - n,
-            "pass_rate": sum(r["outcome"] == "freed" for r in scored) / n if n else None,
+            "pass_rate": checker.pass_rate(r["outcome"] for r in scored),
             "mean_score": sum(r["score"] for r in scored) / n if n else None,
             "broke": sum(r["outcome"] == "broke" for r in scored)}
 
@@ -530,12 +530,12 @@ def side_by_side(execution: dict, prompts: int = 3) -> list[str]:
             mine = [r for r in rows if r["model"] == name and r["prompt"] == prompt and "answer" in r]
             if not mine:
                 continue
-            r = next((x for x in mine if x["outcome"] == "freed"), mine[0])
+            r = next((x for x in mine if checker.passed(x["outcome"])), mine[0])
             what = {"freed": f"freed {r['freed_bytes'] / (1 << 20):,.0f} MB, score {r['score']:+.3f}",
                     "no_effect": "ran, freed nothing", "broke": f"deleted what must be kept: {r['reason']}"[:160],
                     "failed": f"failed: {r['reason']}"[:160],
                     checker.UNSCORABLE: f"not scored: {r['reason']}"[:160]}[r["outcome"]]
-            passed = sum(x["outcome"] == "freed" for x in mine)
+            passed = sum(checker.passed(x["outcome"]) for x in mine)
             lines += [f"{name} (answer {r['sample'] + 1} of {len(mine)}; {passed} of {len(mine)} passed): {what}", "",
                       FENCE, r["answer"] or "(empty)", FENCE, ""]
     return lines

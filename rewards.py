@@ -218,7 +218,7 @@ def checker_rewards(checked: Checked):
         import checker
 
         results = checked.results(prompts, completions, host or [None] * len(prompts))
-        return [None if r.outcome == checker.UNSCORABLE else 1.0 if r.outcome in ("freed", "no_effect") else 0.0
+        return [None if r.outcome == checker.UNSCORABLE else 1.0 if checker.ran(r.outcome) else 0.0
                 for r in results]
 
     checker_score.__name__ = "checker"

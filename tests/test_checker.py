@@ -412,3 +412,16 @@ def test_a_files_digest_is_its_content_whatever_its_holes(tmp_path):
     fd = os.open(b, os.O_RDONLY)
     assert checker.digest(fd, b.stat().st_size) != digests[0]
     os.close(fd)
+
+
+def test_one_pass_rule_decides_every_pass_rate():
+    """checker.passed is the rule; tally, pass_rate and the attempts' summary all count by it, unscorable apart."""
+    import attempts
+
+    outcomes = ["freed", "no_effect", "broke", "failed", "freed", checker.UNSCORABLE]
+    assert [checker.passed(o) for o in outcomes] == [True, False, False, False, True, False]
+    assert [checker.ran(o) for o in outcomes] == [True, True, False, False, True, False]
+    assert checker.pass_rate(outcomes) == 2 / 5 and checker.pass_rate([checker.UNSCORABLE]) is None
+    records = [{"attempts": [{"outcome": o} for o in outcomes[:3]]}, {"attempts": [{"outcome": o} for o in outcomes[3:5]]}]
+    summary = attempts.summary(records, empty=1, unscorable=1)
+    assert summary["pass_rate"] == 2 / 6 and summary["runs_with_a_pass"] == 2  # the empty answer failed
