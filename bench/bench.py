@@ -104,9 +104,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import kit  # noqa: E402
-import shapes  # noqa: E402
-from kit import field  # noqa: E402
+from dpokit.core import kit  # noqa: E402
+from dpokit.model import shapes  # noqa: E402
+from dpokit.core.kit import field  # noqa: E402
 
 MODES = {  # mode -> extra train_dpo flags (see the docstring; mode_flags fills them in)
     "default": [],
@@ -519,7 +519,7 @@ def child_train(argv: list[str], timing_path: str) -> None:
     import torch
     from transformers import TrainerCallback
 
-    import train_dpo
+    from dpokit.train import training
 
     rec = {"step_ends": [], "torch_threads": torch.get_num_threads()}
 
@@ -544,7 +544,7 @@ def child_train(argv: list[str], timing_path: str) -> None:
             Path(timing_path).write_text(json.dumps(rec))
             os._exit(0)
 
-    train_dpo.run(kit.parse_config(train_dpo.TrainConfig, argv, train_dpo.__doc__), callbacks=[Timing()])
+    training.run(kit.parse_config(training.TrainConfig, argv, training.__doc__), callbacks=[Timing()])
     sys.exit(1)  # reached only when training did not end (on_train_end exits 0)
 
 
@@ -659,9 +659,9 @@ def grpo_summary(metrics: list[dict], answers_per_step: int) -> dict:
 
 def bench_grpo(cfg: BenchConfig, work: Path, model: str, steps: int, timeout: float) -> dict:
     """--method grpo for a few steps on the demo logs, the kit's GRPO defaults: where a step's time goes."""
-    import train_dpo
+    from dpokit.train import training
 
-    d = train_dpo.TrainConfig()
+    d = training.TrainConfig()
     run_dir, timing, log = work / "grpo", work / "grpo.timing.json", work / "grpo.log"
     argv = ["--method", "grpo", "--data", str(ROOT / "data" / "runs.jsonl"), "--model_name_or_path", model,
             "--output_dir", str(run_dir), "--run_name", "r", "--max_steps", str(steps), "--eval_fraction", "0",
@@ -700,10 +700,10 @@ def bench_build_pairs(n_runs: int, work: Path, seed: int) -> dict:
                              timeout=600)
     if status != 0:
         raise RuntimeError(f"build_pairs failed on {n_runs} runs: {(work / f'build_pairs-{n_runs}.log').read_text()}")
-    import build_pairs
+    from dpokit.pairs import from_logs
 
     report, child = json.loads((work / f"report-{n_runs}.json").read_text()), json.loads(peak.read_text())
-    workers = build_pairs.worker_count(build_pairs.PairsConfig(runs=str(logs)))
+    workers = from_logs.worker_count(from_logs.PairsConfig(runs=str(logs)))
     workers = 0 if workers == 1 else workers  # 1 = this process alone, no worker processes
     # runs/s over build_pairs' own run (its imports included, not the interpreter's start and bench's import:
     # ~0.17 s, a quarter of the 10k-run wall time); peak = the main process plus each worker at the largest's peak
@@ -811,7 +811,7 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    import models
+    from dpokit.model import models
 
     cfg = dataclasses.replace(cfg, device=resolve_device(cfg.device, torch.cuda.is_available()))
     out_dir, work = ROOT / cfg.out_dir, Path(tempfile.mkdtemp(prefix="dpo-kit-bench-"))

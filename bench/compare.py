@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import kit  # noqa: E402
+from dpokit.core import kit  # noqa: E402
 
 
 DEFAULT_ARMS = ("rounds=rounds configs/rounds.yaml; recipe=dpo --config configs/demo.yaml; "
@@ -312,7 +312,7 @@ def main(argv=None) -> int:
     digests = {arm: inputs_digest(method, flags, extra, input_files(str(Path(cfg.logs).resolve()), more,
                                                                      named_configs(method, flags)))
                for arm, method, flags in arms}
-    import sandbox
+    from dpokit.sandbox import sandbox
 
     mode = sandbox.isolation()  # this machine's: a row scored in another mode is trained and scored again
     todo = plan(old, [int(s) for s in cfg.seeds.split(",")], arms, only, cfg.rerun, digests, mode)

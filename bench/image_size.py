@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import kit  # noqa: E402
+from dpokit.core import kit  # noqa: E402
 
 GLIBC = (2, 35)  # Ubuntu 22.04
 

@@ -28,8 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import kit  # noqa: E402
-import runs  # noqa: E402
+from dpokit.core import kit  # noqa: E402
+from dpokit.core import runs  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -71,9 +71,9 @@ def default_pairs(work: Path) -> Path:
 
 def evaluate_in_float32(run_dir: Path) -> dict:
     """The run's adapter on its held-out pairs, base and tuned, with every matmul in float32."""
-    import evaluate
-    import formats
-    import models
+    from dpokit.train import evaluate
+    from dpokit.data import formats
+    from dpokit.model import models
 
     cfg = json.loads((run_dir / "config.json").read_text())
     pairs, _ = formats.load_pairs(cfg["data"], cfg["skip_invalid"])

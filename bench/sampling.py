@@ -23,8 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import kit  # noqa: E402
-from kit import field  # noqa: E402
+from dpokit.core import kit  # noqa: E402
+from dpokit.data import runlogs
+from dpokit.core.kit import field  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -42,10 +43,9 @@ class SamplingBenchConfig:
 
 
 def held_out_prompts(logs: str) -> list[list[dict]]:
-    import build_pairs
-    import formats
+    from dpokit.data import formats
 
-    rows = build_pairs.prompts_from_logs(logs)
+    rows = runlogs.prompts_from_logs(logs)
     return [r["prompt"] for r in rows if formats.held_out_prompt(r, 0.2)]
 
 
@@ -85,9 +85,9 @@ def main(argv=None) -> int:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoTokenizer
 
-    import evaluate
-    import models
-    import sampler
+    from dpokit.train import evaluate
+    from dpokit.model import models
+    from dpokit.model import sampler
 
     on_gpu, bf16_ok = models.device()
     path = models.resolve_model_path(cfg.model_name_or_path)

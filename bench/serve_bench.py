@@ -36,8 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import kit  # noqa: E402
-from kit import field  # noqa: E402
+from dpokit.core import kit  # noqa: E402
+from dpokit.core.kit import field  # noqa: E402
 
 TRAIN_ARGS = "--max_length 64 --lora_r 4 --lora_alpha 8 --lora_target_modules q_proj,v_proj --probes= --eval_fraction 0"
 

@@ -4,12 +4,13 @@ from pathlib import Path
 
 import pytest
 
-import attempts
-import build_pairs
-import checker
-import formats
-import kit
-import sandbox
+from dpokit.pairs import attempts
+from dpokit.data import runlogs
+from dpokit.pairs import from_logs
+from dpokit.scoring import checker
+from dpokit.data import formats
+from dpokit.core import kit
+from dpokit.sandbox import sandbox
 
 LOGS = "data/runs.jsonl"
 
@@ -19,17 +20,17 @@ def check(outcome, freed=0, broken=(), reason=""):
 
 
 def test_held_out_runs_are_never_attempted_and_each_strategy_and_host_once():
-    runs = list(build_pairs.read_runs(LOGS))
+    runs = list(runlogs.read_runs(LOGS))
     chosen = attempts.training_runs(runs, 0.2)
     held = [r for r in runs if formats.held_out({formats.RUN_KEY: r.run_id}, 0.2)]
     assert held and not {r.run_id for r in held} & {r.run_id for r in chosen}
-    keys = [(r.strategy.strip(), build_pairs.host_of_run(r)) for r in chosen]
+    keys = [(r.strategy.strip(), runlogs.host_of_run(r)) for r in chosen]
     assert len(keys) == len(set(keys)) and len(chosen) >= len(runs) - len(held) - 2
     assert len(attempts.training_runs(runs, 0.0)) > len(chosen)
 
 
 def test_checked_answers_become_run_logs_that_build_pairs_reads_as_the_environment_scored_them(tmp_path):
-    run = next(iter(build_pairs.read_runs(LOGS)))
+    run = next(iter(runlogs.read_runs(LOGS)))
     tried = [attempts.attempt_record("```python\nimport shutil\n```", "import shutil\n", check("freed", 123)),
              attempts.attempt_record("x = (", "x = (", check("failed", reason="does not compile")),
              attempts.attempt_record("print(1)", "print(1)", check("no_effect")),
@@ -39,13 +40,13 @@ def test_checked_answers_become_run_logs_that_build_pairs_reads_as_the_environme
     record = attempts.run_record(run, tried, 2, "artifacts/r1")
     path = tmp_path / "a.jsonl"
     path.write_text(json.dumps(record) + "\n")
-    [parsed] = build_pairs.read_runs(str(path))
+    [parsed] = runlogs.read_runs(str(path))
     assert parsed.run_id == run.run_id and parsed.messages == run.messages and parsed.tags == run.tags
     assert [a.succeeded for a in parsed.attempts] == [True, False, False, False]
-    assert build_pairs.outcome(parsed) == "mixed"
+    assert from_logs.outcome(parsed) == "mixed"
     assert [a.broke for a in parsed.attempts] == [False, False, False, True]
-    assert build_pairs.broke_in_log({k: v for k, v in tried[3].items() if k != "outcome"})  # by its error's words
-    pairs = build_pairs.pairs_for_run(parsed, build_pairs.PairsConfig(runs=str(path)))
+    assert runlogs.broke_in_log({k: v for k, v in tried[3].items() if k != "outcome"})  # by its error's words
+    pairs = from_logs.pairs_for_run(parsed, from_logs.PairsConfig(runs=str(path)))
     assert {p.chosen for p in pairs} == {"import shutil\n"} and len(pairs) == 3  # each failure against the pass
     assert [p.meta.get("rejected_broke", False) for p in pairs] == [False, False, True]
     s = attempts.summary([record], empty=1)
@@ -59,12 +60,12 @@ def test_a_bad_config_is_refused_in_one_go():
 
 
 def test_the_bundled_rounds_of_attempts_never_touch_a_held_out_run_and_log_each_outcome_as_the_checker_scored_it():
-    runs = {r.run_id: r for r in build_pairs.read_runs(LOGS)}
+    runs = {r.run_id: r for r in runlogs.read_runs(LOGS)}
     for path, round_, samples in (("data/attempts.jsonl", 1, 4), ("data/attempts-round2.jsonl", 2, 8)):
         records = [json.loads(line) for line in Path(path).read_text().splitlines()]
         assert records and all(r["round"] == round_ and len(r["attempts"]) == samples for r in records), path
         assert not [r["run_id"] for r in records if formats.held_out({formats.RUN_KEY: r["run_id"]}, 0.2)], path
-        parsed_runs = list(build_pairs.read_runs(path))
+        parsed_runs = list(runlogs.read_runs(path))
         assert len(parsed_runs) == len(records), path  # every line reads as a run
         for parsed in parsed_runs:  # the run's own prompt and strategy, as the logs have them
             run = runs[parsed.run_id]

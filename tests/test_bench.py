@@ -13,9 +13,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 import bench  # noqa: E402
-import build_pairs as bp  # noqa: E402
-import kit  # noqa: E402
-import methods  # noqa: E402
+from dpokit.pairs import from_logs as bp  # noqa: E402
+from dpokit.data import runlogs
+from dpokit.core import kit  # noqa: E402
+from dpokit.train import methods  # noqa: E402
 
 SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
            "num_key_value_heads": 3, "vocab_size": 49152}
@@ -70,15 +71,15 @@ def test_cases_batches_devices_and_mode_flags():
 
 
 def test_trl_best_flags_are_options_train_dpo_accepts():
-    import train_dpo
+    from dpokit.train import training
 
     flags = bench.mode_flags("trl_best", "m", liger=False)
-    cfg = kit.parse_config(train_dpo.TrainConfig, ["--data", "x.jsonl", *flags], "")
+    cfg = kit.parse_config(training.TrainConfig, ["--data", "x.jsonl", *flags], "")
     assert cfg.precompute_ref_log_probs and not cfg.fused_ops and not cfg.chunked_logps and not cfg.use_liger_kernel
     kwargs = methods.dpo_config_kwargs(cfg, "/tmp/ck", False, False)
     assert kwargs["precompute_ref_log_probs"] and kwargs["use_liger_kernel"] is False
     with pytest.raises(kit.UserError, match="--use_liger_kernel patches the modules --fused_ops fuses"):
-        kit.parse_config(train_dpo.TrainConfig, ["--data", "x.jsonl", "--use_liger_kernel"], "")
+        kit.parse_config(training.TrainConfig, ["--data", "x.jsonl", "--use_liger_kernel"], "")
 
 
 def test_mode_dtype_follows_the_flag_else_the_auto_choice():
@@ -194,7 +195,7 @@ def test_cuda_defaults_and_the_model_option():
 def test_generated_run_logs_are_valid_fresh_and_share_prompts(tmp_path):
     dest = tmp_path / "runs.jsonl"
     bench.write_run_logs(ROOT / "data" / "runs.jsonl", dest, 300, seed=0)
-    runs = [bp.parse_run(json.loads(line), str(dest), i) for i, line in enumerate(dest.open(), 1)]
+    runs = [runlogs.parse_run(json.loads(line), str(dest), i) for i, line in enumerate(dest.open(), 1)]
     assert len(runs) == 300 and len({r.run_id for r in runs}) == 300
     assert len({r.strategy for r in runs}) == 300  # every run's own strategy: its pairs are not duplicates
     assert len({bp.prompt_key(r.messages) for r in runs}) < 300  # some runs share a prompt (cross_run)

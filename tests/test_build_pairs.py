@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-import build_pairs as bp
-import formats
-import kit
+from dpokit.pairs import from_logs as bp
+from dpokit.data import runlogs
+from dpokit.data import formats
+from dpokit.core import kit
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "data" / "runs.jsonl"
@@ -38,7 +39,7 @@ def run(strategy="Clear the pip cache", attempts=(), prompt=PROMPT, run_id="r1",
 
 
 def parsed(obj, score_key="space_freed"):
-    return bp.parse_run(obj, "runs.jsonl", 1, score_key)
+    return runlogs.parse_run(obj, "runs.jsonl", 1, score_key)
 
 
 def write(tmp_path, rows, name="runs.jsonl"):
@@ -102,15 +103,15 @@ def test_mixed_best_code_wins_and_earliest_wins_ties():
 def test_a_mixed_pair_whose_rejected_attempt_broke_what_must_be_kept_is_marked():
     wipe = {"code": "import shutil\nshutil.rmtree('/srv/app')", "ran": True, "space_freed": 0, "outcome": "broke"}
     said = {"code": "import os\nos.remove('/var/log/syslog')", "ran": True, "space_freed": 0,
-            "error": f"{bp.BROKE_ERROR}: /var/log/syslog"}  # a log without outcomes, in attempts.py's words
-    late = {"code": "x = (", "ran": False, "error": f"SyntaxError, not {bp.BROKE_ERROR}"}
+            "error": f"{runlogs.BROKE_ERROR}: /var/log/syslog"}  # a log without outcomes, in attempts.py's words
+    late = {"code": "x = (", "ran": False, "error": f"SyntaxError, not {runlogs.BROKE_ERROR}"}
     pairs = bp.pairs_for_run(parsed(run(attempts=[wipe, said, late, ok(ZERO, 0), ok()])), bp.PairsConfig(runs="x"))
     assert [p.meta.get("rejected_broke", False) for p in pairs] == [True, True, False, False]
-    assert bp.broke_in_log({"outcome": "broke"}) and not bp.broke_in_log({"outcome": "failed", "error": None})
+    assert runlogs.broke_in_log({"outcome": "broke"}) and not runlogs.broke_in_log({"outcome": "failed", "error": None})
 
 
 def test_the_demo_logs_mark_each_keep_part_runs_wipe_and_nothing_else():
-    pairs = [p for r in bp.read_runs(str(DEMO)) for p in bp.pairs_for_run(r, bp.PairsConfig(runs="x"))]
+    pairs = [p for r in runlogs.read_runs(str(DEMO)) for p in bp.pairs_for_run(r, bp.PairsConfig(runs="x"))]
     marked = sorted(p.meta["run_id"] for p in pairs if p.meta.get("rejected_broke"))
     assert marked == ["run-0153", "run-0156", "run-0157", "run-0158", "run-0160", "run-0163", "run-0164",
                       "run-0165"]  # the runs that keep part
@@ -661,7 +662,7 @@ def plain_main(path, cfg):
             text = raw.decode("utf-8").lstrip("\ufeff") if line_no == 1 else raw.decode("utf-8")
             if not text.strip():
                 continue
-            r = bp.parse_run(json.loads(text), str(path), line_no, cfg.score_key)
+            r = runlogs.parse_run(json.loads(text), str(path), line_no, cfg.score_key)
         except (ValueError, kit.UserError):
             stats["invalid"] += 1
             continue
@@ -748,7 +749,7 @@ def test_read_blocks_cuts_where_a_file_iterates(tmp_path, monkeypatch):
 
 def test_surrogate_escapes_are_found_without_encoding_every_string():
     def parse(text):
-        return bp._parse_line(text, "f", 1, "space_freed")
+        return runlogs._parse_line(text, "f", 1, "space_freed")
     line = json.dumps(run(attempts=[ok()]))
     assert parse(line.replace('"Clear', '"\\ud83d\\ude00 \\\\ud800 Clear').encode()).strategy.startswith("😀 \\ud800")
     for escape in ("\\ud800", "\\uDC00", "\\udBfF"):
@@ -879,6 +880,6 @@ def test_extra_run_files_read_after_the_first_give_what_the_files_joined_give(tm
 def test_the_demo_holds_out_the_same_8_runs_the_readme_and_bench_results_were_measured_on():
     """make train's report scores these runs' prompts; a run added to data/runs.jsonl must land on the training
     side of the hash split, or every measured number in the README and bench/results-recipe.md stops comparing."""
-    ids = [r.run_id for r in bp.read_runs(str(DEMO))]
+    ids = [r.run_id for r in runlogs.read_runs(str(DEMO))]
     held = sorted(i for i in ids if formats.held_out({formats.RUN_KEY: i}, 0.2))
     assert held == ["run-0101", "run-0106", "run-0112", "run-0113", "run-0122", "run-0125", "run-0146", "run-0149"]

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-import build_pairs
-import checker
-import sandbox
-import watch
+from dpokit.data import runlogs
+from dpokit.scoring import checker
+from dpokit.sandbox import sandbox
+from dpokit.sandbox import watch
 
 ROOT = Path(__file__).resolve().parent.parent
 CI_HOST = "Host ci-runner-03, Ubuntu 22.04.4 LTS, Python 3.10.12, user ci (no sudo, member of docker)."
@@ -253,7 +253,7 @@ def test_hostile_answers_score_0_with_their_reason(code, reason):
 
 
 def test_the_grpo_reward_has_trls_signature_and_without_a_host_column_reads_the_host_from_the_prompt():
-    import rewards
+    from dpokit.scoring import rewards
 
     completions = [[{"role": "assistant", "content": f"Clear pip's cache.\n```python\n{PIP}```"}],
                    [{"role": "assistant", "content": "```python\nprint(\n```"}]]
@@ -286,8 +286,6 @@ def test_cli_prints_the_outcome_and_refuses_a_missing_file(tmp_path):
 
 
 def test_prompts_from_logs_read_the_host_from_tagged_pairs_and_skip_bad_lines_as_build_pairs_does(tmp_path):
-    import build_pairs
-
     host = "Host db-7, Ubuntu 22.04, Python 3.10, user app (no sudo)."
     run = {"run_id": "r1", "strategy": "Clear pip's cache", "attempts": [{"code": "print(1)", "ran": True}],
            "prompt": [[{"role": "system", "content": "You free disk space."}, "get_system_plist"],
@@ -295,9 +293,9 @@ def test_prompts_from_logs_read_the_host_from_tagged_pairs_and_skip_bad_lines_as
     logs = tmp_path / "runs.jsonl"
     logs.write_text(json.dumps(run) + "\n" + "[" * 100000 + "\n")  # the second line nests too deep for json
     with pytest.raises(checker.UserError, match="malformed JSON") as e:
-        build_pairs.prompts_from_logs(str(logs))
+        runlogs.prompts_from_logs(str(logs))
     assert e.value.line == 2
-    rows = build_pairs.prompts_from_logs(str(logs), skip_invalid=True)
+    rows = runlogs.prompts_from_logs(str(logs), skip_invalid=True)
     assert rows == [{"prompt": [{"role": "user", "content": "Clear pip's cache"}], "host": host, "run_id": "r1"}]
     assert checker.parse_host(rows[0]["host"]).privileged is False
 
@@ -377,7 +375,7 @@ def test_what_really_frees_space_still_scores_in_every_mode(mode, monkeypatch):
 def test_every_bundled_attempt_scores_alike_in_every_mode_this_machine_runs_or_is_unscorable(logs, monkeypatch):
     """The same answer on the same host: the same outcome and score in bwrap, unshare and limits mode, except
     where limits mode cannot plant the host where the answer looks, which it says (never `no_effect`)."""
-    items = list(dict.fromkeys((a.code, build_pairs.host_of_run(run)) for run in build_pairs.read_runs(ROOT / logs)
+    items = list(dict.fromkeys((a.code, runlogs.host_of_run(run)) for run in runlogs.read_runs(ROOT / logs)
                                for a in run.attempts))
     found = {}
     for mode in MODES:
@@ -416,7 +414,7 @@ def test_a_files_digest_is_its_content_whatever_its_holes(tmp_path):
 
 def test_one_pass_rule_decides_every_pass_rate():
     """checker.passed is the rule; tally, pass_rate and the attempts' summary all count by it, unscorable apart."""
-    import attempts
+    from dpokit.pairs import attempts
 
     outcomes = ["freed", "no_effect", "broke", "failed", "freed", checker.UNSCORABLE]
     assert [checker.passed(o) for o in outcomes] == [True, False, False, False, True, False]

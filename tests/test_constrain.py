@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import constrain
-import models
+from dpokit.model import constrain
+from dpokit.model import models
 from test_serve import MODEL, needs_model
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import cpu_lock
+from dpokit.core import cpu_lock
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCK = (ROOT / "requirements.txt").read_text()
@@ -36,7 +36,8 @@ def test_cli_writes_both_files_and_a_lock_without_torch_is_an_error(tmp_path):
     assert (tmp_path / "out" / "torch-cpu.txt").read_text().splitlines()[1] == f"torch=={PINS['torch']}+cpu"
     bad = tmp_path / "lock.txt"
     bad.write_text("numpy==2.0\n")
-    result = subprocess.run([sys.executable, str(ROOT / "cpu_lock.py"), str(bad), str(tmp_path)], capture_output=True,
+    script = ROOT / "dpokit" / "core" / "cpu_lock.py"
+    result = subprocess.run([sys.executable, str(script), str(bad), str(tmp_path)], capture_output=True,
                             text=True)
     assert result.returncode == 2 and result.stderr.strip() == f"{bad}: no torch==<version> pin in the lock"
 

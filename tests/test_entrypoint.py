@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import entrypoint
-import kit
+from dpokit.core import kit
 
 ROOT = Path(__file__).resolve().parent.parent
 

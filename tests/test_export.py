@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-import export
-import kit
-import runs
+from dpokit.train import export
+from dpokit.core import kit
+from dpokit.core import runs
 from test_serve import MODEL, free_port, needs_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +58,7 @@ def exported(tmp_path_factory):
         pytest.skip("bundled model not converted (make model)")
     from test_train_dpo import small_run
 
-    import checker
+    from dpokit.scoring import checker
 
     tmp = tmp_path_factory.mktemp("export")
     prompts = tmp / "prompts.jsonl"  # three of the demo's tasks on their hosts (no run: each is held out)
@@ -152,7 +152,7 @@ def test_verify_refuses_a_corrupted_or_truncated_export(exported, tmp_path):
 def test_an_exported_gguf_is_a_base_to_train_from_again(exported, tmp_path, monkeypatch, capsys):
     """The round trip: the GGUF the export wrote is --model_name_or_path (make train MODEL=) for a second run,
     converted once into the cache; the base that run trains is the export's model, not the bundled one."""
-    import models
+    from dpokit.model import models
     from test_train_dpo import small_run
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

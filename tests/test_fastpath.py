@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import fastpath  # noqa: E402
+from dpokit.model import fastpath  # noqa: E402
 
 
 def test_lora_delta_matches_base_plus_scaled_low_rank_product_and_its_gradients():
@@ -492,7 +492,7 @@ def tiny_family_model(family):
     import transformers
     from peft import LoraConfig, get_peft_model
 
-    import models
+    from dpokit.model import models
 
     config_name, extra = FAMILIES[family]
     config = getattr(transformers, config_name)(

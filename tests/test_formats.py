@@ -5,9 +5,9 @@ import re
 
 import pytest
 
-import formats
-import kit
-from kit import UserError
+from dpokit.data import formats
+from dpokit.core import kit
+from dpokit.core.kit import UserError
 
 U = lambda text: {"role": "user", "content": text}  # noqa: E731
 A = lambda text: {"role": "assistant", "content": text}  # noqa: E731

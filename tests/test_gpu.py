@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import fastpath  # noqa: E402
+from dpokit.model import fastpath  # noqa: E402
 from test_fastpath import tiny_4bit_llama_with_lora, tiny_llama_with_lora  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -97,7 +97,7 @@ def test_the_decode_loop_on_cuda_stops_rows_at_their_stop_tokens_and_gives_the_c
     """GRPO's generation and the report's scoring sample on the model's device: the stop tokens and the rows
     still running live there too (on an H200 the loop raised 'test_elements is on cpu'). Greedy answers on
     CUDA are the CPU's (a float32 model), and every row that stopped ends at a stop token."""
-    import sampler
+    from dpokit.model import sampler
     from test_sampler import tiny_llama_with_lora as tiny_sampler_llama
 
     model = tiny_sampler_llama().float()

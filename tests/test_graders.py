@@ -11,8 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-import graders
-import rewards
+from dpokit.scoring import graders
+from dpokit.scoring import rewards
 
 REF = "the cat is on the mat"
 ANSWER = "the cat sat on the mat"

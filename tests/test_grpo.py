@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-import kit
-import methods
-import rewards
-import runs
-import train_dpo
-from kit import UserError
+from dpokit.core import kit
+from dpokit.train import methods
+from dpokit.scoring import rewards
+from dpokit.core import runs
+from dpokit.train import training
+from dpokit.core.kit import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
@@ -42,7 +42,7 @@ def test_checker_and_ran_rewards_score_real_code_run_once_per_answer():
 
 def test_in_limits_mode_an_answer_at_the_hosts_paths_gets_no_reward_rather_than_a_zero(monkeypatch, capsys):
     """None from every reward function: TRL 1.14 leaves such an answer out of its group's baseline, advantage 0."""
-    import sandbox
+    from dpokit.sandbox import sandbox
 
     if sandbox.why_not("limits"):
         pytest.skip("limits mode does not run here")
@@ -62,7 +62,7 @@ def test_the_reward_cache_never_loses_a_steps_results_past_its_size(monkeypatch)
     """64 answers a step, each new: past CACHE_SIZE distinct answers the cache is emptied, and the step that crosses
     it still gets all 64 of its own results (it once raised KeyError there). The checker is stubbed: what is tested
     is the bookkeeping, at the scale of thousands of answers."""
-    import checker
+    from dpokit.scoring import checker
 
     monkeypatch.setattr(checker, "check", lambda code, host, limits=None: checker.Check(
         "freed", len(code) / 1000, 1, [], "", "stub", ""))
@@ -76,7 +76,7 @@ def test_the_reward_cache_never_loses_a_steps_results_past_its_size(monkeypatch)
 
 
 def test_a_python_grader_that_prints_a_lot_keeps_its_score_and_a_nan_or_an_error_is_no_score_and_says_why():
-    import graders
+    from dpokit.scoring import graders
 
     hi = graders.sample_of("hi")
     chatty = "def grade(sample, item):\n    print('x' * (1 << 20))\n    return 0.75\n"
@@ -125,7 +125,7 @@ def test_a_batch_whose_groups_all_scored_alike_is_logged_without_signal_and_skip
     so no TRL input is read but the advantages). Without it, TRL's own loss runs (here: on a batch it cannot read)."""
     import collections
 
-    import fastpath
+    from dpokit.model import fastpath
     import torch
 
     cls = fastpath.grpo_trainer_class()
@@ -150,7 +150,7 @@ def test_a_batch_whose_groups_all_scored_alike_is_logged_without_signal_and_skip
 
 
 def test_grpo_options_map_onto_trl_with_whole_groups_per_step():
-    cfg = train_dpo.TrainConfig(data="x", method="grpo", per_device_train_batch_size=3, num_generations=4,
+    cfg = training.TrainConfig(data="x", method="grpo", per_device_train_batch_size=3, num_generations=4,
                                 max_completion_length=64, temperature=0.7)
     kwargs = methods.grpo_config_kwargs(cfg, "/tmp/ck", False, False)
     assert kwargs["per_device_train_batch_size"] == 12 and kwargs["num_generations"] == 4  # TRL counts answers
@@ -163,7 +163,7 @@ def test_grpo_options_map_onto_trl_with_whole_groups_per_step():
 
 
 def test_grpo_problems_are_reported_together():
-    cfg = train_dpo.TrainConfig(data="x", method="grpo", num_generations=1, mix="0.2", reward="speed",
+    cfg = training.TrainConfig(data="x", method="grpo", num_generations=1, mix="0.2", reward="speed",
                                 precompute_ref_log_probs=True)
     problems = " ".join(cfg.problems())
     assert "--num_generations must be at least 2" in problems and "--mix is for DPO" in problems
@@ -176,8 +176,8 @@ def test_grpo_reads_run_logs_or_a_prompts_file_and_holds_out_by_run(tmp_path):
     assert methods.holds_prompts(methods.first_record(str(ROOT / "data" / "runs.jsonl")))
     assert not methods.holds_prompts({"prompt": "q", "chosen": "a", "rejected": "b"})
     assert methods.holds_prompts({"prompt": "q", "host": "h"})
-    data = train_dpo.formats.TrainingData(path="x", sha256="", format="", pairs=0, skipped={})
-    cfg = train_dpo.TrainConfig(data=str(ROOT / "data" / "runs.jsonl"), method="grpo")
+    data = training.formats.TrainingData(path="x", sha256="", format="", pairs=0, skipped={})
+    cfg = training.TrainConfig(data=str(ROOT / "data" / "runs.jsonl"), method="grpo")
     train, held = methods.grpo_data(cfg, data)
     assert data.held_out == len(held) == 8 and len(train) == 49 and data.format == "run_logs"
     held_runs = {r["_run"] for r in held}
@@ -254,7 +254,7 @@ def test_grpo_in_4bit_stops_on_sigterm_resumes_and_hands_off_a_tarball_that_veri
     from transformers import AutoModelForCausalLM
 
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(MODEL), run_dir)  # the adapter loads in PEFT
-    import evaluate  # make eval: the run's held-out prompts scored again by the checker
+    from dpokit.train import evaluate  # make eval: the run's held-out prompts scored again by the checker
 
     again = json.loads((evaluate.evaluate_run(str(run_dir), "", str(tmp_path / "re")) / "evaluation.json").read_text())
     assert again["execution"]["prompts"] == 2 and again["execution"]["samples"] == 1
@@ -281,7 +281,7 @@ def test_grpo_in_4bit_stops_on_sigterm_resumes_and_hands_off_a_tarball_that_veri
 
 
 def test_reinforcement_rows_become_prompt_rows_with_their_item_and_a_bad_line_is_a_file_line_error(tmp_path):
-    import jobs
+    from dpokit.service import jobs
 
     rft = tmp_path / "rft.jsonl"
     rft.write_text('{"messages": [{"role": "user", "content": "2+2?"}], "answer": "4"}\n\n'
@@ -303,7 +303,7 @@ def test_reinforcement_rows_become_prompt_rows_with_their_item_and_a_bad_line_is
 def test_a_step_whose_answers_all_went_unscored_leaves_a_gap_in_the_reward_plot(tmp_path):
     """A grader that failed on every answer of a step (a judge whose replies did not parse) logs its reward as
     null: the report's plot skips that step instead of failing the finished run."""
-    import evaluate
+    from dpokit.train import evaluate
 
     metrics = [{"step": 1, "loss": 0.1, "reward": None, "reward_std": None},
                {"step": 2, "loss": 0.2, "reward": 0.5, "reward_std": 0.1}]

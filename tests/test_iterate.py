@@ -6,12 +6,13 @@ from pathlib import Path
 
 import pytest
 
-import evaluate
-import formats
-import iterate
-import kit
-import models
-import runs
+from dpokit.train import evaluate
+from dpokit.data import runlogs
+from dpokit.data import formats
+from dpokit.apps import iterate
+from dpokit.core import kit
+from dpokit.model import models
+from dpokit.core import runs
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / models.BUNDLED_MODEL_DIR
@@ -169,13 +170,13 @@ def test_make_train_runs_a_round_by_default_the_recipe_once_with_rounds_0_and_re
 
 
 def test_sft_pairs():
-    import build_pairs
-    import supervised
+    from dpokit.pairs import from_logs
+    from dpokit.data import supervised
 
     ask = [{"role": "user", "content": "Q"}]
     call = {"id": "c1", "type": "function", "function": {"name": "du", "arguments": {"path": "/"}}}
     tools = [{"type": "function", "function": {"name": "du"}}]
-    words, calls = build_pairs.sft_pairs([supervised.Example(1, ask, {"role": "assistant", "content": "the answer is four"}),
+    words, calls = from_logs.sft_pairs([supervised.Example(1, ask, {"role": "assistant", "content": "the answer is four"}),
                                       supervised.Example(2, ask, {"role": "assistant", "content": "",
                                                                   "tool_calls": [call]}, tools)], 0)
     assert words["chosen"] == [{"role": "assistant", "content": "the answer is four"}] and "tools" not in words
@@ -244,7 +245,7 @@ stages:
     # the logged one. It must equal stage 1's tuned model's, and differ from the base's.
     first = json.loads((s2 / "metrics.jsonl").read_text().splitlines()[0])
     assert first["rewards/chosen"] == pytest.approx(0, abs=1e-4)
-    import formats
+    from dpokit.data import formats
 
     pairs, _ = formats.load_pairs(lineage[1]["pairs"])
     model, tok = models.load_run(s1, json.loads((s1 / "config.json").read_text()))
@@ -302,9 +303,8 @@ def test_trainable_adapter_starts_at_the_reference_or_at_the_checkpoint(tmp_path
 @pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="bundled model not converted (make model)")
 def test_an_attempts_stage_writes_the_models_scored_attempts_as_run_logs_and_trains_on_their_pairs(tmp_path,
                                                                                                      monkeypatch):
-    import attempts
-    import build_pairs
-    import formats
+    from dpokit.pairs import attempts
+    from dpokit.data import formats
 
     logs = tmp_path / "runs.jsonl"
     lines = (ROOT / "data" / "runs.jsonl").read_text().splitlines()
@@ -335,7 +335,7 @@ stages:
     report = stage["pairs_report"]
     tried = out / "mine" / f"{stage['run_name']}.attempts.jsonl"
     records = [json.loads(x) for x in tried.read_text().splitlines()]
-    wanted = attempts.training_runs(build_pairs.read_runs(str(logs)), 0.2)
+    wanted = attempts.training_runs(runlogs.read_runs(str(logs)), 0.2)
     assert [r["run_id"] for r in records] == [r.run_id for r in wanted]  # held-out runs are never attempted
     assert not any(formats.held_out({formats.RUN_KEY: r["run_id"]}, 0.2) for r in records)
     assert sum(report["outcomes"].values()) == report["attempts"] == 2 * len(wanted)
@@ -343,7 +343,7 @@ stages:
     assert all(r["round"] == 1 and r["model"] == str(out / first["run_name"]) for r in records)  # stage 1's
     final = json.loads((out / stage["run_name"] / "evaluation.json").read_text())
     assert final["execution"]["samples"] == 1  # the last stage is scored on the logs' held-out prompts
-    assert list(build_pairs.read_runs(str(tried)))  # build_pairs.py reads them back
+    assert list(runlogs.read_runs(str(tried)))  # build_pairs.py reads them back
     assert report["logs_used"] == [str(logs), str(tried)] and report["pairs_written"] >= 1
 
 
@@ -352,7 +352,7 @@ def test_a_grpo_stage_takes_the_logs_leaves_the_plans_dpo_recipe_and_scores_its_
     run logs (configs/sft-grpo.yaml: the bundled model's recipe, then GRPO). The plan-wide DPO recipe (loss_type:
     sft, mix, distinct_chosen) is not passed to it, a stage's own options are (and GRPO then refuses them); --logs
     gives it the logs; its report scores the logs' own held-out runs, so no --eval_prompts is put on it."""
-    import methods
+    from dpokit.train import methods
     import yaml
 
     data = write(tmp_path, "{}\n", "d.jsonl")
@@ -386,7 +386,9 @@ stages:
         assert all(first.train[k] == demo[k] for k in ("loss_type", "learning_rate", "mix", "num_train_epochs",
                                                        "distinct_chosen")), name
     rl = later["sft-grpo.yaml"]
-    assert not set(rl.train) & set(methods.DPO_ONLY) and rl.train["learning_rate"] == 2e-4
+    # `learning_rate: default` (and num_train_epochs): the config's own default, not the included recipe's
+    assert not set(rl.train) & set(methods.DPO_ONLY) and not {"learning_rate", "num_train_epochs"} & set(rl.train)
+    assert later["rounds.yaml"].train["learning_rate"] == 2e-4 and later["rounds.yaml"].train["eval_samples"] == 8
 
 
 @pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="bundled model not converted (make model)")

@@ -13,10 +13,10 @@ import tarfile
 
 import pytest
 
-import kit
-import runs
-from kit import UserError, field
-from runs import file_hashes, make_tarball, unsafe_member, verify_tarball  # the handoff's code under test
+from dpokit.core import kit
+from dpokit.core import runs
+from dpokit.core.kit import UserError, field
+from dpokit.core.runs import file_hashes, make_tarball, unsafe_member, verify_tarball  # the handoff's code under test
 
 
 @dataclasses.dataclass

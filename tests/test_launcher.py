@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-import kit
-import launcher
-from launcher import LaunchConfig
+from dpokit.core import kit
+from dpokit.apps import launcher
+from dpokit.apps.launcher import LaunchConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 PATHS = {"output": "/home/u/kit/artifacts", "hf": "/home/u/.cache/huggingface", "data": "/home/u/pairs.jsonl",

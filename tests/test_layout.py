@@ -1,28 +1,66 @@
-"""The kit's module layout: helpers sit below the scripts that use them (no import cycles), and what
-imports train_dpo.py uses it as the training run, not as a library."""
+"""The kit's layout: the commands a user types at the top, each a short CLI over the library in dpokit/, whose
+layers (dpokit.LAYERS) import only the layers before them, with no import cycle and no import of a script."""
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MODULES = {p.stem: p for p in ROOT.glob("*.py")} | {"bench": ROOT / "bench" / "bench.py"}
-TRAINING_RUN = {"TrainConfig", "run", "main", "exit_code", "__doc__"}  # what callers of a training may use
+sys.path.insert(0, str(ROOT))
+import dpokit  # noqa: E402
+
+SCRIPTS = {p.stem for p in ROOT.glob("*.py")}
+LIBRARY = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+           for p in (ROOT / "dpokit").rglob("*.py")}
 
 
-def kit_imports(path: Path) -> set[str]:
-    """The kit's modules that path imports, at the top or inside functions."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+def imports(path: Path) -> list[tuple[str, int, bool]]:
+    """(module imported, line, inside a function) for each import in path: a dpokit module when the import names
+    one (from dpokit.core import kit -> dpokit.core.kit), else the first name (a script, or another package)."""
+    tree = ast.parse(path.read_text())
+    top = set(map(id, tree.body))
+    found = []
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found |= {a.name.split(".")[0] for a in node.names}
+            found += [(a.name, node.lineno, id(node) not in top) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            found.add(node.module.split(".")[0])
-    return found & (set(MODULES) - {path.stem})
+            for a in node.names:
+                name = f"{node.module}.{a.name}"
+                found.append((name if name in LIBRARY else node.module, node.lineno, id(node) not in top))
+    return found
 
 
-def test_no_import_cycles_among_the_kit_modules():
-    graph = {name: kit_imports(path) for name, path in MODULES.items()}
-    assert graph["kit"] == set() and "train_dpo" in graph["entrypoint"]  # the walk sees both kinds of import
+def layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "dpokit" and len(parts) > 2 else None
+
+
+def test_the_top_holds_the_commands_and_each_is_a_short_cli_over_the_library():
+    assert len(SCRIPTS) <= 12, sorted(SCRIPTS)
+    assert {"entrypoint", "train_dpo", "build_pairs"} <= SCRIPTS
+    for name in SCRIPTS - {"entrypoint"}:
+        text = (ROOT / f"{name}.py").read_text()
+        assert ast.get_docstring(ast.parse(text)) and f"python {name}.py" in text, name
+        assert len(text.splitlines()) < 20, f"{name}.py: the code belongs in dpokit/"
+    assert set(dpokit.LAYERS) == {p.parent.name for p in (ROOT / "dpokit").glob("*/__init__.py")}
+
+
+def test_layers_import_only_downward_and_the_library_never_imports_a_script():
+    for module, path in LIBRARY.items():
+        here = layer(module)
+        for name, line, _ in imports(path):
+            where = f"{path.relative_to(ROOT)}:{line}"
+            assert name.split(".")[0] not in SCRIPTS, f"{where}: the library imports the script {name}.py"
+            there = layer(name)
+            if here and there:
+                assert dpokit.LAYERS.index(there) <= dpokit.LAYERS.index(here), \
+                    f"{where}: {here} imports {there}, a layer above it (dpokit.LAYERS)"
+
+
+def test_no_import_cycle_counting_imports_inside_functions():
+    graph = {m: {n for n, _, _ in imports(p) if n in LIBRARY and n != m} for m, p in LIBRARY.items()}
+    assert "dpokit.core.kit" in graph["dpokit.scoring.checker"]  # the walk sees the kit's imports
     state = {}
 
     def visit(name, trail):
@@ -38,48 +76,59 @@ def test_no_import_cycles_among_the_kit_modules():
         visit(name, [])
 
 
-def test_train_dpo_is_imported_only_as_the_training_run():
-    for name, path in MODULES.items():
-        tree = ast.parse(path.read_text())
-        used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
-                and isinstance(n.value, ast.Name) and n.value.id == "train_dpo"}
-        assert used <= TRAINING_RUN, f"{name}.py uses train_dpo.{', '.join(sorted(used - TRAINING_RUN))}"
-        assert not any(isinstance(n, ast.ImportFrom) and n.module == "train_dpo" for n in ast.walk(tree)), name
+def test_the_librarys_imports_sit_at_the_top_or_say_why_not():
+    for module, path in LIBRARY.items():
+        lines = path.read_text().splitlines()
+        for name, line, inside in imports(path):
+            if inside and name.startswith("dpokit"):
+                assert "# inside:" in lines[line - 1], f"{path.relative_to(ROOT)}:{line}: import {name} at the top"
 
 
-def test_train_dpo_stays_a_recipe_and_each_methods_options_live_with_the_method():
-    # Under 700 lines: a new method's options go in methods.py (DPOOptions, KTOOptions, GRPOOptions) and the fast
-    # path's switches in fastpath.py, and TrainConfig inherits them
-    assert len((ROOT / "train_dpo.py").read_text().splitlines()) < 700
-    tree = ast.parse((ROOT / "train_dpo.py").read_text())
+def test_the_service_never_imports_the_training_run():
+    for module, path in LIBRARY.items():
+        if layer(module) == "service":
+            assert "dpokit.train.training" not in {n for n, _, _ in imports(path)}, module
+
+
+def test_the_checker_and_the_sandbox_load_no_torch():
+    code = ("import sys; from dpokit.scoring import checker, graders, rewards; from dpokit.sandbox import sandbox; "
+            "print(sorted(m for m in ('torch', 'transformers', 'numpy', 'dpokit.model.fastpath') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_image_converts_the_bundled_model_with_only_the_modules_it_copies_first(tmp_path):
+    """The Dockerfile copies a few modules before converting the bundled model (so editing the others, the kernels
+    and the trainer above all, does not redo that step), which then runs with those alone."""
+    lines = (ROOT / "Dockerfile").read_text().splitlines()
+    step = next(i for i, line in enumerate(lines) if line.startswith("RUN ") and "python entrypoint.py model" in line)
+    i, copied = step - 1, []
+    while lines[i].startswith("COPY "):
+        copied += lines[i].split()[1:-1]
+        i -= 1
+    assert "entrypoint.py" in copied and "dpokit/model/convert.py" in copied
+    for name in copied:
+        src = ROOT / name
+        for f in ([src] if src.is_file() else sorted(src.rglob("*.py"))):
+            (tmp_path / f.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / f.relative_to(ROOT)).write_text(f.read_text())
+    code = "import entrypoint; from dpokit.model import convert; convert.export_bundled_model"
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    kit_modules = {n for n, _, _ in imports(ROOT / "dpokit" / "model" / "convert.py") if n.startswith("dpokit")}
+    assert {layer(n) for n in kit_modules} == {"core"}, kit_modules
+
+
+def test_trainconfig_gathers_each_methods_options_from_beside_the_method():
+    # A new method's options go in methods.py (DPOOptions, KTOOptions, GRPOOptions) and the fast path's switches in
+    # fastpath.py, and TrainConfig (dpokit/train/config.py) inherits them
+    tree = ast.parse((ROOT / "dpokit" / "train" / "config.py").read_text())
     config = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "TrainConfig")
     bases = {ast.unparse(b) for b in config.bases}
     assert {"methods.DPOOptions", "methods.KTOOptions", "methods.GRPOOptions", "fastpath.FastOptions"} <= bases
     own = {n.target.id for n in config.body if isinstance(n, ast.AnnAssign)}
     assert not own & {"loss_type", "sft_weight", "num_generations", "desirable_weight", "fused_ops"}
-
-
-def test_the_image_converts_the_bundled_model_with_only_the_modules_it_copies_first(tmp_path):
-    """The Dockerfile copies a few modules before converting the bundled model (so editing the others does
-    not redo that step), which then runs with those alone: what they import, and what the conversion
-    imports inside its function, must be among them."""
-    import subprocess
-    import sys
-
-    lines = (ROOT / "Dockerfile").read_text().splitlines()
-    step = next(i for i, line in enumerate(lines) if line.startswith("RUN ") and "python entrypoint.py model" in line)
-    early = next(lines[i] for i in range(step - 1, -1, -1) if lines[i].startswith("COPY ")).split()[1:-1]
-    assert {"entrypoint.py", "models.py"} <= set(early)
-    for name in early:
-        (tmp_path / name).write_text((ROOT / name).read_text())
-    names = [name.removesuffix(".py") for name in early]
-    done = subprocess.run([sys.executable, "-c", f"import {', '.join(names)}"], cwd=tmp_path,
-                          env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    tree = ast.parse((ROOT / "models.py").read_text())
-    convert = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "export_bundled_model")
-    inside = {a.name.split(".")[0] for n in ast.walk(convert) if isinstance(n, ast.Import) for a in n.names}
-    assert inside & set(MODULES) <= set(names)
 
 
 def markdown_links(path: Path) -> list[tuple[str, str]]:

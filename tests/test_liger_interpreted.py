@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("liger_kernel", reason="make test-triton installs liger-kernel and triton")
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (make test-triton)")
 
-import fastpath  # noqa: E402
+from dpokit.model import fastpath  # noqa: E402
 from test_fastpath import tiny_llama_with_lora  # noqa: E402
 
 

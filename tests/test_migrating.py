@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-import service
+from dpokit.service import service
 from test_serve import ROOT, TRAIN_ARGS, Service, needs_model
 
 DOC = ROOT / "docs" / "migrating-from-openai.md"

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-import kit
-import train_dpo
+from dpokit.core import kit
+from dpokit.train import training
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
@@ -53,7 +53,7 @@ def train(tmp_path: Path, name: str, *extra, rows=ROWS, max_steps=2):
     os.chdir(ROOT)  # the bundled model's default path is relative to the repository
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            status = kit.run_cli(train_dpo.main, list(map(str, args)))
+            status = kit.run_cli(training.main, list(map(str, args)))
     finally:
         os.chdir(cwd)
     assert status == 0, out.getvalue()[-3000:]

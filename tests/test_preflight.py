@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-import preflight
-from preflight import Dir, Facts, Finding, Gpu, PreflightConfig
+from dpokit.model import preflight
+from dpokit.model.preflight import Dir, Facts, Finding, Gpu, PreflightConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 H100 = "580.95.05, NVIDIA H100 80GB HBM3, 9.0, Disabled"
@@ -305,7 +305,7 @@ def check(tmp_path, condition, *args, path_rest=("/usr/bin", "/bin"), cuda_build
     path = os.pathsep.join([str(fake_bin(tmp_path, condition)), *path_rest])
     args = [*args, *(["--no_bitsandbytes"] if cuda_build is not None else [])]  # it would believe the fake CUDA too
     code = (("" if cuda_build is None else as_cuda_build(cuda_build)) +
-            f"import sys, kit, entrypoint; sys.exit(kit.run_cli(entrypoint.main, ['check', *{args!r}]))")
+            f"import sys, entrypoint; from dpokit.core import kit; sys.exit(kit.run_cli(entrypoint.main, ['check', *{args!r}]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
                          env={**os.environ, "PATH": path, **(env or {})})
     assert "Traceback" not in out.stdout + out.stderr, out.stderr

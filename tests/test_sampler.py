@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import models
-import sampler
+from dpokit.model import models
+from dpokit.model import sampler
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = ROOT / models.BUNDLED_MODEL_DIR
@@ -147,7 +147,7 @@ def test_the_nucleus_is_the_distribution_transformers_filtering_gives(options, s
 
 
 def test_the_preallocated_cache_gives_the_dynamic_caches_logits_and_grows_past_its_capacity():
-    import fastpath
+    from dpokit.model import fastpath
     from transformers import DynamicCache
 
     model = tiny_llama_with_lora()
@@ -169,7 +169,7 @@ def test_grouped_key_value_attention_gives_sdpas_logits_on_a_padded_batch_and_is
     """The decode loop on a CPU reads a GQA model's key and value heads grouped, not repeated per query head:
     the same logits as transformers' sdpa for left-padded rows (prompt pass and decode steps), and the model's
     own attention implementation afterwards."""
-    import fastpath
+    from dpokit.model import fastpath
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     model = tiny_llama_with_lora()

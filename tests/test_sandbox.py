@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-import confine
-import sandbox
+from dpokit.sandbox import confine
+from dpokit.sandbox import sandbox
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = sandbox.Limits(wall_seconds=8, cpu_seconds=3, memory_mb=256, file_mb=4, processes=16, output_kb=4)

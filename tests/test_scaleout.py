@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-import ranks
-import runs
-import scaleout
-import kit
-from scaleout import DistConfig
+from dpokit.core import ranks
+from dpokit.core import runs
+from dpokit.apps import scaleout
+from dpokit.core import kit
+from dpokit.apps.scaleout import DistConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = ROOT / "models" / "SmolLM2-135M-Instruct"

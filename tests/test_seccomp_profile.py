@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-import seccomp_profile
+from dpokit.sandbox import seccomp_profile
 
 # Docker's shape, small: what every container may call, what only CAP_SYS_ADMIN may, and clone for some flags only.
 DOCKERISH = {

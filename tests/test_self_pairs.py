@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-import build_pairs
-import formats
-import kit
-import self_pairs as sp
+from dpokit.pairs import from_logs
+from dpokit.data import formats
+from dpokit.core import kit
+from dpokit.pairs import self_pairs as sp
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
@@ -162,7 +162,7 @@ def test_spin_pairs_reference_against_own_answer_and_drops_identical(tmp_path, c
     sft.write_text(json.dumps({"prompt": "What is 2+2?", "completion": greedy}) + "\n"   # the model's own answer
                    + json.dumps({"prompt": "Name a prime number.", "completion": "7 is prime."}) + "\n")
     out, report = tmp_path / "pairs.jsonl", tmp_path / "r.json"
-    assert build_pairs.main(["spin", str(sft), "--model", str(MODEL), "-o", str(out), "--report", str(report),
+    assert from_logs.main(["spin", str(sft), "--model", str(MODEL), "-o", str(out), "--report", str(report),
                              "--max_new_tokens", "12"]) == 0
     summary = json.loads(report.read_text())
     assert summary["examples"] == 2 and summary["dropped_same_as_reference"] == 1 and summary["pairs_written"] == 1

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-import api_nip
-import api_openai
-import jobs
-import models
-import runs
-import serve
-import service as service_app
+from dpokit.service import api_nip
+from dpokit.service import api_openai
+from dpokit.service import jobs
+from dpokit.model import models
+from dpokit.core import runs
+from dpokit.service import serve
+from dpokit.service import service as service_app
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / models.BUNDLED_MODEL_DIR
@@ -70,25 +70,28 @@ def test_vllm_command_serves_a_base_by_the_started_name_and_a_tuned_model_as_its
     assert len(api_nip.job_suffix("x" * 100)) == 64
 
 
-def test_the_services_auto_hyperparameters_are_train_dpos_defaults():
+def test_the_services_auto_hyperparameters_are_the_configs_defaults():
     import dataclasses
 
-    import train_dpo
+    from dpokit.train import config
 
-    d = train_dpo.TrainConfig()
-    assert dataclasses.asdict(service_app.JobDefaults()) == {
-        "beta": d.beta, "batch_size": d.per_device_train_batch_size, "n_epochs": d.num_train_epochs,
-        "learning_rate": d.learning_rate, "learning_rate_multiplier": 1.0, "eval_samples": d.eval_samples}
+    defaults = {f.name: f.default for f in dataclasses.fields(config.TrainConfig)}
+    assert service_app.job_defaults() == {
+        "beta": defaults["beta"], "batch_size": defaults["per_device_train_batch_size"],
+        "n_epochs": defaults["num_train_epochs"], "learning_rate": defaults["learning_rate"],
+        "learning_rate_multiplier": 1.0, "eval_samples": defaults["eval_samples"]}
+
 
 
 def test_the_service_modules_import_no_training_code():
-    """The service's process answers HTTP: its modules take defaults from service.JobDefaults, not train_dpo.py."""
-    code = ("import sys, serve; serve.create_app(serve.ServeConfig(output_dir=sys.argv[1])); "
-            "print(sorted(m for m in ('train_dpo', 'trl', 'peft', 'torch') if m in sys.modules))")
+    """The service's process answers HTTP: its modules take defaults from the config (dpokit/train/config.py), and
+    never load the training run, TRL, PEFT or torch."""
+    code = ("import sys; from dpokit.service import serve; serve.create_app(serve.ServeConfig(output_dir=sys.argv[1])); "
+            "print(sorted(m for m in ('train_dpo', 'dpokit.train.training', 'trl', 'peft', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code, "/tmp/dpo-kit-import-check"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "train_dpo" not in out.stdout, out.stdout
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_model_map_sends_openais_names_to_bases_and_refuses_what_it_cannot_read(tmp_path):
@@ -228,7 +231,7 @@ def test_the_results_file_is_openais_csv_one_row_per_step_base64_encoded():
 
 
 def test_a_running_jobs_estimated_finish_is_the_trainings_own_estimate_and_its_steps_are_in_the_events(tmp_path):
-    import api_openai
+    from dpokit.service import api_openai
 
     store = jobs.Store(tmp_path / "serve")
     scheduler = jobs.Scheduler(serve.ServeConfig(output_dir=str(tmp_path)), store)
@@ -675,7 +678,7 @@ JUDGE = {"type": "score_model", "name": "judge", "model": "SmolLM2-135M-Instruct
 def test_the_sdks_grader_run_and_validate_score_as_graders_py_does(service, client):
     """client.fine_tuning.alpha.graders against the real service: each grader type's reward is graders.run's, and
     the service's own chat is score_model's judge, whose reply the parser reads strictly."""
-    import graders
+    from dpokit.scoring import graders
     import openai
 
     item = {"answer": "4"}
@@ -992,7 +995,7 @@ def supervised_rows() -> str:
 
 
 def test_a_supervised_job_trains_every_weighted_answer_with_its_tools_and_says_what_stayed_context(tmp_path):
-    import formats
+    from dpokit.data import formats
 
     store = jobs.Store(tmp_path / "serve")
     scheduler = jobs.Scheduler(serve.ServeConfig(output_dir=str(tmp_path)), store)
@@ -1051,7 +1054,7 @@ def test_openai_sdk_trains_a_supervised_job_with_weights_and_tool_calls_to_succe
 
 
 def test_the_metadata_filter_reads_openais_query_shape():
-    import api_openai
+    from dpokit.service import api_openai
 
     f = api_openai.metadata_filter
     assert f([("limit", "3")]) is api_openai.ANY_METADATA and f([("metadata", "null")]) is None
@@ -1065,9 +1068,9 @@ def test_the_metadata_filter_reads_openais_query_shape():
 
 
 def test_a_users_python_grader_is_refused_where_the_sandbox_has_only_limits_unless_the_operator_allows_it(monkeypatch):
-    import api_openai
-    import serve
-    import service as service_module
+    from dpokit.service import api_openai
+    from dpokit.service import serve
+    from dpokit.service import service as service_module
 
     grader = {"type": "python", "name": "mine", "source": "def grade(sample, item):\n    return 1.0\n"}
     monkeypatch.setenv("DPO_KIT_SANDBOX", "limits")
@@ -1086,7 +1089,7 @@ def test_a_finished_jobs_model_exports_over_http_as_a_checked_gguf_the_client_do
     checks it; the GGUF in it answers in llama.cpp."""
     import openai
 
-    import runs
+    from dpokit.core import runs
 
     path = tmp_path / "pairs.jsonl"
     path.write_text(openai_pairs(4))

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import api_openai
+from dpokit.service import api_openai
 from test_serve import MODEL, Service, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,7 +35,7 @@ def tool_template_base(models_dir: Path) -> None:
         return
     from transformers import AutoTokenizer
 
-    import models
+    from dpokit.model import models
 
     target = models_dir / TOOLS_MODEL
     target.mkdir(parents=True)
@@ -292,7 +292,7 @@ def test_responses_bodies_the_schema_allows_on_a_real_model_get_no_server_error(
 
 
 def test_tool_calls_in_an_answer_become_openai_tool_calls():
-    import api_chat
+    from dpokit.service import api_chat
 
     words, calls = api_chat.tool_calls_in('Checking.\n<tool_call>\n{"name": "du", "arguments": {"path": "/"}}\n'
                                           '</tool_call>\n<tool_call>{"name": "ls"}</tool_call>')

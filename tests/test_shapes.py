@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-import kit
-import models
-import shapes
-import train_dpo
+from dpokit.core import kit
+from dpokit.model import models
+from dpokit.model import shapes
+from dpokit.train import training
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_tokenizer = pytest.mark.skipif(not (ROOT / models.BUNDLED_MODEL_DIR / "tokenizer.json").exists(),
@@ -176,7 +176,7 @@ def random_run(tmp_path, name, *extra):
     os.chdir(ROOT)
     try:
         with contextlib.redirect_stdout(out):
-            status = kit.run_cli(train_dpo.main, list(map(str, args)))
+            status = kit.run_cli(training.main, list(map(str, args)))
     finally:
         os.chdir(cwd)
     assert status == 0, out.getvalue()[-3000:]

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-import jobs
-import runs
-import serve
-import service as service_app
-import slurm
-from slurm import SlurmConfig
+from dpokit.service import jobs
+from dpokit.core import runs
+from dpokit.service import serve
+from dpokit.service import service as service_app
+from dpokit.service import slurm
+from dpokit.service.slurm import SlurmConfig
 from test_serve import TRAIN_ARGS, Service, job_log, needs_model, openai_pairs, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent

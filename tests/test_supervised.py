@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import formats
+from dpokit.data import formats
 import fuzz
-import supervised
-from kit import UserError
+from dpokit.data import supervised
+from dpokit.core.kit import UserError
 
 U = lambda text: {"role": "user", "content": text}  # noqa: E731
 A = lambda text, **more: {"role": "assistant", "content": text, **more}  # noqa: E731

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-import models
-import token_cache
+from dpokit.model import models
+from dpokit.data import token_cache
 
 MODEL = Path(__file__).resolve().parent.parent / models.BUNDLED_MODEL_DIR
 needs_model = pytest.mark.skipif(
@@ -69,7 +69,7 @@ def test_an_entry_is_made_once_read_back_and_replaced_when_damaged(tmp_path):
 def test_a_disk_that_cannot_take_an_entry_or_a_rank_other_than_0_leaves_none(tmp_path, monkeypatch, capsys):
     from datasets import Dataset
 
-    import ranks
+    from dpokit.core import ranks
 
     rows = [{"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [3]}]
     (tmp_path / "file").write_text("")  # a cache directory below a file: mkdir fails

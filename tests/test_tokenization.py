@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-import tokenization
+from dpokit.data import tokenization
 
 BUNDLED = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct"
 

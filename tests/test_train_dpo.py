@@ -15,15 +15,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import evaluate
-import fastpath
-import formats
-import kit
-import methods
-import models
-import runs
-import train_dpo
-from kit import UserError
+from dpokit.train import evaluate
+from dpokit.model import fastpath
+from dpokit.data import formats
+from dpokit.core import kit
+from dpokit.train import methods
+from dpokit.model import models
+from dpokit.core import runs
+from dpokit.train import training
+from dpokit.core.kit import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOL_LS = {"type": "function", "function": {"name": "ls", "parameters": {"type": "object", "properties": {}}}}
@@ -117,7 +117,7 @@ def test_parameter_table_formats_thousands():
 
 
 def test_dpo_config_mapping_uses_trl_names_and_device():
-    cfg = train_dpo.TrainConfig(data="x.jsonl", beta=0.3, max_steps=5, learning_rate=1e-5)
+    cfg = training.TrainConfig(data="x.jsonl", beta=0.3, max_steps=5, learning_rate=1e-5)
     cpu = methods.dpo_config_kwargs(cfg, "/tmp/ck", on_gpu=False, bf16_ok=False)
     assert (cpu["beta"], cpu["max_steps"], cpu["learning_rate"], cpu["loss_type"]) == (0.3, 5, 1e-5, ["sigmoid"])
     assert (cpu["use_cpu"], cpu["bf16"], cpu["fp16"]) == (True, False, False)
@@ -125,33 +125,33 @@ def test_dpo_config_mapping_uses_trl_names_and_device():
     assert (gpu["use_cpu"], gpu["bf16"], gpu["fp16"]) == (False, True, False)
     old_gpu = methods.dpo_config_kwargs(cfg, "/tmp/ck", on_gpu=True, bf16_ok=False)
     assert (old_gpu["bf16"], old_gpu["fp16"]) == (False, True)
-    asked = train_dpo.TrainConfig(data="x.jsonl", compute_dtype="bfloat16")
+    asked = training.TrainConfig(data="x.jsonl", compute_dtype="bfloat16")
     cpu_bf16 = methods.dpo_config_kwargs(asked, "/tmp/ck", on_gpu=False, bf16_ok=False)
     assert (cpu_bf16["use_cpu"], cpu_bf16["bf16"], cpu_bf16["fp16"]) == (True, True, False)  # autocast on the CPU
-    pinned = train_dpo.TrainConfig(data="x.jsonl", compute_dtype="float32")
+    pinned = training.TrainConfig(data="x.jsonl", compute_dtype="float32")
     assert methods.dpo_config_kwargs(pinned, "/tmp/ck", on_gpu=True, bf16_ok=True)["bf16"] is False
 
 
 def test_every_dpo_config_key_exists_in_trl():
     from trl import DPOConfig
 
-    kwargs = methods.dpo_config_kwargs(train_dpo.TrainConfig(data="x"), "/tmp/ck", False, False)
+    kwargs = methods.dpo_config_kwargs(training.TrainConfig(data="x"), "/tmp/ck", False, False)
     DPOConfig(**kwargs)  # raises TypeError on a name TRL does not have
 
 
 def test_config_problems_are_collected():
-    cfg = train_dpo.TrainConfig(ref_model_name_or_path="m", precompute_ref_log_probs=True, lora_r=0, beta=-1,
+    cfg = training.TrainConfig(ref_model_name_or_path="m", precompute_ref_log_probs=True, lora_r=0, beta=-1,
                                 max_steps=0, run_name="../x")
     problems = "\n".join(cfg.problems())
     for needle in ("--data is required", "choose one reference mode", "--lora_r must be at least 1",
                    "--beta must be positive", "--max_steps must be -1 or positive", "--run_name must be a plain"):
         assert needle in problems
     assert "--mix_answers base answers the --mix pairs: give --mix" in "\n".join(
-        train_dpo.TrainConfig(data="x", mix_answers="base").problems())
-    assert not train_dpo.TrainConfig(data="x", mix="0.2", mix_answers="base").problems()
-    kto = train_dpo.TrainConfig(data="x", method="kto", mix="0.2", mix_answers="base").problems()
+        training.TrainConfig(data="x", mix_answers="base").problems())
+    assert not training.TrainConfig(data="x", mix="0.2", mix_answers="base").problems()
+    kto = training.TrainConfig(data="x", method="kto", mix="0.2", mix_answers="base").problems()
     assert "--mix_answers is for DPO; --method kto does not take it" in kto
-    assert "--mix_answer_tokens must be at least 8 (got 2)" in train_dpo.TrainConfig(
+    assert "--mix_answer_tokens must be at least 8 (got 2)" in training.TrainConfig(
         data="x", mix="0.2", mix_answers="base", mix_answer_tokens=2).problems()
 
 
@@ -166,7 +166,7 @@ def test_resume_conflicts_ignore_step_budget_but_not_hyperparameters():
 
 
 def test_truncation_counts_prompt_plus_longer_completion():
-    assert train_dpo.truncation_stats([10, 10, 30], [5, 30, 1], [25, 1, 1], max_length=32) == 2
+    assert training.truncation_stats([10, 10, 30], [5, 30, 1], [25, 1, 1], max_length=32) == 2
 
 
 def test_held_out_split_is_stable_as_the_file_grows_and_near_the_fraction():
@@ -293,7 +293,7 @@ def test_a_rehearsed_answer_is_kept_whole_or_ends_at_its_last_sentence():
 
 
 def test_the_reference_is_not_precomputed_for_the_sft_loss_alone(capsys):
-    cfg = train_dpo.TrainConfig(data="x", loss_type="sft", precompute_ref_log_probs=True)
+    cfg = training.TrainConfig(data="x", loss_type="sft", precompute_ref_log_probs=True)
     assert methods.dpo_config_kwargs(cfg, "/tmp/ck", False, False)["precompute_ref_log_probs"] is False
     assert "never reads the reference" in capsys.readouterr().out
     for other in ({"loss_type": "sigmoid"}, {"loss_type": "sigmoid", "sft_weight": 1.0}):
@@ -302,7 +302,7 @@ def test_the_reference_is_not_precomputed_for_the_sft_loss_alone(capsys):
 
 
 def test_distinct_chosen_applies_to_the_sft_loss_alone():
-    cfg = train_dpo.TrainConfig(data="x", loss_type="sft", distinct_chosen=True)
+    cfg = training.TrainConfig(data="x", loss_type="sft", distinct_chosen=True)
     assert methods.distinct_applies(cfg, "dpo") and not methods.distinct_applies(cfg, "kto")
     assert not methods.distinct_applies(dataclasses.replace(cfg, loss_type="sigmoid", sft_weight=1.0), "dpo")
     assert not methods.distinct_applies(dataclasses.replace(cfg, distinct_chosen=False), "dpo")
@@ -430,7 +430,7 @@ def small_run(tmp_path, fmt, name, *extra, data=None):
     os.chdir(ROOT)  # the bundled model's default path is relative to the repository
     try:
         with contextlib.redirect_stdout(out):
-            status = kit.run_cli(train_dpo.main, list(map(str, args)))
+            status = kit.run_cli(training.main, list(map(str, args)))
     finally:
         os.chdir(cwd)
     assert status == 0, out.getvalue()[-3000:]
@@ -566,9 +566,9 @@ def test_report_to_names_known_trackers_whose_package_is_installed():
     problems = runs.tracker_problems("tensorbored,kubeflow")
     assert problems[0].startswith("--report_to: unknown tracker 'tensorbored'")
     assert problems[1] == "--report_to kubeflow: needs the kubeflow package (pip install kubeflow)"
-    cfg = train_dpo.TrainConfig(data="x.jsonl", report_to="tensorboard")
+    cfg = training.TrainConfig(data="x.jsonl", report_to="tensorboard")
     assert methods.dpo_config_kwargs(cfg, "/tmp/ck", False, False)["report_to"] == ["tensorboard"]
-    assert methods.dpo_config_kwargs(train_dpo.TrainConfig(data="x"), "/tmp/ck", False, False)["report_to"] == "none"
+    assert methods.dpo_config_kwargs(training.TrainConfig(data="x"), "/tmp/ck", False, False)["report_to"] == "none"
 
 
 def check_complete_run(run_dir: Path, steps: int):
@@ -882,7 +882,7 @@ def test_the_mixed_in_pairs_can_rehearse_the_base_models_own_greedy_answers():
     pairs = [dict(domain)] + [r | {formats.MIX_KEY: "general.jsonl"} | ({formats.EXPECT_KEY: e} if e else {})
                               for r, e in zip(general + general[:1], expect + expect[:1])]  # one repeats
     data = formats.TrainingData(path="p", sha256="", format="x", pairs=1, skipped={})
-    given = train_dpo.TrainConfig(data="x", mix="0.5")
+    given = training.TrainConfig(data="x", mix="0.5")
     methods.answer_mix(given, model, tokenizer, pairs, data)  # the default: the file's answers
     assert [r["chosen"] for r in pairs[1:]] == [r["chosen"] for r in general + general[:1]] and not data.mix_answers
     limit = 24  # --mix_answer_tokens: short enough that some of the base's answers are cut
@@ -958,7 +958,7 @@ def test_unknown_lora_target_is_a_user_error_with_the_choices(tmp_path, capsys):
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
-        status = kit.run_cli(train_dpo.main, ["--data", str(data), "--output_dir", str(tmp_path / "art"),
+        status = kit.run_cli(training.main, ["--data", str(data), "--output_dir", str(tmp_path / "art"),
                                               "--run_name", "bad", "--lora_target_modules", "q_proj,nope_proj"])
     finally:
         os.chdir(cwd)
@@ -1007,14 +1007,15 @@ def test_cpu_matmul_precision_bf16_is_recorded_close_to_float32_and_undone(tmp_p
 
 
 
-def test_the_demo_recipe_is_the_defaults_but_its_measured_keys_and_flags_override_it():
+def test_the_demo_recipe_holds_only_what_differs_from_the_defaults_and_flags_override_it():
     demo = str(ROOT / "configs" / "demo.yaml")
-    recipe = {k: v for k, v in kit._read_config_file(demo).items()
-              if "# recipe" in next(line for line in Path(demo).read_text().splitlines() if line.startswith(f"{k}:"))}
+    recipe = kit._read_config_file(demo)
     assert set(recipe) == RECIPE_KEYS
-    assert kit.parse_config(train_dpo.TrainConfig, ["--config", demo, "--data", "p.jsonl"], "") == \
-        dataclasses.replace(train_dpo.TrainConfig(data="p.jsonl"), **recipe)
-    assert kit.parse_config(train_dpo.TrainConfig, ["--config", demo, "--data", "p.jsonl", "--beta", "0.3"], "").beta == 0.3
+    defaults = training.TrainConfig()
+    assert all(kit.coerce(training.TrainConfig, {k: v}, demo)[k] != getattr(defaults, k) for k, v in recipe.items())
+    assert kit.parse_config(training.TrainConfig, ["--config", demo, "--data", "p.jsonl"], "") == \
+        dataclasses.replace(training.TrainConfig(data="p.jsonl"), **recipe)
+    assert kit.parse_config(training.TrainConfig, ["--config", demo, "--data", "p.jsonl", "--beta", "0.3"], "").beta == 0.3
 
 
 def test_progress_line_says_step_loss_margin_and_time_left():
@@ -1037,10 +1038,10 @@ def test_fastpath_version_check_names_what_it_was_written_for():
 
 def test_the_broke_term_refuses_a_trl_it_was_not_written_for_where_the_public_api_would_skip_it(monkeypatch, capsys):
     monkeypatch.setattr(fastpath, "version_problem", lambda: "the kit's fast path reaches into trl 1.14.x internals")
-    cfg = train_dpo.TrainConfig(data="x", fused_ops=False)
-    assert train_dpo.trl_internals_usable(cfg) is False and "TRL's own dataset preparation" in capsys.readouterr().out
+    cfg = training.TrainConfig(data="x", fused_ops=False)
+    assert training.trl_internals_usable(cfg) is False and "TRL's own dataset preparation" in capsys.readouterr().out
     with pytest.raises(UserError, match="--broke_weight's term runs in the kit's DPO trainer"):
-        train_dpo.trl_internals_usable(dataclasses.replace(cfg, broke_weight=1.0))
+        training.trl_internals_usable(dataclasses.replace(cfg, broke_weight=1.0))
 
 
 def test_run_lock_keeps_a_run_to_one_process(tmp_path):
@@ -1103,7 +1104,7 @@ def test_another_trl_gets_one_sentence_and_no_fused_ops_still_trains(tmp_path, m
     data.write_text("".join(json.dumps(r) + "\n" for r in pairs_in("trl_conversational")))
     args = ["--data", str(data), "--output_dir", str(tmp_path / "art"), "--run_name", "v", "--max_steps", "2",
             "--max_length", "96", "--lora_r", "4", "--eval_fraction", "0", "--probes", ""]
-    assert kit.run_cli(train_dpo.main, args) == 2
+    assert kit.run_cli(training.main, args) == 2
     assert capsys.readouterr().err == (
         "error: the kit's fast path (fastpath.py) reaches into trl 1.14.x internals and this is trl 1.15.0: install "
         "the pinned versions (requirements.txt; make venv), or train with --no_fused_ops, which uses TRL's public "
@@ -1182,7 +1183,7 @@ def test_prepare_4bit_training_gives_peft_losses_and_gradients_without_float32_t
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import models
+    from dpokit.model import models
 
     def build(prepare):
         torch.manual_seed(0)
@@ -1232,19 +1233,19 @@ def test_kto_weights_put_the_classes_at_the_papers_balance():
 
 
 def test_kto_problems_and_the_method_follow_the_data():
-    cfg = train_dpo.TrainConfig(data="x.jsonl", method="kto", per_device_train_batch_size=1, sft_weight=0.5)
+    cfg = training.TrainConfig(data="x.jsonl", method="kto", per_device_train_batch_size=1, sft_weight=0.5)
     problems = " ".join(cfg.problems())
     assert "batch_size 2 or more" in problems and "--sft_weight is for DPO" in problems
     examples = [{"prompt": "q", "completion": "a", "label": True}]
     pairs = [{"prompt": "q", "chosen": "a", "rejected": "b"}]
-    assert train_dpo.resolve_method(train_dpo.TrainConfig(data="x"), examples) == "kto"
-    assert train_dpo.resolve_method(train_dpo.TrainConfig(data="x"), pairs) == "dpo"
-    assert train_dpo.resolve_method(train_dpo.TrainConfig(data="x", method="kto"), pairs) == "kto"
+    assert training.resolve_method(training.TrainConfig(data="x"), examples) == "kto"
+    assert training.resolve_method(training.TrainConfig(data="x"), pairs) == "dpo"
+    assert training.resolve_method(training.TrainConfig(data="x", method="kto"), pairs) == "kto"
     with pytest.raises(UserError, match="--method dpo needs preference pairs"):
-        train_dpo.resolve_method(train_dpo.TrainConfig(data="x", method="dpo"), examples)
+        training.resolve_method(training.TrainConfig(data="x", method="dpo"), examples)
     with pytest.raises(UserError, match="unpaired examples .KTO., and --mix is for DPO"):
-        train_dpo.resolve_method(train_dpo.TrainConfig(data="x", mix="0.2"), examples)
-    kwargs = methods.kto_config_kwargs(train_dpo.TrainConfig(data="x"), "/tmp/c", False, False, (1.5, 1.0))
+        training.resolve_method(training.TrainConfig(data="x", mix="0.2"), examples)
+    kwargs = methods.kto_config_kwargs(training.TrainConfig(data="x"), "/tmp/c", False, False, (1.5, 1.0))
     from trl import KTOConfig
 
     args = KTOConfig(**kwargs)
@@ -1335,7 +1336,7 @@ def test_tool_use_needs_a_template_that_shows_it_and_the_run_stops_before_any_mo
 @needs_model
 @pytest.mark.integration
 def test_tool_calling_conversations_train_with_the_shipped_template_to_a_tarball_peft_loads(tmp_path):
-    import tokenization
+    from dpokit.data import tokenization
     from transformers import AutoTokenizer
 
     # No --chat_template: the bundled model's own ChatML template leaves tool use out, so the kit's chatml-tools
@@ -1526,7 +1527,7 @@ def every_format(tmp_path) -> dict:
     for name, rows in files.items():
         out[name] = tmp_path / f"{name}.jsonl"
         out[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
-    import checker
+    from dpokit.scoring import checker
 
     out["prompts"] = tmp_path / "prompts.jsonl"
     out["prompts"].write_text("".join(json.dumps(r) + "\n" for r in checker.prompts_from_logs(str(ROOT / "data" / "runs.jsonl"))))
@@ -1546,11 +1547,11 @@ def test_make_trains_data_of_every_format_with_the_recipe_it_adds(tmp_path, name
     """`make train DATA=<file>`: the recipe's mix of general pairs (message lists) comes in the data's shape, and
     its DPO options are left out, said, where the data holds KTO examples or GRPO prompts."""
     data = every_format(tmp_path)[name]
-    cfg = kit.parse_config(train_dpo.TrainConfig, [*RECIPE, "--data", str(data)], "")
+    cfg = kit.parse_config(training.TrainConfig, [*RECIPE, "--data", str(data)], "")
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
-        info, train, held = train_dpo.load_data(cfg)
+        info, train, held = training.load_data(cfg)
     finally:
         os.chdir(cwd)
     out = capsys.readouterr().out
@@ -1569,7 +1570,7 @@ def test_make_trains_data_of_every_format_with_the_recipe_it_adds(tmp_path, name
 
 
 def test_a_flag_is_never_dropped_for_the_data_only_a_recipe_files_option():
-    cfg = kit.parse_config(train_dpo.TrainConfig, [*RECIPE, "--data", "x.jsonl", "--mix", "0.1"], "")
+    cfg = kit.parse_config(training.TrainConfig, [*RECIPE, "--data", "x.jsonl", "--mix", "0.1"], "")
     assert kit.from_config_file(cfg).get("loss_type") == "configs/demo.yaml" and "mix" not in kit.from_config_file(cfg)
     methods.recipe_fits(cfg, "kto", "unpaired examples (KTO)")
     assert (cfg.loss_type, cfg.mix) == ("sigmoid", "0.1")  # the flag stays: resolve_method then refuses it

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-import checker
-import sandbox
-import watch
+from dpokit.scoring import checker
+from dpokit.sandbox import sandbox
+from dpokit.sandbox import watch
 
 ROOT = Path(__file__).resolve().parent.parent
 HOME = "/work/ws/root/home/ci"

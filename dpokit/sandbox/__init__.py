@@ -1,0 +1,1 @@
+"""Where model-written and user-written code runs: the sandbox's isolation modes (sandbox), the confinement run inside it (confine), the watcher that sees what the code touched (watch) and the container's seccomp profile (seccomp_profile). Imports core only; no torch."""
