@@ -403,3 +403,32 @@ def test_the_reward_function_scores_each_answer_as_graders_run_does_and_leaves_f
         "--reward_grader: model: a score_model grader asks a judge model, and no judge is configured: give "
         "train_dpo.py --judge_base_url (an OpenAI-compatible /v1 whose chat completions judge)"]
     assert rewards.problems("", "", "", json.dumps(SCORE), judge.ends) == []
+
+
+def test_a_new_grader_type_is_one_registry_entry(monkeypatch):
+    """check, run, a multi grader's nesting and the service's request schema all come from graders.REGISTRY."""
+    from pydantic import ValidationError
+
+    from dpokit.service import api_openai
+
+    def check(grader, ends, where, nested):
+        if not isinstance(grader.get("word"), str):
+            raise graders.GraderError("a word grader needs its word", f"{where}word")
+
+    def run(grader, sample, item, ends):
+        return graders.Graded(float(grader["word"] in sample["output_text"]))
+
+    monkeypatch.setitem(graders.REGISTRY, "word", graders.GraderType(check, run, {"word": "str"}))
+    word = {"type": "word", "name": "w", "word": "cat"}
+    graders.check(word)
+    assert graders.run(word, graders.sample_of("a cat sat"), {}, graders.Endpoints()).reward == 1.0
+    with pytest.raises(graders.GraderError) as refused:
+        graders.check({"type": "multi", "name": "m", "graders": {"a": {"type": "word", "name": "w"}},
+                       "calculate_output": "a"})
+    assert refused.value.field == "graders.a.word"
+    multi = {"type": "multi", "name": "m", "graders": {"a": word}, "calculate_output": "a * 2"}
+    assert graders.run(multi, graders.sample_of("no"), {}, graders.Endpoints()).reward == 0.0
+    schema = api_openai.grader_schema("word", graders.REGISTRY["word"])
+    assert schema(**word).word == "cat"
+    with pytest.raises(ValidationError):
+        schema(**word, words="extra")  # a field the type does not have is refused, as the SDK's types' are

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dpokit.core import kit
-from dpokit.train import methods
+from dpokit.train import methods, trainers
 from dpokit.scoring import rewards
 from dpokit.core import runs
 from dpokit.train import training
@@ -125,10 +125,9 @@ def test_a_batch_whose_groups_all_scored_alike_is_logged_without_signal_and_skip
     so no TRL input is read but the advantages). Without it, TRL's own loss runs (here: on a batch it cannot read)."""
     import collections
 
-    from dpokit.model import fastpath
     import torch
 
-    cls = fastpath.grpo_trainer_class()
+    cls = trainers.grpo_trainer_class()
     trainer = object.__new__(cls)
     trainer._metrics = {"train": collections.defaultdict(list)}
     trainer.kit_skip_alike = skip

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dpokit.train import evaluate
+from dpokit.train import evaluate, losses
 from dpokit.model import fastpath
 from dpokit.data import formats
 from dpokit.core import kit
@@ -760,10 +760,10 @@ def test_the_chosen_rows_need_only_their_own_width():
     import torch
 
     att = torch.tensor([[1, 1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0]])
-    assert fastpath.chosen_width(att, None) == 5
-    assert fastpath.chosen_width(att, 4) == 8 and fastpath.chosen_width(att, 3) == 6
-    assert fastpath.chosen_width(att, 16) == 8  # never wider than the batch
-    assert fastpath.chosen_width(torch.zeros(2, 4, dtype=torch.long), None) == 1
+    assert losses.chosen_width(att, None) == 5
+    assert losses.chosen_width(att, 4) == 8 and losses.chosen_width(att, 3) == 6
+    assert losses.chosen_width(att, 16) == 8  # never wider than the batch
+    assert losses.chosen_width(torch.zeros(2, 4, dtype=torch.long), None) == 1
 
 
 def stopped_after_a_step(args: list, partial: Path) -> str:

@@ -1,6 +1,6 @@
 """Leaner DPO training: fused LoRA, RMSNorm, SiLU-gate and log-prob-head kernels, and each prompt run once.
 
-    from dpokit.model import fastpath; counts = fastpath.enable(model)   # train_dpo.py does this; --no_fused_ops turns it off
+    from dpokit.model import fastpath; counts = fastpath.enable(model)   # trainers.arm does this; --no_fused_ops: off
 
 Eager PyTorch runs a LoRA layer as five operations (base matmul, A, B, a scale, an add), each writing
 a full [tokens x width] tensor, and autograd keeps extra copies for the backward; RMSNorm is six
@@ -20,9 +20,10 @@ for the backward (they recompute what is cheap):
 dpo_logps, TRL 1.14's per-token log-prob hook, runs each pair's prompt once for both completions
 (shared_prompt_layout, _shared_prompt_forward) where attention_work says that saves work.
 
-Every touch of TRL's or transformers' internals is in this file (the trainer subclass's hooks below, the
-chunked-log-prob switch, the attributes dpo_logps reads), behind one check of the versions it was written
-for (`version_problem`): another TRL gets one sentence, and --no_fused_ops trains through TRL's public API.
+TRL's and transformers' internals are touched here (the attributes dpo_logps reads, the attention functions) and
+in the trainer subclasses that call these (dpokit/train/trainers.py, with the chunked-log-prob switch), behind
+one check of the versions they were written for (`version_problem`): another TRL gets one sentence, and
+--no_fused_ops trains through TRL's public API. The losses the kit adds are dpokit/train/losses.py's.
 
 They are exact up to float rounding (tests/test_fastpath.py compares values and gradients with the
 eager modules). Under bfloat16 or float16 autocast (--compute_dtype bfloat16: accelerate's autocast, on a
@@ -45,13 +46,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 import types
-from pathlib import Path
 
-from dpokit.data import token_cache, tokenization
-from dpokit.model import sampler
-from dpokit.core.kit import BROKE_COLUMN, field
 
 LOGP_TOKEN_CHUNK = 1024  # tokens per head tile: 1,024 x 2,048 x 4 bytes = 8 MB of logits at a time
 LOGP_VOCAB_CHUNK = 2048  # vocabulary rows per head tile
@@ -64,20 +60,6 @@ LOGP_KEEP_BYTES = 1536 << 20  # logits kept for the backward up to this size (6,
 # The versions whose internals this file reaches into (major.minor of trl; major of transformers), as pinned
 # in requirements.txt. Another version may have renamed or changed any of them.
 WRITTEN_FOR = {"trl": "1.14", "transformers": "5"}
-
-
-@dataclasses.dataclass
-class FastOptions:
-    """train_dpo.py's switches for this file's kernels (TrainConfig inherits them)."""
-    chunked_logps: bool = field(True, "log-probs of the completion tokens only, through the output head in chunks: "
-                                "never the [tokens x vocabulary] logits (false = TRL's full-logits path)")
-    fused_ops: bool = field(True, "LoRA layers, RMSNorm, the SiLU gate and the chunked head through fastpath.py's "
-                            "fused kernels, in float32 or under bfloat16/float16 autocast (the same values to that "
-                            "dtype's rounding, fewer memory passes and saved tensors), and on a CPU malloc keeping "
-                            "freed memory for reuse; false = the libraries' own modules and allocator settings")
-    share_prompts: bool = field(True, "with --fused_ops: run each pair's prompt once for both completions (its "
-                                "keys and values kept, with gradients, for the chosen and the rejected pass) "
-                                "where that saves work; the same log-probs to float rounding")
 
 
 @dataclasses.dataclass
@@ -113,13 +95,131 @@ def version_problem(versions: dict[str, str] | None = None) -> str | None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _functions():
+def _no_autocast(t):
+    """Autocast off inside a kernel: each op's dtype is written out (autocast would run the float32
+    statistics' vecdot, or the logits' logsumexp inputs, in bfloat16)."""
     import torch
 
-    def no_autocast(t):
-        """Autocast off inside a kernel: each op's dtype is written out (autocast would run the float32
-        statistics' vecdot, or the logits' logsumexp inputs, in bfloat16)."""
-        return torch.autocast(t.device.type, enabled=False)
+    return torch.autocast(t.device.type, enabled=False)
+
+
+def _logps_forward(ctx, hidden, weight, targets, with_entropy, dtype):
+    """ChunkedLogps.forward: the log-probs (and entropies) tile by tile, with an online logsumexp."""
+    import torch
+
+    n, acc = hidden.shape[0], torch.promote_types(dtype, torch.float32)
+    low = dtype != acc
+    with _no_autocast(hidden):
+        hd, w = hidden.to(dtype), weight.to(dtype)  # one cast of each, not one per tile
+        tok, voc = tile_shape(hidden.device.type)
+        lse = hidden.new_empty(n, dtype=acc)
+        entropy = hidden.new_empty(n, dtype=acc) if with_entropy else hidden.new_zeros(0)
+        keep = hidden.requires_grad and n * w.shape[0] * w.element_size() <= LOGP_KEEP_BYTES
+        kept = w.new_empty(n * w.shape[0]) if keep else None
+        exps, logit_tile = _tiles(n, w, acc, 2 if low or not keep else 1, tok, voc)
+        mm_tile = _tiles(n, w, dtype, 1, tok, voc)[0] if low and not keep else logit_tile
+        for t0, t1 in _token_chunks(n, tok):
+            h = hd[t0:t1]
+            big_m = big_s = big_x = None  # running max, sum of exp(logit - max), sum of exp(...) * logit
+            for v0 in range(0, w.shape[0], voc):
+                wv = w[v0:v0 + voc]
+                out = _kept_tile(kept, n, t0, t1, v0, len(wv)) if keep else _tile(mm_tile, len(h), len(wv))
+                logits = torch.mm(h, wv.t(), out=out)
+                if low:
+                    logits = _tile(logit_tile, len(h), len(wv)).copy_(logits)
+                m = logits.amax(-1)
+                e = torch.sub(logits, m.unsqueeze(-1), out=_tile(exps, len(h), len(wv))).exp_()
+                s = e.sum(-1)
+                x = torch.linalg.vecdot(e, logits) if with_entropy else None
+                if big_m is None:
+                    big_m, big_s, big_x = m, s, x
+                    continue
+                new_m = torch.maximum(big_m, m)
+                old_w, w_new = (big_m - new_m).exp_(), (m - new_m).exp_()
+                big_s = big_s * old_w + s * w_new
+                big_x = big_x * old_w + x * w_new if with_entropy else None
+                big_m = new_m
+            lse[t0:t1] = big_m + big_s.log()
+            if with_entropy:
+                entropy[t0:t1] = lse[t0:t1] - big_x / big_s  # H = lse - E_p[logit]
+        # one dot per row, rounded to dtype as the GEMM rounds the tiles' logits
+        target_logit = torch.linalg.vecdot(hd.to(acc), w[targets].to(acc)).to(dtype).to(acc)
+    ctx.save_for_backward(hidden, weight, targets, lse)
+    ctx.kept, ctx.dtype = kept, dtype
+    ctx.mark_non_differentiable(entropy)
+    return target_logit - lse, entropy
+
+
+def _logps_backward(ctx, g, _g_entropy):
+    """ChunkedLogps.backward: the hidden's gradient, the logits kept or recomputed tile by tile."""
+    import torch
+
+    hidden, weight, targets, lse = ctx.saved_tensors
+    kept, ctx.kept = ctx.kept, None
+    dtype, acc = ctx.dtype, lse.dtype
+    low = dtype != acc
+    n = hidden.shape[0]
+    with _no_autocast(hidden):
+        hd, w = hidden.to(dtype), weight.to(dtype)
+        tok, voc = tile_shape(hidden.device.type)
+        g = g.to(acc)
+        grad_hidden = w[targets].to(acc) * g.unsqueeze(-1)  # d(label logit)/dh, times g
+        exps = _tiles(n, w, acc, 1, tok, voc)[0] if low or kept is None else None
+        mm_tile = _tiles(n, w, dtype, 1, tok, voc)[0] if kept is None and low else exps
+        rows = max((t1 - t0 for t0, t1 in _token_chunks(n, tok)), default=0)
+        part = hd.new_empty(rows, w.shape[1]) if low else None  # one tile's share of the gradient
+        for t0, t1 in _token_chunks(n, tok):
+            h, gc, lc = hd[t0:t1], g[t0:t1].unsqueeze(-1), lse[t0:t1].unsqueeze(-1)
+            out = grad_hidden[t0:t1]
+            for v0 in range(0, w.shape[0], voc):
+                wv = w[v0:v0 + voc]
+                if kept is None:
+                    logits = torch.mm(h, wv.t(), out=_tile(mm_tile, len(h), len(wv)))
+                else:
+                    logits = _kept_tile(kept, n, t0, t1, v0, len(wv))
+                if not low:
+                    out.addmm_(logits.sub_(lc).exp_().mul_(gc), wv, alpha=-1.0)  # g * softmax
+                    continue
+                p = torch.sub(logits, lc, out=_tile(exps, len(h), len(wv))).exp_().mul_(gc)
+                # p rounded to dtype for the GEMM, written transposed into the logits' tile: p^T^T W is
+                # the layout a CPU without bfloat16 GEMMs runs fastest (AVX2: 18 GFLOP/s against 2 for
+                # p W, one core); cuBLAS takes either alike
+                pt = logits.view(len(wv), len(h)).copy_(p.t())
+                torch.mm(pt.t(), wv, out=part[:len(h)])
+                out.sub_(part[:len(h)])
+    return grad_hidden.to(hidden.dtype), None, None, None, None
+
+
+def _token_chunks(n, chunk):
+    """Token ranges of at most chunk tokens, equal in size (1,536 -> 768 + 768, not 1,024 + 512:
+    a half-height tile's matmul ran at 1.2x the time per token)."""
+    count = max(1, -(-n // chunk))
+    bounds = [round(i * n / count) for i in range(count + 1)]
+    return list(zip(bounds, bounds[1:]))
+
+
+def _kept_tile(kept, n, t0, t1, v0, cols):
+    """Tile (tokens t0:t1, vocabulary v0:v0+cols) of the kept logits: vocabulary tiles one after another,
+    each [n x cols], so every token range of a tile is one contiguous block."""
+    base = v0 * n + t0 * cols
+    return kept[base:base + (t1 - t0) * cols].view(t1 - t0, cols)
+
+
+def _tiles(n, weight, dtype, count, tok, voc):
+    """count flat buffers for one [token range x vocabulary tile] tile each, in dtype; None for the rest
+    of two."""
+    rows = max((t1 - t0 for t0, t1 in _token_chunks(n, tok)), default=0)
+    size = rows * min(weight.shape[0], voc)
+    return [weight.new_empty(size, dtype=dtype) for _ in range(count)] + [None] * (2 - count)
+
+
+def _tile(buffer, rows, cols):
+    return buffer[:rows * cols].view(rows, cols)  # contiguous for any tile size, the ragged last ones too
+
+
+def _functions():
+    """The kit's autograd functions, built on first use (fn): torch is imported here, not when the module is."""
+    import torch
 
     class LoraDelta(torch.autograd.Function):
         """y = y_base + s (x A^T) B^T for 2-D x, accumulated into y_base in place (one GEMM with beta = 1):
@@ -130,7 +230,7 @@ def _functions():
 
         @staticmethod
         def forward(ctx, y_base, x, lora_a, lora_b, scaling):
-            with no_autocast(x):
+            with _no_autocast(x):
                 h = x @ lora_a.t()  # [N, r]
                 y_base.addmm_(h, lora_b.t(), alpha=scaling)
             ctx.mark_dirty(y_base)
@@ -143,7 +243,7 @@ def _functions():
             x, lora_a, lora_b, h = ctx.saved_tensors
             s = ctx.scaling
             _, need_x, need_a, need_b = ctx.needs_input_grad[:4]
-            with no_autocast(x):
+            with _no_autocast(x):
                 gh = (gy @ lora_b).mul_(s)  # [N, r]
                 gx = gh @ lora_a if need_x else None  # autograd adds the base layer's part
                 ga = gh.t() @ x if need_a else None
@@ -158,7 +258,7 @@ def _functions():
         @staticmethod
         def forward(ctx, x, weight, eps):
             d = x.shape[-1]
-            with no_autocast(x):
+            with _no_autocast(x):
                 xf = x.float() if x.element_size() < 4 else x
                 rstd = torch.rsqrt(torch.linalg.vecdot(xf, xf).unsqueeze(-1).div_(d).add_(eps))
                 y = (xf * rstd).to(x.dtype)
@@ -170,7 +270,7 @@ def _functions():
         def backward(ctx, gy):
             x, weight, rstd = ctx.saved_tensors
             d = x.shape[-1]
-            with no_autocast(x):
+            with _no_autocast(x):
                 xf = x.float() if x.element_size() < 4 else x
                 gxw = (gy * weight).to(xf.dtype)  # dL/d(x * rstd)
                 # d/dx of x * rstd: rstd * g - x * rstd^3 * (g . x) / d
@@ -211,110 +311,8 @@ def _functions():
         the entropy, the target's logit is rounded as the tile's are (so a log-prob stays <= 0), and the
         backward's softmax tile is rounded to `dtype` for its matmul and summed into a float32 gradient,
         returned in the hidden's dtype."""
-
-        @staticmethod
-        def forward(ctx, hidden, weight, targets, with_entropy, dtype):
-            n, acc = hidden.shape[0], torch.promote_types(dtype, torch.float32)
-            low = dtype != acc
-            with no_autocast(hidden):
-                hd, w = hidden.to(dtype), weight.to(dtype)  # one cast of each, not one per tile
-                tok, voc = tile_shape(hidden.device.type)
-                lse = hidden.new_empty(n, dtype=acc)
-                entropy = hidden.new_empty(n, dtype=acc) if with_entropy else hidden.new_zeros(0)
-                keep = hidden.requires_grad and n * w.shape[0] * w.element_size() <= LOGP_KEEP_BYTES
-                kept = w.new_empty(n * w.shape[0]) if keep else None
-                exps, logit_tile = _tiles(n, w, acc, 2 if low or not keep else 1, tok, voc)
-                mm_tile = _tiles(n, w, dtype, 1, tok, voc)[0] if low and not keep else logit_tile
-                for t0, t1 in _token_chunks(n, tok):
-                    h = hd[t0:t1]
-                    big_m = big_s = big_x = None  # running max, sum of exp(logit - max), sum of exp(...) * logit
-                    for v0 in range(0, w.shape[0], voc):
-                        wv = w[v0:v0 + voc]
-                        out = _kept_tile(kept, n, t0, t1, v0, len(wv)) if keep else _tile(mm_tile, len(h), len(wv))
-                        logits = torch.mm(h, wv.t(), out=out)
-                        if low:
-                            logits = _tile(logit_tile, len(h), len(wv)).copy_(logits)
-                        m = logits.amax(-1)
-                        e = torch.sub(logits, m.unsqueeze(-1), out=_tile(exps, len(h), len(wv))).exp_()
-                        s = e.sum(-1)
-                        x = torch.linalg.vecdot(e, logits) if with_entropy else None
-                        if big_m is None:
-                            big_m, big_s, big_x = m, s, x
-                            continue
-                        new_m = torch.maximum(big_m, m)
-                        old_w, w_new = (big_m - new_m).exp_(), (m - new_m).exp_()
-                        big_s = big_s * old_w + s * w_new
-                        big_x = big_x * old_w + x * w_new if with_entropy else None
-                        big_m = new_m
-                    lse[t0:t1] = big_m + big_s.log()
-                    if with_entropy:
-                        entropy[t0:t1] = lse[t0:t1] - big_x / big_s  # H = lse - E_p[logit]
-                # one dot per row, rounded to dtype as the GEMM rounds the tiles' logits
-                target_logit = torch.linalg.vecdot(hd.to(acc), w[targets].to(acc)).to(dtype).to(acc)
-            ctx.save_for_backward(hidden, weight, targets, lse)
-            ctx.kept, ctx.dtype = kept, dtype
-            ctx.mark_non_differentiable(entropy)
-            return target_logit - lse, entropy
-
-        @staticmethod
-        def backward(ctx, g, _g_entropy):
-            hidden, weight, targets, lse = ctx.saved_tensors
-            kept, ctx.kept = ctx.kept, None
-            dtype, acc = ctx.dtype, lse.dtype
-            low = dtype != acc
-            n = hidden.shape[0]
-            with no_autocast(hidden):
-                hd, w = hidden.to(dtype), weight.to(dtype)
-                tok, voc = tile_shape(hidden.device.type)
-                g = g.to(acc)
-                grad_hidden = w[targets].to(acc) * g.unsqueeze(-1)  # d(label logit)/dh, times g
-                exps = _tiles(n, w, acc, 1, tok, voc)[0] if low or kept is None else None
-                mm_tile = _tiles(n, w, dtype, 1, tok, voc)[0] if kept is None and low else exps
-                rows = max((t1 - t0 for t0, t1 in _token_chunks(n, tok)), default=0)
-                part = hd.new_empty(rows, w.shape[1]) if low else None  # one tile's share of the gradient
-                for t0, t1 in _token_chunks(n, tok):
-                    h, gc, lc = hd[t0:t1], g[t0:t1].unsqueeze(-1), lse[t0:t1].unsqueeze(-1)
-                    out = grad_hidden[t0:t1]
-                    for v0 in range(0, w.shape[0], voc):
-                        wv = w[v0:v0 + voc]
-                        if kept is None:
-                            logits = torch.mm(h, wv.t(), out=_tile(mm_tile, len(h), len(wv)))
-                        else:
-                            logits = _kept_tile(kept, n, t0, t1, v0, len(wv))
-                        if not low:
-                            out.addmm_(logits.sub_(lc).exp_().mul_(gc), wv, alpha=-1.0)  # g * softmax
-                            continue
-                        p = torch.sub(logits, lc, out=_tile(exps, len(h), len(wv))).exp_().mul_(gc)
-                        # p rounded to dtype for the GEMM, written transposed into the logits' tile: p^T^T W is
-                        # the layout a CPU without bfloat16 GEMMs runs fastest (AVX2: 18 GFLOP/s against 2 for
-                        # p W, one core); cuBLAS takes either alike
-                        pt = logits.view(len(wv), len(h)).copy_(p.t())
-                        torch.mm(pt.t(), wv, out=part[:len(h)])
-                        out.sub_(part[:len(h)])
-            return grad_hidden.to(hidden.dtype), None, None, None, None
-
-    def _token_chunks(n, chunk):
-        """Token ranges of at most chunk tokens, equal in size (1,536 -> 768 + 768, not 1,024 + 512:
-        a half-height tile's matmul ran at 1.2x the time per token)."""
-        count = max(1, -(-n // chunk))
-        bounds = [round(i * n / count) for i in range(count + 1)]
-        return list(zip(bounds, bounds[1:]))
-
-    def _kept_tile(kept, n, t0, t1, v0, cols):
-        """Tile (tokens t0:t1, vocabulary v0:v0+cols) of the kept logits: vocabulary tiles one after another,
-        each [n x cols], so every token range of a tile is one contiguous block."""
-        base = v0 * n + t0 * cols
-        return kept[base:base + (t1 - t0) * cols].view(t1 - t0, cols)
-
-    def _tiles(n, weight, dtype, count, tok, voc):
-        """count flat buffers for one [token range x vocabulary tile] tile each, in dtype; None for the rest
-        of two."""
-        rows = max((t1 - t0 for t0, t1 in _token_chunks(n, tok)), default=0)
-        size = rows * min(weight.shape[0], voc)
-        return [weight.new_empty(size, dtype=dtype) for _ in range(count)] + [None] * (2 - count)
-
-    def _tile(buffer, rows, cols):
-        return buffer[:rows * cols].view(rows, cols)  # contiguous for any tile size, the ragged last ones too
+        forward = staticmethod(_logps_forward)
+        backward = staticmethod(_logps_backward)
 
     return types.SimpleNamespace(LoraDelta=LoraDelta, RMSNorm=RMSNorm, SiluMul=SiluMul, ChunkedLogps=ChunkedLogps)
 
@@ -1093,348 +1091,6 @@ def attention_per_token_pair(config) -> float:
     kv = getattr(config, "num_key_value_heads", None) or heads
     linear = d * heads * head_dim * 2 + d * kv * head_dim * 2 + 3 * d * inter
     return 2 * heads * head_dim / linear
-
-
-# ---------------------------------------------------------------------------------------------
-# TRL 1.14's trainers: the kit's subclasses (dataset preparation, the log-prob hook) and their switches.
-# ---------------------------------------------------------------------------------------------
-
-
-def kto_trainer_class():
-    """KTOTrainer whose dataset preparation keeps the prompt's tokens as the model sees them when it answers
-    (tokenization.prepare_examples), as the DPO path's does (one hook into TRL 1.14's internals)."""
-    from trl import KTOTrainer
-
-    class KitKTOTrainer(KTOTrainer):
-        def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
-            if "completion" not in dataset.column_names or "prompt" not in dataset.column_names:
-                return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
-            return tokenization.prepare_examples(dataset, processing_class, args, dataset_name,
-                                                 self.calculate_KL)
-
-    KitKTOTrainer.__name__ = KitKTOTrainer.__qualname__ = "KTOTrainer"
-    return KitKTOTrainer
-
-
-def arm(cfg, built) -> None:
-    """train_dpo.py's switches on its trainer: chunked log-probs (TRL's path behind its Liger switch), and the
-    kit's fused kernels and shared prompts. cfg: a TrainConfig; built: train_dpo.Built (trainer, compute, ...)."""
-    import torch
-
-    trainer, compute = built.trainer, built.compute
-    if cfg.chunked_logps and built.method == "dpo":  # TRL's DPOTrainer path
-        compute.logps, compute.chunked = enable_chunked_logps(trainer, built.targets)
-    if built.method == "dpo":
-        trainer.kit_chosen_only = cfg.chosen_only
-        compute.chosen_only = cfg.chosen_only and list(trainer.loss_types) == ["sft"]
-        if compute.chosen_only:
-            print("[model] sft loss alone: training steps forward the chosen rows only (no rejected rows, no "
-                  "reference pass; --no_chosen_only: TRL's whole pass); held-out evaluation runs TRL's whole loss")
-        if cfg.broke_weight:
-            ds = trainer.train_dataset
-            flagged = sum(ds[BROKE_COLUMN]) if BROKE_COLUMN in ds.column_names else 0
-            trainer.kit_broke_weight = cfg.broke_weight
-            compute.broke = {"weight": cfg.broke_weight, "pairs": flagged}
-            print(f"[model] --broke_weight {cfg.broke_weight}: DPO's sigmoid term (beta {trainer.beta}) on the "
-                  f"{flagged} training pairs whose rejected answer deleted what must be kept (build_pairs' "
-                  "meta.rejected_broke)" + ("" if flagged else ": none here, so the term never runs"))
-    if cfg.fused_ops:
-        autocast = torch.bfloat16 if trainer.args.bf16 else torch.float16 if trainer.args.fp16 else None
-        if liger_applies(built.on_gpu, built.targets):  # CUDA: Liger's norms and MLPs, not the kit's
-            liger = apply_liger(trainer.model, autocast)
-            if liger["failed"]:
-                print(f"[model] Liger's kernels stepped aside ({liger['failed']}); the kit's own kernels instead")
-            else:
-                compute.liger = liger["checked"]
-                print(f"[model] Liger's Triton kernels: {liger['checked']} norms and MLPs, and RoPE"
-                      + (f"; kept their own forward (a probe disagreed): {liger['reverted']}" if liger["reverted"]
-                         else ""))
-        fused = enable(trainer.model, autocast_dtype=autocast)  # each kernel checked on a probe first
-        if compute.chunked:
-            problem = head_agrees(trainer.model.device, autocast)
-            if problem:
-                compute.chunked, compute.logps = False, f"chunked by TRL (the kit's lean head stepped aside: {problem})"
-                print(f"[model] the kit's lean head stepped aside ({problem}): TRL's chunked log-probs instead")
-        trainer.kit_fused_logps = compute.chunked  # both: DPO's trainer class (below) reads them
-        trainer.kit_share_prompts = cfg.share_prompts and built.method == "dpo"
-        args = trainer.args  # bf16 / fp16: accelerate's autocast, on a CPU too
-        dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
-        if not silu_mul_applies(getattr(torch, dtype), "cuda" if built.on_gpu else "cpu"):
-            fused["mlp"] = 0  # swapped on, but they run the module's own product in this dtype on this device
-        compute.fused = fused | {"chunked_head": compute.chunked, "dtype": dtype}
-        print(f"[model] fused ops (fastpath.py): {fused['lora_linear']} LoRA layers, {fused['rms_norm']} RMSNorms, "
-              f"{fused['mlp']} SiLU gates{', the chunked head' if compute.chunked else ''} "
-              f"({dtype if dtype == 'float32' else dtype + ' autocast'}; --no_fused_ops: off)")
-        if fused["own_forward"]:
-            print("[model] kept their own forward (a fused kernel did not reproduce them on a probe input): "
-                  + ", ".join(f"{n} x{k}" for n, k in sorted(fused["own_forward"].items())))
-
-
-ALIKE = 1e-6  # an advantage below this is a group's rounding, not a signal (a real one is a reward's gap / its std)
-
-
-def grpo_trainer_class():
-    """GRPOTrainer that logs where a step's time goes (three of TRL 1.14's internal methods, timed): seconds
-    generating the answers (time/generation), scoring them (time/scoring: the reward functions, the checker's
-    sandboxed runs), and preparing the batch in all (time/rollout: those two and the reference's log-probs);
-    the rest of a step is training. `make bench` (grpo mode) and the progress line read them."""
-    from trl import GRPOTrainer
-
-    def timed(name, method):
-        def wrapper(self, *args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return method(self, *args, **kwargs)
-            finally:
-                mode = "train" if self.model.training else "eval"
-                self._metrics[mode][f"time/{name}"].append(time.perf_counter() - t0)
-        return wrapper
-
-    class KitGRPOTrainer(GRPOTrainer):
-        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
-                                  has_tool_images=False):
-            """TRL's plain-transformers branch through sampler.py's loop (LoRA merged, finished rows leaving the
-            batch) where it is that branch and the loop computes the same distribution: one process, text only,
-            temperature / top-k / top-p sampling. Anything else (vLLM, continuous batching, several processes,
-            images, repetition penalties) is TRL's own."""
-            g = self.generation_config
-            plain = (not self.use_vllm and not self.use_transformers_continuous_batching and not images
-                     and not multimodal_fields and self.accelerator.num_processes == 1 and g.do_sample
-                     and g.repetition_penalty in (None, 1.0) and not getattr(g, "min_p", None))
-            if not plain:
-                return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                     has_tool_images)
-            sampling = {"temperature": g.temperature or 1.0, "top_k": g.top_k or 0, "top_p": g.top_p or 1.0}
-            was_training = self.model.training
-            self.model.eval()
-            try:
-                ids = sampler.sample_ids(self.model, prompt_ids, self._tokenizer.pad_token_id, g.max_new_tokens,
-                                         set(self.eos_token_ids), sampling, kv_cache=preallocated_kv_cache,
-                                         attention=grouped_kv_attention)
-            finally:
-                self.model.train(was_training)
-            return ids, None
-
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            """A training batch whose every answer has a zero advantage (each group scored alike) teaches nothing
-            but the KL term: logged as kit/signal 0, and with skip_alike its forward and backward are skipped (a
-            zero loss on the trainable weights; one process only, where no other rank waits on its gradients)."""
-            if not model.training:
-                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            alike = bool(inputs["advantages"].abs().max() < ALIKE)
-            self._metrics["train"]["kit/signal"].append(0.0 if alike else 1.0)
-            if alike and self.kit_skip_alike and self.accelerator.num_processes == 1:
-                return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-
-        kit_skip_alike = True
-        _generate = timed("generation", GRPOTrainer._generate)
-        _calculate_rewards = timed("scoring", GRPOTrainer._calculate_rewards)
-        _generate_and_score_completions = timed("rollout", GRPOTrainer._generate_and_score_completions)
-
-    KitGRPOTrainer.__name__ = KitGRPOTrainer.__qualname__ = "GRPOTrainer"
-    return KitGRPOTrainer
-
-
-CHOSEN_ONLY_KEYS = {"input_ids", "attention_mask", "completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
-
-
-def chosen_only_applies(trainer, inputs) -> bool:
-    """TRL's sft loss alone (loss_type ["sft"]) reads only the chosen rows' log-probs: the rejected rows and the
-    reference pass it computes beside them change neither the loss nor its gradient. Not with WPO weighting, a
-    MoE's auxiliary loss, LD-DPO's length split, or a batch with more than text in it."""
-    return (list(trainer.loss_types) == ["sft"] and not trainer.use_weighting and not trainer.aux_loss_enabled
-            and trainer.ld_alpha is None and not getattr(trainer, "_is_vlm", False)
-            and set(inputs) <= CHOSEN_ONLY_KEYS and inputs["input_ids"].shape[0] % 2 == 0)
-
-
-def chosen_width(attention_mask, multiple: int | None) -> int:
-    """Columns the chosen rows need: TRL pads the batch right, to its longest row of either side (and to a
-    multiple of pad_to_multiple_of when set); the chosen rows alone need only up to their own longest."""
-    full = attention_mask.shape[1]
-    width = max(int(attention_mask.sum(1).max()), 1)
-    if multiple:
-        width = -(-width // multiple) * multiple
-    return min(width, full)
-
-
-def chosen_only_sft_loss(trainer, model, inputs):
-    """TRL 1.14's DPOTrainer._compute_loss for loss_type ["sft"] (the mean negative log-likelihood of the chosen
-    completions' tokens, times its weight) from a forward of the chosen rows alone: about 3 of TRL's 8 row-passes
-    per pair (policy forward and backward over both rows, and the reference's forward over both). Logged: the
-    loss, num_tokens as TRL counts it (both rows) and logps/chosen; the pair metrics (rewards/*) need the
-    rejected and reference passes and are left to the held-out evaluation, which runs TRL's whole loss."""
-    import torch
-    import torch.nn.functional as F
-
-    b = inputs["input_ids"].shape[0] // 2
-    width = chosen_width(inputs["attention_mask"][:b], trainer.args.pad_to_multiple_of)
-    input_ids = inputs["input_ids"][:b, :width]
-    attention_mask = inputs["attention_mask"][:b, :width]
-    completion_mask = inputs["completion_mask"][:b, :width]
-    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
-    mask = completion_mask[:, 1:].bool()
-    if trainer.use_liger_kernel:  # the kit's lean head or TRL's chunked one: log-probs of the completion tokens
-        per_token_logps, _, _ = trainer._get_per_token_logps_and_entropies(model, kwargs, input_ids,
-                                                                           completion_mask)
-        loss = -per_token_logps[mask].mean()
-    else:
-        logits = model(**kwargs).logits[:, :-1]
-        loss = F.cross_entropy(logits[mask], input_ids[:, 1:][mask])
-        with torch.no_grad():
-            per_token_logps = torch.zeros(mask.shape, dtype=logits.dtype, device=logits.device).masked_scatter(
-                mask, -F.cross_entropy(logits[mask].detach(), input_ids[:, 1:][mask], reduction="none"))
-    loss = loss * trainer.loss_weights[0]
-    metrics, gather = trainer._metrics["train"], trainer.accelerator.gather_for_metrics
-    trainer._total_train_tokens += gather(inputs["attention_mask"].sum()).sum().item() // trainer._tp_size
-    metrics["num_tokens"] = [trainer._total_train_tokens]
-    metrics["logps/chosen"].append(gather(per_token_logps.detach().sum(1)).mean().item())
-    trainer.kit_chosen_batches += 1
-    return loss
-
-
-class BrokeCollator:
-    """TRL's preference collator, with BROKE_COLUMN (formats.trainable's column) as a bool tensor beside its
-    batch, where the examples have it: TRL's collator reads only the columns it knows."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def __call__(self, examples):
-        import torch
-
-        batch = self.inner(examples)
-        if examples and BROKE_COLUMN in examples[0]:
-            batch[BROKE_COLUMN] = torch.tensor([bool(e[BROKE_COLUMN]) for e in examples])
-        return batch
-
-
-def broke_preference_loss(trainer, model, inputs, flags, parent_loss):
-    """--broke_weight: DPO's sigmoid term on the pairs of the batch whose rejected answer deleted what must be
-    kept, added to the step's loss. A loss that reads only the chosen answers (sft) never sees such an answer, so
-    nothing pushes the model away from it; the term is TRL 1.14's own loss (parent_loss: DPOTrainer._compute_loss,
-    reference pass included) on those pairs' rows alone, with loss_types ["sigmoid"] while it runs. Scaled by
-    weight x flagged / batch: a flagged pair weighs `weight` times what a pair of the sft mean does. Its metrics
-    are logged under broke/ (rewards/margins etc. of those pairs), not as the step's own."""
-    b = inputs["input_ids"].shape[0] // 2
-    idx = flags.to(inputs["input_ids"].device).nonzero().squeeze(1)
-    rows = idx.new_tensor(idx.tolist() + [i + b for i in idx.tolist()])
-    sub = {k: inputs[k][rows] for k in ("input_ids", "attention_mask", "completion_mask")}
-    width = chosen_width(sub["attention_mask"], trainer.args.pad_to_multiple_of)
-    sub = {k: v[:, :width] for k, v in sub.items()}
-    for k in ("ref_chosen_logps", "ref_rejected_logps"):
-        if k in inputs:
-            sub[k] = inputs[k][idx]
-    metrics = trainer._metrics["train"]
-    before = {k: len(v) for k, v in metrics.items()}
-    saved = trainer.loss_types, trainer.loss_weights
-    trainer.loss_types, trainer.loss_weights = ["sigmoid"], [1.0]
-    try:
-        loss = parent_loss(model, sub)
-    finally:
-        trainer.loss_types, trainer.loss_weights = saved
-    for k in [k for k in metrics if not k.startswith("broke/") and len(metrics[k]) > before.get(k, 0)]:
-        new = metrics[k][before.get(k, 0):]
-        del metrics[k][before.get(k, 0):]
-        if not metrics[k]:
-            del metrics[k]
-        metrics[f"broke/{k}"].extend(new)
-    trainer.kit_broke_batches += 1
-    return loss * trainer.kit_broke_weight * idx.numel() / b
-
-
-def print_counts(trainer) -> None:
-    """After training: how many passes each of the kit's paths took (none printed for a path not taken)."""
-    for attr, what in (("kit_lean_batches", "forward passes took their log-probs through the lean head"),
-                       ("kit_chosen_batches", "training batches forwarded their chosen rows only (sft loss)"),
-                       ("kit_broke_batches", "training batches ran DPO's term on pairs whose rejected answer "
-                                             "deleted what must be kept (--broke_weight)"),
-                       ("kit_shared_batches", "forward passes ran each prompt once for both completions")):
-        if getattr(trainer, attr, 0):
-            print(f"[model] {getattr(trainer, attr)} {what}")
-
-
-def dpo_trainer_class(cache_dir: Path | None, keys: dict, record: dict):
-    """DPOTrainer with two hooks into TRL 1.14's internals. Dataset preparation is tokenization.prepare_pairs
-    (chat template, tokenisation at the prompt's own end, dropping prompts that fill max_length) through the
-    tokenised-data cache (token_cache.cached: cache_dir/keys[split], None = off; what happened goes into
-    record[split]). Per-token log-probs go through dpo_logps once kit_fused_logps is set (TRL's chunked path
-    wherever that one does not apply)."""
-    from trl import DPOTrainer
-
-    class KitDPOTrainer(DPOTrainer):
-        kit_fused_logps = False  # the chunked head through dpo_logps
-        kit_share_prompts = False  # and each prompt once, where attention_work says it pays
-        kit_lean_batches = 0  # forward passes whose log-probs went through the lean head (counted by dpo_logps)
-        kit_shared_batches = 0  # of those, the ones that shared their prompts
-        kit_chosen_only = True  # sft loss alone: training steps forward the chosen rows only (chosen_only_sft_loss)
-        kit_chosen_batches = 0  # training batches that did
-        kit_broke_weight = 0.0  # --broke_weight (broke_preference_loss); 0 = off
-        kit_broke_batches = 0  # training batches that ran it
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.data_collator = BrokeCollator(self.data_collator)
-
-        def _set_signature_columns_if_needed(self):  # keep BROKE_COLUMN through the Trainer's column pruning
-            super()._set_signature_columns_if_needed()
-            if BROKE_COLUMN not in self._signature_columns:
-                self._signature_columns = [*self._signature_columns, BROKE_COLUMN]
-
-        def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
-            return token_cache.cached(cache_dir, keys.get(dataset_name), dataset_name, record,
-                                      lambda: tokenization.prepare_pairs(dataset, processing_class, args, dataset_name))
-
-        def _compute_loss(self, model, inputs, return_outputs):
-            flags = inputs.get(BROKE_COLUMN)
-            inputs = {k: v for k, v in inputs.items() if k != BROKE_COLUMN}  # not a model input
-            if (self.kit_chosen_only and model.training and not return_outputs
-                    and chosen_only_applies(self, inputs)):
-                loss = chosen_only_sft_loss(self, model, inputs)
-            else:
-                loss = super()._compute_loss(model, inputs, return_outputs)
-            if (self.kit_broke_weight and flags is not None and bool(flags.any()) and model.training
-                    and not return_outputs):
-                loss = loss + broke_preference_loss(
-                    self, model, inputs, flags, lambda m, sub: DPOTrainer._compute_loss(self, m, sub, False))
-            return loss
-
-        def _get_per_token_logps_and_entropies(self, model, model_kwargs, input_ids, completion_mask):
-            out = None
-            if self.kit_fused_logps:
-                import torch
-
-                try:
-                    out = dpo_logps(self, model, model_kwargs, input_ids, completion_mask)
-                except torch.OutOfMemoryError:
-                    raise  # TRL's path needs more memory, not less
-                except Exception as e:  # noqa: BLE001 - a speed-up that breaks steps aside; training goes on
-                    self.kit_fused_logps = False
-                    print(f"[model] the kit's lean head raised {type(e).__name__}: {str(e).splitlines()[0][:160]}; "
-                          "TRL's own log-probs from here on (--no_fused_ops starts that way)", flush=True)
-            return out if out is not None else super()._get_per_token_logps_and_entropies(
-                model, model_kwargs, input_ids, completion_mask)
-
-    KitDPOTrainer.__name__ = KitDPOTrainer.__qualname__ = "DPOTrainer"
-    return KitDPOTrainer
-
-
-def enable_chunked_logps(trainer, targets: list[str]) -> tuple[str, bool]:
-    """Switch TRL 1.14's DPOTrainer to its chunked log-prob path: the body's hidden states of the completion
-    tokens only go through the output head 8,192 vocabulary rows at a time with an online logsumexp, and the
-    backward recomputes each tile, so the [2 x batch x tokens x 49,152] float32 logits (1.6 GB at batch 4 and
-    1,024 tokens, several times over with log_softmax and its gradient) never exist, for the policy and the
-    reference alike. TRL only offers it behind use_liger_kernel=True, which it gates on the liger-kernel
-    package although the path is plain PyTorch (trl/trainer/utils.py, _ChunkedLogProbFunction); the same
-    losses to float rounding (tests/test_train_dpo.py checks it). Not with LoRA on the head: TRL reads the
-    head's weight directly. Returns (what the log-probs go through, whether chunked)."""
-    from trl.models.utils import _ForwardRedirection
-
-    if any(t in ("lm_head", "embed_out", "output") for t in targets):
-        return "full logits (LoRA on the output head)", False
-    trainer.use_liger_kernel = True
-    trainer._forward_redirection = _ForwardRedirection()  # runs the loss inside DDP's / ZeRO's forward: syncs grads
-    return "chunked, completion tokens only", True
 
 
 # ---------------------------------------------------------------------------------------------

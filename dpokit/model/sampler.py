@@ -17,7 +17,7 @@ What makes it faster than `model.generate` on the same batch:
   - the prompt's pass computes the output head for its last token only;
   - the nucleus (top-p) drawn from the few hundred likeliest tokens, not a sort of the whole vocabulary (exact:
     a row whose nucleus is wider falls back to the full sort).
-GRPO's answers come through the same loop (fastpath.grpo_trainer_class replaces TRL's plain-transformers branch).
+GRPO's answers come through the same loop (trainers.grpo_trainer_class replaces TRL's plain-transformers branch).
 Greedy answers are transformers' greedy answers (tests/test_sampler.py); sampled ones draw from the same
 temperature / top-k / top-p distribution.
 """
@@ -311,7 +311,7 @@ def sample(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, sam
 def sample_ids(model, prompt_ids: list[list[int]], pad_id: int, max_new_tokens: int, stop_ids: set[int],
                sampling: dict | None, kv_cache=None, attention=None) -> list[list[int]]:
     """Token ids in, token ids out (each answer with its stop token, as TRL's GRPO keeps it): GRPO's generation
-    through this loop (fastpath.grpo_trainer_class). The model's own train/eval mode is left as it was."""
+    through this loop (trainers.grpo_trainer_class). The model's own train/eval mode is left as it was."""
     import torch
 
     width = max(len(p) for p in prompt_ids)

@@ -29,11 +29,11 @@ import math
 import os
 import re
 import tempfile
+import typing
 from pathlib import Path
 
 from dpokit.sandbox import sandbox
 
-TYPES = ("string_check", "text_similarity", "python", "score_model", "label_model", "multi")
 STRING_OPS = ("eq", "ne", "like", "ilike")
 METRICS = ("fuzzy_match", "bleu", "gleu", "meteor", "cosine", "rouge_1", "rouge_2", "rouge_3", "rouge_4", "rouge_5",
            "rouge_l")
@@ -151,16 +151,15 @@ def check(grader, ends: Endpoints | None = None, where: str = "", nested: bool =
     if not isinstance(grader, dict):
         raise GraderError("a grader is a JSON object", where.rstrip("."))
     kind = grader.get("type")
-    if kind not in TYPES or (nested and kind == "multi"):
-        allowed = [t for t in TYPES if not (nested and t == "multi")]
+    if kind not in REGISTRY or (nested and not REGISTRY[kind].nestable):
+        allowed = [t for t, g in REGISTRY.items() if g.nestable or not nested]
         raise GraderError(f"grader type {kind!r} is not one of {', '.join(allowed)}"
-                          + (" (a multi grader's graders are not multi)" if nested and kind == "multi" else ""),
+                          + (f" (a multi grader's graders are not {kind})" if kind in REGISTRY else ""),
                           f"{where}type")
     if not isinstance(grader.get("name", ""), str):
         raise GraderError("a grader's name is a string", f"{where}name")
-    {"string_check": _check_string, "text_similarity": _check_similarity, "python": _check_python,
-     "score_model": _check_model, "label_model": _check_model, "multi": _check_multi}[kind](grader, ends, where, nested)
-    if kind in ("text_similarity", "python", "score_model") and "pass_threshold" in grader:
+    REGISTRY[kind].check(grader, ends, where, nested)
+    if REGISTRY[kind].thresholded and "pass_threshold" in grader:
         if not _finite(grader["pass_threshold"]):
             raise GraderError("pass_threshold is a number (the score at or above which an answer passes)",
                               f"{where}pass_threshold")
@@ -435,10 +434,8 @@ def run(grader: dict, sample: dict, item, ends: Endpoints) -> Graded:
     """The grader's grade of one sample (a checked grader: check() first). Never raises for what the answer or
     a judge did: that is an error flag and a reward of 0, as OpenAI reports it."""
     kind = grader["type"]
-    graded = {"string_check": _string_check, "text_similarity": _text_similarity, "python": _python,
-              "score_model": _score_model, "label_model": _label_model, "multi": _multi}[kind](grader, sample, item,
-                                                                                            ends)
-    if kind in ("text_similarity", "python", "score_model"):
+    graded = REGISTRY[kind].run(grader, sample, item, ends)
+    if REGISTRY[kind].thresholded:
         graded.passed = passed(grader, graded.reward)
     return graded
 
@@ -772,3 +769,48 @@ def python_run(source: str, sample: dict, item, wall_seconds: float = 20.0) -> t
     if not math.isfinite(value):
         return None, f"grade() returned {value}, not a finite number"
     return value, None
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry: a grader type is one entry. check() and run() dispatch on it, and the service builds each type's
+# request schema from its fields (api_openai.grader_schemas), so a new type is added here alone.
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class GraderType:
+    check: typing.Callable  # (grader, ends, where, nested): raise GraderError naming the field it cannot evaluate
+    run: typing.Callable  # (grader, sample, item, ends) -> Graded; never raises for what an answer or judge did
+    fields: dict  # the request's fields beside type and name: {key: annotation} (required) or {key: (annotation,
+    # default)}; annotations are written in the service's names (api_openai: Threshold, JudgeMessage, ...)
+    thresholded: bool = False  # takes pass_threshold: passed = score >= it
+    judged: bool = False  # asks a judge model (`model`): the service checks it is served, training gets its URL
+    nestable: bool = True  # may be one of a multi grader's graders
+
+    def embeddings(self, grader: dict) -> bool:
+        """It compares embeddings (the service passes its embeddings endpoint on to training)."""
+        return grader.get("evaluation_metric") == "cosine"
+
+
+THRESHOLD = ("Threshold", None)
+JUDGE = {"model": "str", "input": "Annotated[list[JudgeMessage], Field(min_length=1)]"}
+REGISTRY = {
+    "string_check": GraderType(_check_string, _string_check, {
+        "input": "str", "operation": f"Literal{list(STRING_OPS)}", "reference": "str"}),
+    "text_similarity": GraderType(_check_similarity, _text_similarity, {
+        "input": "str", "reference": "str", "evaluation_metric": f"Literal{list(METRICS)}",
+        "pass_threshold": THRESHOLD}, thresholded=True),
+    "python": GraderType(_check_python, _python, {
+        "source": "str", "image_tag": ("Optional[str]", None), "pass_threshold": THRESHOLD}, thresholded=True),
+    "score_model": GraderType(_check_model, _score_model, {
+        **JUDGE, "range": ("Optional[Annotated[list[Annotated[float, Field(allow_inf_nan=False)]], "
+                           "Field(min_length=2, max_length=2)]]", None),
+        "sampling_params": ("Optional[SamplingParams]", None), "pass_threshold": THRESHOLD},
+        thresholded=True, judged=True),
+    "label_model": GraderType(_check_model, _label_model, {
+        **JUDGE, "labels": "Annotated[list[str], Field(min_length=1)]",
+        "passing_labels": "Annotated[list[str], Field(min_length=1)]"}, judged=True),
+    "multi": GraderType(_check_multi, _multi, {
+        "graders": "Union[SubGrader, dict[str, SubGrader]]",  # one (the SDK's type) or {name: grader} (OpenAI's)
+        "calculate_output": "str"}, nestable=False),
+}
+TYPES = tuple(REGISTRY)

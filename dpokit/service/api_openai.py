@@ -12,7 +12,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from fastapi import APIRouter, File, Form, Request, UploadFile  # module level: the routes' annotations resolve here
 from fastapi.responses import FileResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from dpokit.core import runs
 from dpokit.sandbox import sandbox
@@ -60,32 +60,6 @@ class SupervisedBody(Strict):
 Threshold = Optional[Annotated[float, Field(allow_inf_nan=False)]]
 
 
-class PythonGrader(Strict):
-    type: Literal["python"]
-    name: str
-    source: str
-    image_tag: Optional[str] = None
-    pass_threshold: Threshold = None
-
-
-class StringCheckGrader(Strict):
-    type: Literal["string_check"]
-    name: str
-    input: str
-    operation: Literal["eq", "ne", "like", "ilike"]
-    reference: str
-
-
-class TextSimilarityGrader(Strict):
-    type: Literal["text_similarity"]
-    name: str
-    input: str
-    reference: str
-    evaluation_metric: Literal["cosine", "fuzzy_match", "bleu", "gleu", "meteor", "rouge_1", "rouge_2", "rouge_3",
-                               "rouge_4", "rouge_5", "rouge_l"]
-    pass_threshold: Threshold = None
-
-
 class TextPart(Strict):
     type: Literal["input_text", "output_text"]
     text: str
@@ -119,38 +93,21 @@ class SamplingParams(Strict):
     top_p: Optional[Annotated[float, Field(gt=0, le=1)]] = None
 
 
-class JudgeGrader(Strict):  # what score_model and label_model share: the judge model and the messages it reads
-    name: str
-    model: str
-    input: list[JudgeMessage] = Field(min_length=1)
+def grader_schema(kind: str, spec: graders.GraderType) -> type:
+    """A grader type's request body, from its entry in graders.REGISTRY (type, name and the entry's fields, whose
+    annotations are written in this module's names): OpenAI's shape, each value the SDK's types allow accepted
+    and the rest a 400 naming the field."""
+    fields = {"type": (Literal[kind], ...), "name": (str, ...)}
+    for key, annotation in spec.fields.items():
+        annotation, default = (annotation, ...) if isinstance(annotation, str) else annotation
+        fields[key] = (eval(annotation, globals()), default)  # noqa: S307 - the registry's own annotations
+    return create_model("".join(w.title() for w in kind.split("_")) + "Grader", __base__=Strict, __module__=__name__,
+                        **fields)
 
 
-class ScoreModelGrader(JudgeGrader):
-    type: Literal["score_model"]
-    range: Optional[list[Annotated[float, Field(allow_inf_nan=False)]]] = Field(None, min_length=2, max_length=2)
-    sampling_params: Optional[SamplingParams] = None
-    pass_threshold: Threshold = None
-
-
-class LabelModelGrader(JudgeGrader):
-    type: Literal["label_model"]
-    labels: list[str] = Field(min_length=1)
-    passing_labels: list[str] = Field(min_length=1)
-
-
-SubGrader = Annotated[Union[StringCheckGrader, TextSimilarityGrader, PythonGrader, ScoreModelGrader,
-                            LabelModelGrader], Field(discriminator="type")]
-
-
-class MultiGrader(Strict):
-    type: Literal["multi"]
-    name: str
-    graders: Union[SubGrader, dict[str, SubGrader]]  # one (the SDK's type) or {name: grader} (OpenAI's guide)
-    calculate_output: str
-
-
-Grader = Annotated[Union[StringCheckGrader, TextSimilarityGrader, PythonGrader, ScoreModelGrader, LabelModelGrader,
-                         MultiGrader], Field(discriminator="type")]
+SubGrader = Annotated[Union[tuple(grader_schema(k, g) for k, g in graders.REGISTRY.items() if g.nestable)],
+                      Field(discriminator="type")]
+Grader = Annotated[Union[tuple(grader_schema(k, g) for k, g in graders.REGISTRY.items())], Field(discriminator="type")]
 
 
 class ReinforcementBody(Strict):
@@ -211,7 +168,7 @@ def checked_grader(grader: dict, svc, param: str) -> None:
     if svc is None or svc.cfg.judge_base_url:
         return
     for where, g in graders.walk(grader):
-        if g["type"] in ("score_model", "label_model") and not svc.serves(g["model"]):
+        if graders.REGISTRY[g["type"]].judged and not svc.serves(g["model"]):
             raise ApiError(400, f"judge model {g['model']!r} is not served here: name a model GET /v1/models lists "
                            "(the service's own chat judges), or start serve.py with --judge_base_url",
                            f"{param}.{where}model", "model_not_found")
@@ -223,14 +180,13 @@ def grader_flags(grader: dict, svc=None) -> list[str]:
     with the judge and embeddings endpoints its training asks (svc: the service; None checks the grader alone)."""
     checked_grader(grader, svc, "method.reinforcement.grader")
     flags = ["--method", "grpo", "--reward", "", "--reward_grader", json.dumps(grader, ensure_ascii=False)]
-    kinds = {g["type"] for _, g in graders.walk(grader)}
-    if kinds & {"score_model", "label_model"}:
+    if any(graders.REGISTRY[g["type"]].judged for _, g in graders.walk(grader)):
         if svc.cfg.runner != "local" and not svc.cfg.judge_base_url:
             raise ApiError(400, f"a {svc.cfg.runner} job's training cannot reach this service's own chat at "
                            f"{svc.own_url()} to judge: start serve.py with --judge_base_url at an address the "
                            "training reaches", "method.reinforcement.grader", "judge_unreachable")
         flags += ["--judge_base_url", svc.grader_endpoints().judge_base_url]
-    if any(g.get("evaluation_metric") == "cosine" for _, g in graders.walk(grader)):
+    if any(graders.REGISTRY[g["type"]].embeddings(g) for _, g in graders.walk(grader)):
         flags += ["--embeddings_base_url", svc.cfg.embeddings_base_url, "--embeddings_model", svc.cfg.embeddings_model]
     return flags
 

@@ -1,7 +1,7 @@
 """Every option of a training run and its default, in one place: TrainConfig, the flags of train_dpo.py, and what
-the service's jobs, the plans (configs/*.yaml) and the Makefile start from. Each method's, kernel's and evaluation's
-own options are mixins kept beside the code that reads them (methods, fastpath, evaluate); their defaults are here
-only through them."""
+the service's jobs (service.job_defaults), the plans (configs/*.yaml) and the Makefile's recipe (configs/demo.yaml,
+only what differs from these) start from. Its sections: each method's options, the kernels' switches, what a run
+measures; how the base loads comes from models.LoadOptions, the one place the loader and this read it."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from pathlib import Path
 from dpokit.core import kit, runs
 from dpokit.sandbox import sandbox
 from dpokit.data import formats
-from dpokit.model import fastpath, models, shapes
-from dpokit.train import evaluate, methods
+from dpokit.model import models, shapes
+from dpokit.scoring import rewards
+from dpokit.train import methods
 from dpokit.core.kit import UserError, field
 
 KIT_NAME = "dpo-kit"
@@ -23,10 +24,113 @@ SHARDED = ("zero3", "fsdp")  # DIST= modes that shard the weights themselves: no
 _LOAD = models.LoadOptions()  # how the base is loaded: its defaults are TrainConfig's
 
 
+# ---------------------------------------------------------------------------------------------
+# The sections of TrainConfig, each the options of one part of a run.
+# ---------------------------------------------------------------------------------------------
+
+# Each method's options (TRL's names), as a section of TrainConfig: a new method adds its own section here.
+@dataclasses.dataclass
+class DPOOptions:
+    """--method dpo: the loss (TRL's DPOConfig names) and the kit's SFT term and chosen-rows-only step."""
+    loss_type: str = field("sigmoid", "TRL DPO loss (sft: only the chosen side's NLL, the rounds' SFT stage)",
+                           choices=("sigmoid", "hinge", "ipo", "robust", "sigmoid_norm", "sft"))
+    sft_weight: float = field(0.0, "weight of an SFT loss on the chosen responses, added to the DPO loss; 0 = off")
+    chosen_only: bool = field(True, "with --loss_type sft alone: training steps forward the chosen rows only (the "
+                              "loss reads nothing else; TRL also runs the rejected rows and the reference, about "
+                              "2.7x the work), the same loss and gradients to float rounding")
+    distinct_chosen: bool = field(False, "with --loss_type sft alone: train each (prompt, chosen answer) once, not "
+                                  "once for each rejected answer it was paired with (the loss reads nothing else; "
+                                  "build_pairs pairs a run's best answer with each worse one)")
+    broke_weight: float = field(0.0, "weight of DPO's sigmoid term on the pairs whose rejected answer deleted what "
+                                "must be kept (build_pairs' meta.rejected_broke), added to any loss; with "
+                                "--loss_type sft, the one push away from such answers, at the cost of a reference "
+                                "pass over those pairs alone; 0 = off")
+    mix_answers: str = field("given", "the --mix pairs' chosen answers: given (as their file has them) or base (the "
+                             "base model's own greedy answer to each of their prompts, made before the first step: "
+                             "the mixture rehearses what the model already says instead of teaching new wording, "
+                             "Self-Synthesized Rehearsal, Huang et al. 2024); the rejected answers stay",
+                             choices=("given", "base"))
+    mix_answer_tokens: int = field(160, "with --mix_answers base: the longest answer the base gives, in tokens (a "
+                                   "cut one ends at its last whole sentence); shorter keeps the rehearsal's share of "
+                                   "the trained tokens small")
+
 
 @dataclasses.dataclass
-class TrainConfig(methods.GRPOOptions, methods.KTOOptions, methods.DPOOptions, fastpath.FastOptions,
-                  evaluate.EvalOptions):
+class KTOOptions:
+    """--method kto: the two weights of TRL's KTOConfig."""
+    desirable_weight: float = field(0.0, "KTO: weight of the desirable examples' loss; 0 = from the class balance "
+                                    f"(the paper's rule: desirable x weight / (undesirable x weight) = {methods.KTO_BALANCE}, "
+                                    "inside its [1, 4/3])")
+    undesirable_weight: float = field(0.0, "KTO: weight of the undesirable examples' loss; 0 = from the class balance")
+
+
+@dataclasses.dataclass
+class GRPOOptions:
+    """--method grpo: TRL's GRPOConfig names."""
+    num_generations: int = field(4, "GRPO: answers sampled per prompt, each scored against its group's mean")
+    max_completion_length: int = field(160, "GRPO: longest sampled answer, in tokens (the demo's working code is "
+                                       "50-150)")
+    temperature: float = field(0.8, "GRPO: sampling temperature (a 135M model's answers at 1.0 are seldom code)")
+    top_p: float = field(0.95, "GRPO: nucleus sampling's probability mass")
+    reward: str = field("checker,ran", "GRPO's reward functions, comma-separated (rewards.py): checker = checker.py's "
+                        "score of the answer's code run on the prompt's host; ran = 1 when that code ran without "
+                        "an error; MODULE:FUNCTION = your own, TRL's reward signature")
+    reward_cmd: str = field("", "GRPO: a program that reads a completion on stdin and prints its reward "
+                            "($KIT_PROMPT, $KIT_HOST: the prompt and host), added to --reward")
+    reward_grader: str = field("", "GRPO: one of OpenAI's reinforcement graders (JSON or a .json file, graders.py): "
+                               "string_check, text_similarity, python (grade(sample, item), run in the sandbox), "
+                               "score_model, label_model, multi, or a kit reward by name (a python grader named "
+                               "checker, empty source), added to --reward")
+    judge_base_url: str = field("", "GRPO: an OpenAI-compatible /v1 whose chat completions judge for score_model and "
+                                "label_model graders (the jobs service passes its own); key: $DPO_KIT_JUDGE_API_KEY, "
+                                "else $DPO_KIT_API_KEY")
+    embeddings_base_url: str = field("", "GRPO: an OpenAI-compatible /v1 serving /embeddings, for text_similarity's "
+                                     "cosine (key: $DPO_KIT_EMBEDDINGS_API_KEY, else the judge's)")
+    embeddings_model: str = field("", "GRPO: the embeddings model cosine asks --embeddings_base_url for")
+    reward_weights: str = field("", "GRPO: one weight per reward function (--reward, --reward_cmd, --reward_grader), "
+                                f"comma-separated; '' = 1 each, but ran {rewards.RAN_WEIGHT} (a nudge towards "
+                                "running code, below what freeing space scores)")
+    skip_alike: bool = field(True, "GRPO: no update from a batch in which every group's answers scored alike (zero "
+                             "advantage everywhere, so only the KL term would move the model: DAPO's dynamic "
+                             "sampling drops such groups); the report counts the steps that had a signal")
+    use_vllm: bool = field(False, "GRPO: generate with vLLM in the training process (TRL's colocate mode; needs "
+                           "vllm and a GPU); false = transformers' generate")
+
+
+@dataclasses.dataclass
+class FastOptions:
+    """The switches of fastpath.py's kernels and of trainers.arm."""
+    chunked_logps: bool = field(True, "log-probs of the completion tokens only, through the output head in chunks: "
+                                "never the [tokens x vocabulary] logits (false = TRL's full-logits path)")
+    fused_ops: bool = field(True, "LoRA layers, RMSNorm, the SiLU gate and the chunked head through fastpath.py's "
+                            "fused kernels, in float32 or under bfloat16/float16 autocast (the same values to that "
+                            "dtype's rounding, fewer memory passes and saved tensors), and on a CPU malloc keeping "
+                            "freed memory for reuse; false = the libraries' own modules and allocator settings")
+    share_prompts: bool = field(True, "with --fused_ops: run each pair's prompt once for both completions (its "
+                                "keys and values kept, with gradients, for the chosen and the rejected pass) "
+                                "where that saves work; the same log-probs to float rounding")
+
+
+# What a run measures of what training changed.
+@dataclasses.dataclass
+class EvalOptions:
+    """Held-out pairs, the checker's scores of sampled answers, retention probes."""
+    eval_fraction: float = field(0.2, "share of pairs (and prompts) held out of training, chosen by a hash of each "
+                                 "pair's run, else of the pair (stable as the file grows); 0 = none. On the demo "
+                                 "logs 0.2 holds out 8 of 57 runs: 11 pairs, 8 prompts for the checker")
+    eval_steps: int = field(5, "TRL's eval metrics on the held-out pairs every N steps")
+    early_stopping_patience: int = field(0, "stop after N evaluations without a lower held-out loss and keep "
+                                         "the best checkpoint; 0 = off")
+    eval_prompts: str = field("", "prompts whose sampled answers checker.py runs on their host, base against tuned "
+                              "(JSONL {prompt, host, run_id?}; checker.py --logs L --emit_prompts F writes them "
+                              "from run logs; rows with a run_id: only the held-out runs'); '' = none")
+    eval_samples: int = field(4, "sampled answers per --eval_prompts prompt, for each of base and tuned")
+    eval_max_new_tokens: int = field(256, "longest answer generated for --eval_prompts, in tokens")
+    probes: str = field("data/probes.jsonl", "retention probes: general prompts answered by base and tuned; '' = none")
+
+
+@dataclasses.dataclass
+class TrainConfig(GRPOOptions, KTOOptions, DPOOptions, FastOptions, EvalOptions):
     # What to train on, what to train, where it goes
     data: str = field("", "preference pairs: .jsonl, .jsonl.gz, .json, .parquet, a directory of those, or a hub "
                       "dataset id org/name[:split]; any of the formats in docs/formats.md")

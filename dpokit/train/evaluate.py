@@ -12,7 +12,6 @@ inside the functions that use them.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import shutil
@@ -24,26 +23,9 @@ from dpokit.data import formats, tokenization
 from dpokit.model import models, shapes
 from dpokit.scoring import checker
 from dpokit.train import methods
-from dpokit.core.kit import UserError, field
+from dpokit.core.kit import UserError
 from dpokit.train.methods import TRAINERS, UNITS
 
-
-# train_dpo.TrainConfig inherits these (one flat set of flags): what a run measures of what training changed.
-@dataclasses.dataclass
-class EvalOptions:
-    """Held-out pairs, the checker's scores of sampled answers, retention probes."""
-    eval_fraction: float = field(0.2, "share of pairs (and prompts) held out of training, chosen by a hash of each "
-                                 "pair's run, else of the pair (stable as the file grows); 0 = none. On the demo "
-                                 "logs 0.2 holds out 8 of 57 runs: 11 pairs, 8 prompts for the checker")
-    eval_steps: int = field(5, "TRL's eval metrics on the held-out pairs every N steps")
-    early_stopping_patience: int = field(0, "stop after N evaluations without a lower held-out loss and keep "
-                                         "the best checkpoint; 0 = off")
-    eval_prompts: str = field("", "prompts whose sampled answers checker.py runs on their host, base against tuned "
-                              "(JSONL {prompt, host, run_id?}; checker.py --logs L --emit_prompts F writes them "
-                              "from run logs; rows with a run_id: only the held-out runs'); '' = none")
-    eval_samples: int = field(4, "sampled answers per --eval_prompts prompt, for each of base and tuned")
-    eval_max_new_tokens: int = field(256, "longest answer generated for --eval_prompts, in tokens")
-    probes: str = field("data/probes.jsonl", "retention probes: general prompts answered by base and tuned; '' = none")
 
 SAMPLING = {"temperature": 1.5, "top_k": 100, "top_p": 0.95}  # the co-training deck's settings
 MERGE_PROBES = ["How do I free disk space on a Linux server?", "What is 1+1?", "Tell me the history of the US."]

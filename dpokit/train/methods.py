@@ -13,7 +13,6 @@ Every method trains a LoRA adapter on the (4-bit) base; the reference is the bas
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import random
 import re
@@ -21,83 +20,14 @@ from pathlib import Path
 
 from dpokit.core import kit, ranks
 from dpokit.data import formats, supervised
-from dpokit.model import fastpath, models
+from dpokit.model import models
 from dpokit.scoring import checker, graders, rewards
 from dpokit.pairs import from_logs
-from dpokit.core.kit import UserError, field
+from dpokit.train import trainers
+from dpokit.core.kit import UserError
 
 METHODS = ("dpo", "kto", "grpo")
 KTO_BALANCE = 1.15  # desirable x weight / (undesirable x weight): inside the KTO paper's [1, 4/3], off its edges
-
-
-# The options that belong to one method. train_dpo.TrainConfig inherits them (one flat set of flags, with TRL's
-# names), so a new method adds its options here, not to the recipe.
-@dataclasses.dataclass
-class DPOOptions:
-    """--method dpo: the loss (TRL's DPOConfig names) and the kit's SFT term and chosen-rows-only step."""
-    loss_type: str = field("sigmoid", "TRL DPO loss (sft: only the chosen side's NLL, the rounds' SFT stage)",
-                           choices=("sigmoid", "hinge", "ipo", "robust", "sigmoid_norm", "sft"))
-    sft_weight: float = field(0.0, "weight of an SFT loss on the chosen responses, added to the DPO loss; 0 = off")
-    chosen_only: bool = field(True, "with --loss_type sft alone: training steps forward the chosen rows only (the "
-                              "loss reads nothing else; TRL also runs the rejected rows and the reference, about "
-                              "2.7x the work), the same loss and gradients to float rounding")
-    distinct_chosen: bool = field(False, "with --loss_type sft alone: train each (prompt, chosen answer) once, not "
-                                  "once for each rejected answer it was paired with (the loss reads nothing else; "
-                                  "build_pairs pairs a run's best answer with each worse one)")
-    broke_weight: float = field(0.0, "weight of DPO's sigmoid term on the pairs whose rejected answer deleted what "
-                                "must be kept (build_pairs' meta.rejected_broke), added to any loss; with "
-                                "--loss_type sft, the one push away from such answers, at the cost of a reference "
-                                "pass over those pairs alone; 0 = off")
-    mix_answers: str = field("given", "the --mix pairs' chosen answers: given (as their file has them) or base (the "
-                             "base model's own greedy answer to each of their prompts, made before the first step: "
-                             "the mixture rehearses what the model already says instead of teaching new wording, "
-                             "Self-Synthesized Rehearsal, Huang et al. 2024); the rejected answers stay",
-                             choices=("given", "base"))
-    mix_answer_tokens: int = field(160, "with --mix_answers base: the longest answer the base gives, in tokens (a "
-                                   "cut one ends at its last whole sentence); shorter keeps the rehearsal's share of "
-                                   "the trained tokens small")
-
-
-@dataclasses.dataclass
-class KTOOptions:
-    """--method kto: the two weights of TRL's KTOConfig."""
-    desirable_weight: float = field(0.0, "KTO: weight of the desirable examples' loss; 0 = from the class balance "
-                                    f"(the paper's rule: desirable x weight / (undesirable x weight) = {KTO_BALANCE}, "
-                                    "inside its [1, 4/3])")
-    undesirable_weight: float = field(0.0, "KTO: weight of the undesirable examples' loss; 0 = from the class balance")
-
-
-@dataclasses.dataclass
-class GRPOOptions:
-    """--method grpo: TRL's GRPOConfig names."""
-    num_generations: int = field(4, "GRPO: answers sampled per prompt, each scored against its group's mean")
-    max_completion_length: int = field(160, "GRPO: longest sampled answer, in tokens (the demo's working code is "
-                                       "50-150)")
-    temperature: float = field(0.8, "GRPO: sampling temperature (a 135M model's answers at 1.0 are seldom code)")
-    top_p: float = field(0.95, "GRPO: nucleus sampling's probability mass")
-    reward: str = field("checker,ran", "GRPO's reward functions, comma-separated (rewards.py): checker = checker.py's "
-                        "score of the answer's code run on the prompt's host; ran = 1 when that code ran without "
-                        "an error; MODULE:FUNCTION = your own, TRL's reward signature")
-    reward_cmd: str = field("", "GRPO: a program that reads a completion on stdin and prints its reward "
-                            "($KIT_PROMPT, $KIT_HOST: the prompt and host), added to --reward")
-    reward_grader: str = field("", "GRPO: one of OpenAI's reinforcement graders (JSON or a .json file, graders.py): "
-                               "string_check, text_similarity, python (grade(sample, item), run in the sandbox), "
-                               "score_model, label_model, multi, or a kit reward by name (a python grader named "
-                               "checker, empty source), added to --reward")
-    judge_base_url: str = field("", "GRPO: an OpenAI-compatible /v1 whose chat completions judge for score_model and "
-                                "label_model graders (the jobs service passes its own); key: $DPO_KIT_JUDGE_API_KEY, "
-                                "else $DPO_KIT_API_KEY")
-    embeddings_base_url: str = field("", "GRPO: an OpenAI-compatible /v1 serving /embeddings, for text_similarity's "
-                                     "cosine (key: $DPO_KIT_EMBEDDINGS_API_KEY, else the judge's)")
-    embeddings_model: str = field("", "GRPO: the embeddings model cosine asks --embeddings_base_url for")
-    reward_weights: str = field("", "GRPO: one weight per reward function (--reward, --reward_cmd, --reward_grader), "
-                                f"comma-separated; '' = 1 each, but ran {rewards.RAN_WEIGHT} (a nudge towards "
-                                "running code, below what freeing space scores)")
-    skip_alike: bool = field(True, "GRPO: no update from a batch in which every group's answers scored alike (zero "
-                             "advantage everywhere, so only the KL term would move the model: DAPO's dynamic "
-                             "sampling drops such groups); the report counts the steps that had a signal")
-    use_vllm: bool = field(False, "GRPO: generate with vLLM in the training process (TRL's colocate mode; needs "
-                           "vllm and a GPU); false = transformers' generate")
 
 
 TRAINERS = {"dpo": "DPOTrainer", "kto": "KTOTrainer", "grpo": "GRPOTrainer"}
@@ -403,10 +333,10 @@ def trainer_class(method: str, internals: bool, dpo_cache: tuple = (), tokenized
     if not internals:
         return {"dpo": DPOTrainer, "kto": KTOTrainer, "grpo": GRPOTrainer}[method]
     if method == "grpo":
-        return fastpath.grpo_trainer_class()
+        return trainers.grpo_trainer_class()
     if method == "kto":
-        return fastpath.kto_trainer_class()
-    return fastpath.dpo_trainer_class(*dpo_cache, tokenized if tokenized is not None else {})
+        return trainers.kto_trainer_class()
+    return trainers.dpo_trainer_class(*dpo_cache, tokenized if tokenized is not None else {})
 
 
 def make_trainer(cls, cfg, method: str, model, ref_model, args, train: list[dict], held: list[dict], tokenizer,
@@ -421,7 +351,7 @@ def make_trainer(cls, cfg, method: str, model, ref_model, args, train: list[dict
     if method == "grpo":
         trainer = cls(reward_funcs=rewards.reward_functions(cfg.reward, cfg.reward_cmd, grader=cfg.reward_grader,
                                                             ends=endpoints(cfg)), **common)
-        if hasattr(trainer, "kit_skip_alike"):  # the kit's subclass (fastpath.grpo_trainer_class)
+        if hasattr(trainer, "kit_skip_alike"):  # the kit's subclass (trainers.grpo_trainer_class)
             trainer.kit_skip_alike = cfg.skip_alike
         return trainer
     eval_rows = formats.dataset_rows(formats.trainable(held))

@@ -39,7 +39,7 @@ from dpokit.core import kit, ranks, runs
 from dpokit.data import formats, token_cache, tokenization
 from dpokit.model import fastpath, models, preflight, shapes
 from dpokit.scoring import checker, rewards
-from dpokit.train import evaluate, methods
+from dpokit.train import evaluate, methods, trainers
 from dpokit.core.kit import UserError
 from dpokit.train.config import KIT_NAME, TrainConfig
 
@@ -391,7 +391,7 @@ def build_trainer(cfg: TrainConfig, run: runs.Run, built: Built, pairs: list[dic
         model, built.targets, built.parent = models.load_init_adapter(model, cfg.init_adapter, models.LoadOptions.of(cfg),
                                                                       cfg.model_name_or_path)
         peft_config = None
-    if data.method != "dpo":  # TRL's log-probs; the kit's tokenisation (KTO) and module kernels (fastpath.arm)
+    if data.method != "dpo":  # TRL's log-probs; the kit's tokenisation (KTO) and module kernels (trainers.arm)
         built.compute.logps = f"full logits (TRL's {methods.TRAINERS[data.method]})"
     dpo_cache = token_cache.for_run(cfg.tokenized_cache, cfg.max_length, built.tokenizer, args, pairs, held) \
         if data.method == "dpo" and built.internals else ()
@@ -403,7 +403,7 @@ def build_trainer(cfg: TrainConfig, run: runs.Run, built: Built, pairs: list[dic
     trainer.remove_callback(PrinterCallback)  # raw dicts per step: runs.training_callbacks shows progress instead
     built.trainer = trainer
     if built.internals:
-        fastpath.arm(cfg, built)
+        trainers.arm(cfg, built)
     if cfg.use_liger_kernel:  # TRL's chunked log-probs, whatever --chunked_logps says
         built.compute.logps, built.compute.chunked = "chunked by TRL, Liger kernels in the model (--use_liger_kernel)", True
     models.float32_trainable(trainer.model)  # TRL casts them to bfloat16 for a 4-bit base, on a GPU too
@@ -454,7 +454,7 @@ def train(run: runs.Run, trainer, resume_from: str, interrupt: Interrupt) -> Non
     interrupt.training = True
     trainer.train(resume_from_checkpoint=resume_from or None)
     interrupt.training = False
-    fastpath.print_counts(trainer)
+    trainers.print_counts(trainer)
     if interrupt.signum is not None:
         run.set_status("cancelled", error=f"signal {interrupt.signum}", step=trainer.state.global_step)
         run.stopped_by = interrupt.signum
