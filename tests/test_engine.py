@@ -226,3 +226,26 @@ def test_an_engine_that_is_gone_is_a_503_the_sdk_reads_not_a_500(front, kit_engi
         assert "unavailable" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError):  # its own refusals still come first
         sdk.chat.completions.create(model=BUNDLED, messages=ASK, max_tokens=2, frequency_penalty=1.0)
+
+
+def test_vllms_pins_are_the_locks_but_the_four_it_names_and_it_gets_an_environment_of_its_own():
+    """requirements-vllm.txt holds every package it shares with requirements.txt at the lock's version (torch and
+    transformers above all), but the four vLLM pins apart, which requirements-vllm.in and the Makefile name: so the
+    image installs it into /opt/vllm, not into the kit's /opt/venv."""
+    import re
+
+    root = engine.kit.ROOT
+
+    def pins(name: str) -> dict:
+        return {re.sub(r"[-_.]+", "-", m[0].lower()): m[1] for m in
+                re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", (root / name).read_text(), re.M)}
+
+    lock, vllm = pins("requirements.txt"), pins("requirements-vllm.txt")
+    apart = {name for name in lock.keys() & vllm.keys() if lock[name] != vllm[name]}
+    assert apart == set(re.search(r"^VLLM_APART := (\S+)", (root / "Makefile").read_text(), re.M)[1].split("|"))
+    said = (root / "requirements-vllm.in").read_text()
+    assert all(f"#   {name}" in said for name in apart) and vllm["vllm"] in said
+    assert vllm["torch"] == lock["torch"] and vllm["transformers"] == lock["transformers"]
+    dockerfile = (root / "Dockerfile").read_text()
+    assert "/opt/vllm/bin/pip install -q --no-deps -r /tmp/kit/requirements-vllm.txt" in dockerfile
+    assert "COPY --from=build /opt/vllm /opt/vllm" in dockerfile and "PATH=/opt/venv/bin:$PATH:/opt/vllm/bin" in dockerfile
