@@ -393,8 +393,9 @@ compare: $(STAMP) $(BUNDLED_MODEL)/config.json ## base vs make train (a round), 
 	$(PY) bench/compare.py --logs $(LOGS) $(if $(ATTEMPTS),--extra_runs $(ATTEMPTS)) $(ARGS)
 
 .PHONY: bench-serve
-bench-serve: $(STAMP) $(BUNDLED_MODEL)/config.json ## status polling while a job trains (50 clients, p50/p99), then chat answers to 1/4/16 clients (first-token p50/p99, tokens/s) -> bench/results-serve.md
-	$(PY) bench/serve_bench.py $(ARGS)
+bench-serve: $(STAMP) $(BUNDLED_MODEL)/config.json $(if $(filter vllm,$(ENGINE)),$(if $(ENGINE_URL),,$(VLLM_STAMP))) ## status polling while a job trains (50 clients, p50/p99), then chat answers to 1/4/16 clients (first-token p50/p99, tokens/s); ENGINE=vllm|ENGINE_URL=: the same through the engine, and a job's success to its adapter's first token -> bench/results-serve.md
+	PATH="$$PATH:$(CURDIR)/$(VLLM_VENV)/bin" $(PY) bench/serve_bench.py $(if $(filter-out kit,$(ENGINE)),--engine $(ENGINE)) \
+	  $(if $(ENGINE_URL),--engine_url $(ENGINE_URL)) $(ARGS)
 
 # A lent GPU machine (bench/gpu.sh) has torch, accelerate (the lock's 1.15.0), an older transformers (5.17) and peft,
 # and no network: the lock's transformers and peft, what it lacks (bitsandbytes, trl, datasets and theirs;

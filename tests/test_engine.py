@@ -249,3 +249,20 @@ def test_vllms_pins_are_the_locks_but_the_four_it_names_and_it_gets_an_environme
     dockerfile = (root / "Dockerfile").read_text()
     assert "/opt/vllm/bin/pip install -q --no-deps -r /tmp/kit/requirements-vllm.txt" in dockerfile
     assert "COPY --from=build /opt/vllm /opt/vllm" in dockerfile and "PATH=/opt/venv/bin:$PATH:/opt/vllm/bin" in dockerfile
+
+
+def test_the_serve_bench_reports_the_engine_beside_the_cpu_path_and_leaves_it_out_without_one():
+    import sys
+
+    sys.path.insert(0, str(engine.kit.ROOT / "bench"))
+    import serve_bench
+
+    row = {"kind": "text", "clients": 4, "seconds": 10.0, "answers": 40, "errors": 0, "first_token_p50_ms": 25.0,
+           "first_token_p99_ms": 60.0, "tokens": 2560, "tokens_per_s": 256.0}
+    measured = {"engine": "vllm", "model": BUNDLED, "machine": "1 x NVIDIA H200", "chat": [row],
+                "success_to_first_token_s": 3.4, "adapter_load": {"seconds_since_success": 2.9, "load_seconds": 0.41}}
+    text = serve_bench.engine_markdown(measured, 64)
+    assert "(engine)" in text and "| text | 4 | 40 | 25.0 ms | 60.0 ms | 256.0 | 0 |" in text
+    assert "3.4 s later" in text and "2.9 s after the success" in text and "0.41 s" in text
+    assert serve_bench.engine_markdown(None, 64) == ""  # the CPU path alone: no section
+    assert serve_bench.ServeBenchConfig(engine="vllm").engine and not serve_bench.ServeBenchConfig().engine
