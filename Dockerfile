@@ -23,7 +23,8 @@ ARG TORCH_VARIANT=cuda
 # Optional extras: export (the default) builds make export's llama.cpp (below); deepspeed installs
 # requirements-deepspeed.txt (DIST=zero2|zero3); vllm is the GPU variant that serves through vLLM (make serve
 # ENGINE=vllm): requirements-vllm.txt, pinned like the lock, in a venv of its own, /opt/vllm, since four of vLLM's
-# pins differ from the lock's (requirements-vllm.in says which), about 8 GB more (its own torch and CUDA wheels).
+# pins differ from the lock's (requirements-vllm.in says which); its wheels weigh 3.9 GB compressed, its own torch
+# and CUDA wheels among them (bench/image_size.py --lock requirements-vllm.txt).
 # EXTRAS="" builds none (the CI smoke's image: minutes less).
 ARG EXTRAS="export"
 # The kit label on this stage too: a builder that keeps intermediate images (podman, docker's classic builder)
