@@ -266,3 +266,51 @@ def test_the_serve_bench_reports_the_engine_beside_the_cpu_path_and_leaves_it_ou
     assert "3.4 s later" in text and "2.9 s after the success" in text and "0.41 s" in text
     assert serve_bench.engine_markdown(None, 64) == ""  # the CPU path alone: no section
     assert serve_bench.ServeBenchConfig(engine="vllm").engine and not serve_bench.ServeBenchConfig().engine
+
+
+FAKE_VLLM = """#!{python}
+# `vllm` for the test: records how the service started it, then runs the kit's own server (--runtime_lora) where
+# vLLM would listen, as the stand-in engine.
+import json, os, sys
+args = sys.argv[1:]
+with open({record!r}, "w") as f:
+    json.dump({{"argv": args, "lora_env": os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")}}, f)
+os.chdir({root!r})
+os.execv(sys.executable, [sys.executable, "serve.py", "--port", args[args.index("--port") + 1], "--engine", "kit",
+                          "--runtime_lora", "--output_dir", {out!r}])
+"""
+
+
+@needs_model
+@pytest.mark.integration
+def test_with_vllm_on_the_path_the_service_starts_one_engine_logs_it_and_stops_it_with_itself(tmp_path, monkeypatch):
+    import os
+    import sys
+
+    from test_serve import free_port
+
+    bin_dir, record = tmp_path / "bin", tmp_path / "vllm-args.json"
+    bin_dir.mkdir()
+    (bin_dir / "vllm").write_text(FAKE_VLLM.format(python=sys.executable, record=str(record), root=str(engine.kit.ROOT),
+                                                   out=str(tmp_path / "engine-art")))
+    (bin_dir / "vllm").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    port = free_port()
+    front = Service(tmp_path / "art", None, "--engine", "vllm", "--engine_port", str(port), "--max_loras", "2")
+    try:
+        reply = wait_for(lambda: httpx.post(f"{front.url}/v1/chat/completions", timeout=300, json={
+            "model": BUNDLED, "messages": ASK, "max_tokens": 2}), lambda r: r.status_code == 200, timeout=300,
+            what="an answer through the started engine")
+        assert reply.json()["model"] == BUNDLED and reply.json()["choices"][0]["message"]["content"]
+        started = json.loads(record.read_text())
+        argv = started["argv"]
+        assert argv[0] == "serve" and argv[1].endswith("SmolLM2-135M-Instruct") and started["lora_env"] == "True"
+        assert argv[argv.index("--port") + 1] == str(port) and argv[argv.index("--host") + 1] == "127.0.0.1"
+        assert argv[argv.index("--served-model-name") + 1] == BUNDLED and "--enable-lora" in argv
+        assert argv[argv.index("--max-loras") + 1] == "2"
+        assert argv[argv.index("--chat-template") + 1].endswith("chatml-tools.jinja")  # SmolLM2's drops tools
+        assert "--enable-lora" in (tmp_path / "art" / "serve" / engine.LOG_NAME).read_text()  # its command, logged
+    finally:
+        front.stop()
+    with pytest.raises(httpx.TransportError):  # the engine went with the service
+        httpx.get(f"http://127.0.0.1:{port}/version", timeout=5)

@@ -21,6 +21,7 @@ is answered by the service's own sampler instead, and the job's events say why.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -140,10 +141,29 @@ def relabeled_line(line: str, shown: str) -> str:
     return "data: " + json.dumps(event)
 
 
+def _engine_child() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """vLLM gets SIGTERM when the service dies, even by kill -9 (Linux), so a restarted service does not find the
+    GPU's memory and the port still held by the last one's engine."""
+    import ctypes
+
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def has_gpu() -> bool:
+    """Whether an NVIDIA GPU answers `nvidia-smi -L` (as the Makefile asks): the service's process loads no torch to
+    find out."""
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return listed.returncode == 0 and "GPU" in listed.stdout
+
+
 def make(cfg, svc) -> Engine | None:
     """The engine serve.create_app gives the service, or None (the service's own sampler answers)."""
     vllm = shutil.which("vllm")
-    kind = engine_kind(cfg, vllm, lambda: models.device()[0])
+    kind = engine_kind(cfg, vllm, has_gpu)
     if kind == "kit":
         return None
     name = cfg.engine_model or BUNDLED_NAMES[0]
@@ -195,7 +215,8 @@ class Engine(threading.Thread):
             log = open(self.log_path, "ab")
             log.write(f"\n[serve] {shlex.join(cmd)}\n".encode())
             log.flush()
-            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            start_new_session=True, preexec_fn=_engine_child,
                                             env={**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
             log.close()
         print(f"[serve] answers for {self.name} and its fine-tuned models go to the engine at {self.url}"
