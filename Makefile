@@ -37,8 +37,14 @@ DRY_RUN ?=
 BASE_IMAGE ?=
 TORCH_VARIANT ?=
 # Image extras (launcher.py's default: export, make export's llama.cpp): EXTRAS="export deepspeed" adds
-# requirements-deepspeed.txt (DIST=zero2|zero3); EXTRAS=none builds neither
+# requirements-deepspeed.txt (DIST=zero2|zero3); EXTRAS="export vllm" is the GPU variant that serves through vLLM
+# (requirements-vllm.txt in /opt/vllm); EXTRAS=none builds none of them
 EXTRAS ?=
+# make serve ENGINE=vllm: answers through one `vllm serve` on this machine's GPU (vLLM from requirements-vllm.txt in
+# .venv-vllm/, installed on first use: make vllm); ENGINE=kit: the service's own sampler; unset: serve.py's auto (vLLM
+# where `vllm` is on the PATH and a GPU is here). ENGINE_URL=http://host:port: an engine already running.
+ENGINE ?=
+ENGINE_URL ?=
 # Several processes, GPUs and machines (scaleout.py runs `accelerate launch`; docs/multi-node.md):
 #   GPUS=N      N GPUs and N processes, one per GPU (GPUS=0,1: those devices, one process each)
 #   GPUS=all    every GPU visible to one process, which trains alone (add NPROC=N to use N of them data-parallel)
@@ -72,6 +78,11 @@ HAS_CUDA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TRITON_SITE := .venv-triton
 TRITON_PINS := $(shell grep -E '^(triton|liger-kernel)==' requirements.txt 2>/dev/null)
 TRITON_STAMP := $(TRITON_SITE)/.installed-$(shell echo '$(TRITON_PINS)' | cksum | cut -d' ' -f1)
+# make vllm: vLLM's own environment (its pins differ from the lock in four packages: requirements-vllm.in), beside .venv
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat requirements-vllm.txt 2>/dev/null | cksum | cut -d' ' -f1)
+# The lock's pins that requirements-vllm.txt is held to (all but the four vLLM pins apart)
+VLLM_APART := fastapi|llguidance|openai|protobuf
 LVENV := .venv-launcher
 # The launcher needs only the Docker SDK (same pins as the lock), not torch: a GPU VM's host stays light.
 LAUNCHER_PINS := $(shell grep -E '^(docker|requests|urllib3|certifi|idna|charset-normalizer)==' requirements.txt 2>/dev/null)
@@ -88,6 +99,7 @@ SLURM_FLAGS = $(if $(GPUS),--gpus_per_node $(GPUS)) $(if $(NNODES),--nodes $(NNO
 LAUNCHER_PY = $(if $(DRY_RUN),$(PYTHON),$(LVENV)/bin/python)
 $(if $(filter-out auto local docker slurm,$(RUNNER)),$(error RUNNER=$(RUNNER): expected auto, local, docker or slurm))
 $(if $(filter-out ddp zero2 zero3 fsdp,$(DIST)),$(error DIST=$(DIST): expected ddp, zero2, zero3 or fsdp))
+$(if $(filter-out auto kit vllm,$(ENGINE)),$(error ENGINE=$(ENGINE): expected auto, kit or vllm))
 ifeq ($(RUNNER),auto)
 ifneq ($(filter train,$(MAKECMDGOALS)),)
 override RUNNER := $(if $(shell timeout 10 docker version --format '{{.Server.Version}}' 2>/dev/null),docker,local)
@@ -166,6 +178,13 @@ requirements: $(TOOLS_STAMP) ## regenerate requirements.txt from requirements.in
 	  --custom-compile-command "make requirements" --quiet -o requirements.txt
 	.venv-tools/bin/python .ci/check-lock.py requirements.txt
 
+.PHONY: requirements-vllm
+requirements-vllm: $(TOOLS_STAMP) ## regenerate requirements-vllm.txt from requirements-vllm.in, held to the lock's pins but four (glibc 2.31), then lock-check
+	grep -E '^[A-Za-z0-9_.-]+==' requirements.txt | grep -vE '^($(VLLM_APART))==' > .venv-tools/lock-pins.txt
+	.venv-tools/bin/uv pip compile requirements-vllm.in -c .venv-tools/lock-pins.txt --python-version 3.10 \
+	  --python-platform x86_64-manylinux_2_31 --custom-compile-command "make requirements-vllm" --quiet -o requirements-vllm.txt
+	.venv-tools/bin/python .ci/check-lock.py requirements-vllm.txt --glibc 2.31
+
 # The image runs Python 3.10 and nothing here does: this is the check that the lock installs there (seconds).
 .PHONY: lock-check
 lock-check: $(TOOLS_STAMP) ## check that every pin in requirements.txt has a CPython 3.10 x86_64 manylinux wheel on PyPI
@@ -239,7 +258,7 @@ $(LAUNCHER_STAMP): requirements.txt
 	@touch $@
 
 .PHONY: build
-build: $(LAUNCHER_STAMP) ## build the image IMAGE:TAG (BASE_IMAGE=, TORCH_VARIANT=cpu|cuda, EXTRAS=export|deepspeed|none) with the Docker SDK
+build: $(LAUNCHER_STAMP) ## build the image IMAGE:TAG (BASE_IMAGE=, TORCH_VARIANT=cpu|cuda, EXTRAS=export|deepspeed|vllm|none) with the Docker SDK
 	$(LVENV)/bin/python launcher.py build $(LAUNCH_IMAGE) $(if $(DRY_RUN),--dry_run)
 
 # The base by digest: a re-pushed tag changes nothing until this runs again (needs docker buildx, skopeo or crane
@@ -314,9 +333,20 @@ eval: $(STAMP) ## re-evaluate RUN=name (or TARBALL=) on its held-out pairs, or o
 	$(PY) entrypoint.py eval $(RUN_OR_TARBALL) $(DATA)
 
 .PHONY: serve
-serve: $(STAMP) $(BUNDLED_MODEL)/config.json ## fine-tuning jobs over HTTP (OpenAI + nip APIs) on 127.0.0.1:8000: ARGS="--port 8001 --max_jobs 2"; RUNNER=docker|slurm, GPUS=
-	$(PY) serve.py --output_dir $(OUT) $(if $(filter docker,$(RUNNER)),--runner docker) \
-	  $(if $(filter slurm,$(RUNNER)),--runner slurm --slurm_args="$(strip $(SLURM_FLAGS))",$(if $(GPUS),--gpus $(GPUS))) $(ARGS)
+serve: $(STAMP) $(BUNDLED_MODEL)/config.json $(if $(filter vllm,$(ENGINE)),$(if $(ENGINE_URL),,$(VLLM_STAMP))) ## fine-tuning jobs over HTTP (OpenAI + nip APIs) on 127.0.0.1:8000: ARGS="--port 8001 --max_jobs 2"; RUNNER=docker|slurm, GPUS=; ENGINE=vllm|kit, ENGINE_URL=
+	PATH="$$PATH:$(CURDIR)/$(VLLM_VENV)/bin" $(PY) serve.py --output_dir $(OUT) $(if $(filter docker,$(RUNNER)),--runner docker) \
+	  $(if $(filter slurm,$(RUNNER)),--runner slurm --slurm_args="$(strip $(SLURM_FLAGS))",$(if $(GPUS),--gpus $(GPUS))) \
+	  $(if $(ENGINE),--engine $(ENGINE)) $(if $(ENGINE_URL),--engine_url $(ENGINE_URL)) $(ARGS)
+
+.PHONY: vllm
+vllm: $(VLLM_STAMP) ## install vLLM for make serve ENGINE=vllm into .venv-vllm/ (requirements-vllm.txt: a GPU machine, Python 3.10 as the image)
+
+$(VLLM_STAMP): requirements-vllm.txt
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	@rm -f $(VLLM_VENV)/.installed-*
+	$(VLLM_VENV)/bin/pip install -q --no-deps -r requirements-vllm.txt
+	$(VLLM_VENV)/bin/vllm --version
+	@touch $@
 
 .PHONY: runs
 runs: ## list the runs in artifacts/: status, data, steps, held-out accuracy before -> after, size
@@ -363,8 +393,9 @@ compare: $(STAMP) $(BUNDLED_MODEL)/config.json ## base vs make train (a round), 
 	$(PY) bench/compare.py --logs $(LOGS) $(if $(ATTEMPTS),--extra_runs $(ATTEMPTS)) $(ARGS)
 
 .PHONY: bench-serve
-bench-serve: $(STAMP) $(BUNDLED_MODEL)/config.json ## status polling while a job trains (50 clients, p50/p99), then chat answers to 1/4/16 clients (first-token p50/p99, tokens/s) -> bench/results-serve.md
-	$(PY) bench/serve_bench.py $(ARGS)
+bench-serve: $(STAMP) $(BUNDLED_MODEL)/config.json $(if $(filter vllm,$(ENGINE)),$(if $(ENGINE_URL),,$(VLLM_STAMP))) ## status polling while a job trains (50 clients, p50/p99), then chat answers to 1/4/16 clients (first-token p50/p99, tokens/s); ENGINE=vllm|ENGINE_URL=: the same through the engine, and a job's success to its adapter's first token -> bench/results-serve.md
+	PATH="$$PATH:$(CURDIR)/$(VLLM_VENV)/bin" $(PY) bench/serve_bench.py $(if $(filter-out kit,$(ENGINE)),--engine $(ENGINE)) \
+	  $(if $(ENGINE_URL),--engine_url $(ENGINE_URL)) $(ARGS)
 
 # A lent GPU machine (bench/gpu.sh) has torch, accelerate (the lock's 1.15.0), an older transformers (5.17) and peft,
 # and no network: the lock's transformers and peft, what it lacks (bitsandbytes, trl, datasets and theirs;

@@ -43,15 +43,16 @@ from packaging.version import InvalidVersion, Version
 
 PYTHON = (3, 10)
 PYTHON_FULL = Version("3.10.12")  # Ubuntu 22.04's python3; Requires-Python is compared with this
-GLIBC = (2, 28)  # the lock is compiled for x86_64-manylinux_2_28 (Makefile: make requirements)
+GLIBC = (2, 28)  # the lock is compiled for x86_64-manylinux_2_28 (Makefile: make requirements); vLLM's for 2_31
 ARCH = "x86_64"
 PYPI = "https://pypi.org/simple/"
 TARGET = f"CPython {PYTHON[0]}.{PYTHON[1]} {ARCH} manylinux"
 
 
-def target_tags():
-    """The wheel tags pip accepts for cp310 on glibc <= 2.28 x86_64, as --platform given once per manylinux tag."""
-    platforms = [f"manylinux_{GLIBC[0]}_{m}_{ARCH}" for m in range(GLIBC[1], 4, -1)]
+def target_tags(glibc: tuple = GLIBC):
+    """The wheel tags pip accepts for cp310 on glibc <= 2.28 (or glibc) x86_64, as --platform given once per
+    manylinux tag."""
+    platforms = [f"manylinux_{glibc[0]}_{m}_{ARCH}" for m in range(glibc[1], 4, -1)]
     platforms += [f"manylinux2014_{ARCH}", f"manylinux2010_{ARCH}", f"manylinux1_{ARCH}"]  # = 2_17, 2_12, 2_5
     return (set(tags.cpython_tags(PYTHON, abis=[f"cp{PYTHON[0]}{PYTHON[1]}"], platforms=platforms))
             | set(tags.compatible_tags(PYTHON, f"cp{PYTHON[0]}{PYTHON[1]}", platforms)))
@@ -188,9 +189,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("files", nargs="*", default=["requirements.txt"], help="pinned requirements files")
     ap.add_argument("--index-url", default=PYPI, help=f"simple index to read (default {PYPI})")
+    ap.add_argument("--glibc", default=".".join(map(str, GLIBC)), help="the newest glibc the wheels may need "
+                    "(2.31: requirements-vllm.txt, compiled for it)")
     args = ap.parse_args(argv)
 
-    accepted, failed = target_tags(), False
+    accepted, failed = target_tags(tuple(int(x) for x in args.glibc.split("."))), False
     for path in args.files:
         pins, problems = read_pins(path)
         try:

@@ -67,7 +67,8 @@ class LaunchConfig:
     torch_variant: str = field("cuda", "build arg TORCH_VARIANT: cuda = whole lock, cpu = without CUDA wheels",
                                choices=("cuda", "cpu"))
     extras: str = field("export", "build arg EXTRAS: export (make export's llama.cpp), deepspeed (DIST=zero2|zero3), "
-                                  "space-separated; none: neither")
+                                  "vllm (the GPU variant: make serve's answers through vLLM), space-separated; none: "
+                                  "none of them")
     data: str = field("", "preference pairs on the host (JSONL), mounted read-only")
     logs: str = field("data/runs.jsonl", "agent run logs on the host, used when --data is not given")
     extra_runs: str = field("", "more run log files on the host, comma-separated, mounted read-only and read after "

@@ -271,14 +271,16 @@ class Chat:
         return int(start), choices
 
     def load(self, svc, name: str):
-        """(model, tokenizer) for a model name the service knows: a succeeded job's or a base; 404 otherwise."""
-        job = svc.tuned_job(name)
-        base = job["base"] if job else svc.base_path(name)
+        """(model, tokenizer) for a model name the service knows: a succeeded job's, an adapter loaded at run time
+        (--runtime_lora) or a base; 404 otherwise."""
+        job, adapter = svc.tuned_job(name), svc.adapters.get(name)
+        run_dir = svc.out / job["id"] if job else adapter[0] if adapter else None
+        base = job["base"] if job else adapter[1] if adapter else svc.base_path(name)
         if base is None:
             raise ApiError(404, f"model {name!r} does not exist here (GET /v1/models lists them)", "model",
                            "model_not_found")
         with self.lock:  # loading is slow: one at a time, and each model once
-            return self.model(name, svc.out / job["id"] if job else None, base)
+            return self.model(name, run_dir, base)
 
 
 TEMPLATE_HEADER = "x-dpo-kit-chat-template"  # set when tool use was rendered with the kit's template, not the model's
@@ -390,8 +392,10 @@ def list_models(svc: Svc):
                                    if not n.endswith("*") and svc.base_path(n))]  # a pattern is not a model
     bases = [{"object": "model", "id": name, "created": 0, "owned_by": "dpo-kit"} for name in dict.fromkeys(names)]
     tuned = [{"object": "model", "id": j["fine_tuned_model"], "created": j["finished_at"], "owned_by": "user"}
-             for j in svc.store.query("SELECT * FROM jobs WHERE status = 'succeeded' ORDER BY seq")]
-    return {"object": "list", "data": bases + tuned}
+             for j in svc.store.query("SELECT * FROM jobs WHERE status = 'succeeded' AND model_deleted IS NULL "
+                                      "ORDER BY seq")]
+    loaded = [{"object": "model", "id": name, "created": 0, "owned_by": "user"} for name in list(svc.adapters)]
+    return {"object": "list", "data": bases + tuned + loaded}
 
 
 def constraint(tools: list[dict] | None, mode: str, names: list[str] | None, parallel: bool,
@@ -461,14 +465,38 @@ def no_penalties(body) -> None:
             raise ApiError(400, f"{name}: only 0 (this service samples without penalties)", name)
 
 
-@router.post("/chat/completions")
-def chat_completions(svc: Svc, body: ChatRequest, response: Response):
+def checked_chat(body: ChatRequest) -> tuple[list[dict], list[dict] | None, str | None, bool, bool]:
+    """Every refusal a chat request gets before a model is read, on either path: (its messages as a template takes
+    them, its tools, the grammar its answer is held to, whether tool calls are read, whether only calls are)."""
     no_penalties(body)
     if body.modalities and set(body.modalities) != {"text"}:
         raise ApiError(400, "modalities: only ['text'] (the models served here write text)", "modalities")
+    if (body.stream_options and body.stream_options.model_fields_set) and not body.stream:
+        raise ApiError(400, "stream_options: only with stream=true", "stream_options")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs: only with logprobs=true", "top_logprobs")
     messages = plain_messages(body.messages)
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    tools, grammar, calls_parsed, calls_only = chat_constraint(body, tools)
+    return messages, *chat_constraint(body, tools)
+
+
+def forwarded(svc, body: BaseModel, path: str, target: str, messages: list[dict] | None = None, tools=None,
+              extra: dict | None = None):
+    """A validated request answered by the serving engine (engine.py) as model `target`: rendered here first with
+    the base's tokenizer, so a conversation the kit's path refuses is refused the same, and its template said the
+    same (the engine renders with it: engine.vllm_command); the body as the client set it, extra on top."""
+    template = render(svc.engine.tokenizer(), messages, body.model, tools)[1] if messages is not None else None
+    headers = {TEMPLATE_HEADER: template} if template else {}
+    fields = {"system_fingerprint": f"dpo-kit:{template}"} if template and path.endswith("/chat/completions") else {}
+    payload = body.model_dump(exclude_unset=True, by_alias=True) | {"model": target} | (extra or {})
+    return svc.engine.forward(path, payload, body.model, headers, fields)
+
+
+@router.post("/chat/completions")
+def chat_completions(svc: Svc, body: ChatRequest, response: Response):
+    messages, tools, grammar, calls_parsed, calls_only = checked_chat(body)
+    if (target := svc.engine_target(body.model)) is not None:
+        return forwarded(svc, body, "/v1/chat/completions", target, messages, tools)
     one_call = 1 if body.parallel_tool_calls is False else None  # parallel_tool_calls false: the first call only
     model, tokenizer = svc.chat.load(svc, body.model)
     text, template = render(tokenizer, messages, body.model, tools)
@@ -486,8 +514,6 @@ def chat_completions(svc: Svc, body: ChatRequest, response: Response):
         return (answer[:min(hits)], True) if hits else (answer, False)
 
     stream_options = body.stream_options or StreamOptions()
-    if stream_options.model_fields_set and not body.stream:
-        raise ApiError(400, "stream_options: only with stream=true", "stream_options")
 
     def chunk(delta: dict | None, finish=None, usage: tuple | None = None, index: int = 0, logprobs=None) -> str:
         """One server-sent event; delta None: the usage chunk (no choices) that include_usage asks for last."""
@@ -503,8 +529,6 @@ def chat_completions(svc: Svc, body: ChatRequest, response: Response):
 
     n = body.n or 1
     options |= {"n": n, "logprobs": bool(body.logprobs), "top_logprobs": body.top_logprobs}
-    if body.top_logprobs is not None and not body.logprobs:
-        raise ApiError(400, "top_logprobs: only with logprobs=true", "top_logprobs")
 
     if body.stream and (calls_parsed or n > 1 or body.logprobs):  # whole answers first, then sent in pieces
         def whole():
@@ -618,6 +642,8 @@ def completions(svc: Svc, body: CompletionRequest):
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     if not all(prompts):
         raise ApiError(400, "prompt: each prompt must be non-empty text", "prompt")
+    if (target := svc.engine_target(body.model)) is not None:
+        return forwarded(svc, body, "/v1/completions", target)
     model, tokenizer = svc.chat.load(svc, body.model)
     options = {"max_tokens": body.max_tokens or 16,
                "temperature": 1.0 if body.temperature is None else body.temperature, "top_p": body.top_p or 1.0, "seed": body.seed, "n": n, "logprobs": body.logprobs is not None,

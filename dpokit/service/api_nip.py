@@ -2,7 +2,9 @@
 client (nip/language_model_server/client.py and types.py): /version, /training/jobs, and /vllm/start, /vllm/stop,
 /vllm/status, which serve the model a job made.
 
-Serving: where vLLM is installed (`vllm` on PATH) and a GPU is there, /vllm/start runs `vllm serve` on the base
+Serving: where the service's engine (engine.py: vLLM, or --engine_url) serves the model, /vllm/start reports it
+online at the service's own port, which forwards to it. Else, where vLLM is installed (`vllm` on PATH) and a GPU is
+there, /vllm/start runs `vllm serve` on the base
 with the job's adapter loaded at start-up (LoRA), on --vllm_port, and reports `online` once its /health
 answers. Elsewhere the service loads the model into its own /v1/chat/completions (the port reported is the
 service's) and reports `online` once it is loaded. Either way nip's agents then chat through an OpenAI client
@@ -138,10 +140,15 @@ class Serving:
         if base_path is None:
             raise ApiError(400, f"model_name {name!r} is neither a base nor a fine-tuned model of this service "
                            "(GET /v1/models lists them)", "model_name", "model_not_found")
+        engine = self.svc.engine_target(name)  # the service's engine serves it: no second server on the GPU
         with self.lock:
             if self.name == name and self.status in ("online", "not_accepting_connections"):
                 return {"message": f"{name} is already being served", "model_name": name, "port": self.port}
             self._stop_locked(10.0)
+            if engine is not None:
+                self.name, self.status = name, "online"
+                return {"message": f"{name} is served by the service's engine ({self.svc.engine.url}) through this "
+                        "service's /v1", "model_name": name, "port": self.port}
             self.name, self.status, self.error = name, "not_accepting_connections", None
             vllm = shutil.which("vllm")
             if vllm and self.svc.cfg.vllm_port and _gpu():

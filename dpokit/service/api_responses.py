@@ -15,7 +15,8 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from dpokit.service.api_chat import DEFAULT_MAX_TOKENS, TEMPLATE_HEADER, allowed_names, choices_of, constraint, render
+from dpokit.service.api_chat import (DEFAULT_MAX_TOKENS, TEMPLATE_HEADER, allowed_names, choices_of, constraint,
+                                     forwarded, render)
 from dpokit.service.jobs import now
 from dpokit.service.service import ApiError, Svc
 
@@ -216,6 +217,8 @@ def create_response(svc: Svc, body: ResponsesRequest):
                                                                  ("parameters", t.parameters)) if v is not None}}
              for t in body.tools] if body.tools else None
     tools, grammar, calls_parsed, calls_only = responses_constraint(body, tools)
+    if (target := svc.engine_target(body.model)) is not None:  # stored nowhere on this path either
+        return forwarded(svc, body, "/v1/responses", target, messages, tools, {"store": False})
     model, tokenizer = svc.chat.load(svc, body.model)
     text, template = render(tokenizer, messages, body.model, tools)
     options = {"max_tokens": body.max_output_tokens or DEFAULT_MAX_TOKENS,

@@ -206,7 +206,8 @@ CREATE TABLE IF NOT EXISTS exports (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TE
 """
 # Columns added since the first serve.db: added to an older database when the service opens it.
 ADDED_COLUMNS = {"jobs": {"slurm_job_id": "TEXT", "submitted_at": "INTEGER", "slurm_state": "TEXT",
-                          "resubmits": "INTEGER DEFAULT 0", "resubmit_step": "INTEGER"}}
+                          "resubmits": "INTEGER DEFAULT 0", "resubmit_step": "INTEGER",
+                          "model_deleted": "INTEGER"}}  # when DELETE /v1/models/{model} took its model off the list
 JSON_COLUMNS = ("method", "hyperparameters", "flags", "metadata", "nip_config", "error", "result_files", "report")
 
 

@@ -4,6 +4,7 @@ with the result, through the official `openai` SDK (only `base_url` changed) or 
     make serve [ARGS="--port 8000 --max_jobs 1 --train_args='--max_length 256'"]
     python serve.py [--host 127.0.0.1] [--port 8000] [--output_dir artifacts] [--max_jobs 1] [--train_args="..."]
     python serve.py --runner slurm [--slurm_args="--partition gpu --time 4:00:00"] --max_jobs 8   # jobs go to SLURM
+    python serve.py --engine vllm      # answers through `vllm serve` on the GPU, adapters loaded as jobs succeed
     DPO_KIT_API_KEY=secret python serve.py --host 0.0.0.0     # any host but loopback needs an API key (Bearer)
     docker run -p 8000:8000 -e DPO_KIT_API_KEY=secret -v $PWD/artifacts:/artifacts dpo-kit serve --host 0.0.0.0 \
         --output_dir /artifacts
@@ -18,7 +19,10 @@ Endpoints (docs/service.md has the table; the running service describes them at 
 /v1/files, /v1/fine_tuning/jobs (create, list, get, cancel, pause, resume, events, checkpoints), /v1/models,
 /v1/chat/completions, /v1/completions, /v1/responses, /v1/fine_tuning/alpha/graders/run and /validate
 (api_openai.py, api_chat.py, api_responses.py, api_graders.py: graders' judges are this service's own chat unless --judge_base_url names another); nip's
-/version, /training/jobs and /vllm/* (api_nip.py); service.py holds what they share. This file is the command line and `create_app`, which assembles them.
+/version, /training/jobs and /vllm/* (api_nip.py); DELETE /v1/models/{model} and vLLM's /v1/load_lora_adapter and
+/v1/unload_lora_adapter (api_adapters.py); service.py holds what they share. Answers go to a serving engine where
+there is one (engine.py: vLLM on a GPU, or --engine_url), else to the service's own sampler. This file is the
+command line and `create_app`, which assembles them.
 
 Each job is a separate `train_dpo.py` process (or scaleout.py / launcher.py with --gpus / --runner docker; with
 --runner slurm, a SLURM job: slurm.py and docs/slurm.md), one at a time by default, so a crashed training never takes the service down and status requests never wait on it.
@@ -80,8 +84,27 @@ class ServeConfig:
     embeddings_base_url: str = field("", "text_similarity's cosine: an OpenAI-compatible /v1 serving /embeddings ('' = "
                                      "cosine is refused; key: $DPO_KIT_EMBEDDINGS_API_KEY, else the judge's)")
     embeddings_model: str = field("", "the embeddings model cosine asks --embeddings_base_url for")
-    vllm_port: int = field(8001, "where /vllm/start runs `vllm serve` when vLLM and a GPU are here (0: never; "
-                           "the service's own chat completions serve the model instead)")
+    vllm_port: int = field(8001, "where /vllm/start runs `vllm serve` when vLLM and a GPU are here and no --engine "
+                           "serves the model (0: never; the service's own chat completions serve the model instead)")
+    engine: str = field("auto", "what answers chat, completions and responses: vllm (one `vllm serve` of "
+                        "--engine_model on this machine's GPU; each fine-tuned model of that base a LoRA adapter "
+                        "loaded when its job succeeds), kit (the service's own sampler), or auto (vllm where `vllm` is "
+                        "on the PATH and a GPU is here, else kit)", choices=("auto", "kit", "vllm"))
+    engine_url: str = field("", "an OpenAI-compatible engine already running, with vLLM's run-time LoRA endpoints "
+                            "(http://host:port; it reads the runs' directories), instead of starting one; its key: "
+                            "$DPO_KIT_ENGINE_API_KEY")
+    engine_model: str = field("", "the base the engine serves, by the service's name for it ('' = the bundled model); "
+                              "other bases are answered by the service's own sampler")
+    engine_port: int = field(8002, "where the `vllm serve` the service starts listens, on 127.0.0.1")
+    engine_gpu_memory: float = field(0.5, "share of the GPU's memory vLLM takes (--gpu-memory-utilization); the rest "
+                                     "is left to the jobs' training")
+    max_loras: int = field(4, "adapters vLLM runs in one batch (--max-loras); more stay loaded and take turns")
+    max_lora_rank: int = field(64, "the largest adapter rank vLLM takes (--max-lora-rank: 1, 8, 16, 32, 64, 128, 256, "
+                               "320 or 512); a job trained with a larger --lora_r is answered by the service's sampler")
+    engine_args: str = field("", "more `vllm serve` flags (--engine_args='--max-model-len 4096 --enforce-eager')")
+    runtime_lora: bool = field(False, "answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter as vLLM does "
+                               "with VLLM_ALLOW_RUNTIME_LORA_UPDATING (a finished run's directory served under the "
+                               "name the request gives), so this service can be another's --engine_url; off: 404")
 
     def problems(self) -> list[str]:
         p = []
@@ -94,7 +117,10 @@ class ServeConfig:
         if self.host not in LOOPBACK and not os.environ.get("DPO_KIT_API_KEY"):
             p.append(f"--host {self.host} reaches beyond this machine: set DPO_KIT_API_KEY (clients send it as "
                      "'Authorization: Bearer <key>', the openai SDK's api_key)")
+        from dpokit.service.engine import config_problems  # inside: fastapi is imported only when the app is made, so --help stays instant
         from dpokit.service.service import parse_model_map  # inside: fastapi is imported only when the app is made, so --help stays instant
+
+        p += config_problems(self)
 
         try:
             parse_model_map(self.model_map)
@@ -166,7 +192,9 @@ def create_app(cfg):
     from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException
 
+    from dpokit.service import api_adapters  # inside: fastapi is imported only when the app is made, so --help stays instant
     from dpokit.service import api_chat  # inside: fastapi is imported only when the app is made, so --help stays instant
+    from dpokit.service import engine  # inside: fastapi is imported only when the app is made, so --help stays instant
     from dpokit.service import api_exports  # inside: fastapi is imported only when the app is made, so --help stays instant
     from dpokit.service import api_graders  # inside: fastapi is imported only when the app is made, so --help stays instant
     from dpokit.service import api_nip  # inside: fastapi is imported only when the app is made, so --help stays instant
@@ -183,11 +211,15 @@ def create_app(cfg):
         else:
             scheduler = Scheduler(cfg, svc.store)
         scheduler.start()
+        if svc.engine is not None:
+            svc.engine.begin()
         print(f"[serve] http://{cfg.host}:{cfg.port}/v1 (jobs in {svc.store.path}; runs in {svc.out}/<job id>/; "
               f"API: /docs)", flush=True)
         yield
         if svc.nip_serving is not None:  # a vLLM server the service started goes with it
             await asyncio.get_running_loop().run_in_executor(None, svc.nip_serving.stop, 5.0)
+        if svc.engine is not None:  # so does the engine it started
+            await asyncio.get_running_loop().run_in_executor(None, svc.engine.end)
         scheduler.stopping.set()
         await asyncio.get_running_loop().run_in_executor(None, scheduler.stopped.wait)
 
@@ -237,8 +269,9 @@ def create_app(cfg):
 
     svc.chat = api_chat.Chat(cfg)  # the models loaded for chat completions, and the one model nip serves
     svc.nip_serving = api_nip.Serving(svc)
+    svc.engine = engine.make(cfg, svc)  # vLLM or --engine_url where answers go; None: the service's own sampler
     app.state.service = svc  # what a route's `svc: Svc` parameter is given (service.current)
-    for api in (api_openai, api_exports, api_graders, api_chat, api_responses, api_nip):  # one module-level router per API
+    for api in (api_openai, api_exports, api_graders, api_adapters, api_chat, api_responses, api_nip):  # a router each
         app.include_router(api.router)
     return app
 

@@ -8,6 +8,9 @@ them here), the lookups and job records both the OpenAI and the nip API make, an
     api_responses.py /v1/responses (the same models and sampling, as the Responses API)
     api_nip.py      /version, /training/jobs, /vllm/start|stop|status (nip's language-model-server client)
     api_graders.py  /v1/fine_tuning/alpha/graders/run|validate (OpenAI's graders, evaluated by graders.py)
+    api_adapters.py DELETE /v1/models/{model}, /v1/load_lora_adapter, /v1/unload_lora_adapter (models changing at run time)
+
+engine.py is the serving engine the answers go to where there is one (vLLM on a GPU, or --engine_url).
 """
 
 from __future__ import annotations
@@ -115,6 +118,8 @@ class Service:
         self.cfg, self.out = cfg, Path(cfg.output_dir)
         self.store = Store(self.out / "serve")
         self.chat = self.nip_serving = None  # api_chat.Chat and api_nip.Serving: set by serve.create_app
+        self.engine = None  # engine.Engine where answers go to vLLM or --engine_url; None: the kit's own sampler
+        self.adapters: dict[str, tuple[Path, str]] = {}  # --runtime_lora: name -> (run directory, its base)
         self.api_key = os.environ.get("DPO_KIT_API_KEY", "")
 
     def job_or_404(self, job_id: str) -> dict:
@@ -157,7 +162,12 @@ class Service:
 
     def serves(self, name: str) -> bool:
         """Whether the service's own chat answers as model name (a base, or a succeeded job's model)."""
-        return self.base_path(name) is not None or self.tuned_job(name) is not None
+        return self.base_path(name) is not None or self.tuned_job(name) is not None or name in self.adapters
+
+    def engine_target(self, name: str) -> str | None:
+        """The name the serving engine answers as model name by (a base or a fine-tuned model of its base), or None:
+        the service's own sampler answers (no engine, another base, or an adapter the engine refused)."""
+        return self.engine.target(name) if self.engine is not None else None
 
     def own_url(self) -> str:
         """The service's own /v1, as a process on this machine reaches it (a wildcard address: loopback)."""
@@ -174,14 +184,17 @@ class Service:
         return dataclasses.replace(ends, judge_api_key=self.api_key) if own else ends
 
     def tuned_job(self, name: str) -> dict | None:
-        """The succeeded job whose fine-tuned model is name, or None."""
-        rows = self.store.query("SELECT * FROM jobs WHERE fine_tuned_model = ? AND status = 'succeeded'", name)
+        """The succeeded job whose fine-tuned model is name (and not deleted since), or None."""
+        rows = self.store.query("SELECT * FROM jobs WHERE fine_tuned_model = ? AND status = 'succeeded' "
+                                "AND model_deleted IS NULL", name)
         return rows[0] if rows else None
 
     def resolve_model(self, name: str, param: str = "model") -> tuple[str, str | None]:
         """(base for train_dpo.py, the job whose adapter a new job continues from, or None)."""
         parent = self.store.query("SELECT * FROM jobs WHERE fine_tuned_model = ?", name)
         if parent:
+            if parent[0]["model_deleted"]:
+                raise ApiError(400, f"model {name!r} was deleted (DELETE /v1/models)", param, "model_not_found")
             if parent[0]["status"] != "succeeded":
                 raise ApiError(400, f"model {name!r} is not ready: its job is {parent[0]['status']}", param)
             return parent[0]["base"], parent[0]["id"]
