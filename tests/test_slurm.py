@@ -160,7 +160,7 @@ def test_a_held_run_lock_names_its_holders_pid_and_host(tmp_path):
     assert runs.lock_text(tmp_path, "r") is None and runs.holder_words("") == "pid ?"
 
 
-def test_an_older_serve_db_gains_the_slurm_columns_and_keeps_its_jobs(tmp_path):
+def test_an_older_serve_db_gains_the_slurm_and_deletion_columns_and_keeps_its_jobs(tmp_path):
     db = sqlite3.connect(tmp_path / "serve.db")
     db.execute("CREATE TABLE jobs (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, status TEXT)")
     db.execute("INSERT INTO jobs (id, status) VALUES ('ftjob-old', 'queued')")
@@ -169,7 +169,7 @@ def test_an_older_serve_db_gains_the_slurm_columns_and_keeps_its_jobs(tmp_path):
     store = jobs.Store(tmp_path)
     assert store.job("ftjob-old") == {"seq": 1, "id": "ftjob-old", "status": "queued", "slurm_job_id": None,
                                       "submitted_at": None, "slurm_state": None, "resubmits": 0,
-                                      "resubmit_step": None}
+                                      "resubmit_step": None, "model_deleted": None}
     store.update_job("ftjob-old", slurm_job_id="12")
     assert jobs.Store(tmp_path).job("ftjob-old")["slurm_job_id"] == "12"  # opened again: nothing added twice
 
