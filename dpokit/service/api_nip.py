@@ -23,8 +23,8 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from dpokit.core import kit
-from dpokit.model import models
 from dpokit.service import api_openai
+from dpokit.service.engine import has_gpu
 from dpokit.service.jobs import TERMINAL, new_id, public_status
 from dpokit.service.service import ApiError, Svc
 
@@ -151,7 +151,7 @@ class Serving:
                         "service's /v1", "model_name": name, "port": self.port}
             self.name, self.status, self.error = name, "not_accepting_connections", None
             vllm = shutil.which("vllm")
-            if vllm and self.svc.cfg.vllm_port and _gpu():
+            if vllm and self.svc.cfg.vllm_port and has_gpu():
                 base = base_path
                 adapter = str(self.svc.out / job["id"]) if job else None
                 self.port = self.svc.cfg.vllm_port
@@ -218,10 +218,6 @@ def _stop_group(process, timeout: float) -> None:
         process.wait()
     except ProcessLookupError:
         pass
-
-
-def _gpu() -> bool:
-    return models.device()[0]
 
 
 def _answers(url: str) -> bool:

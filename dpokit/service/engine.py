@@ -68,7 +68,7 @@ def config_problems(cfg) -> list[str]:
 
 def engine_kind(cfg, vllm: str | None, has_gpu) -> str:
     """'url' (answers go to --engine_url), 'vllm' (the service starts `vllm serve`) or 'kit' (its own sampler).
-    auto: vLLM where `vllm` is on the PATH and a GPU is here. has_gpu: called only then (it imports torch)."""
+    auto: vLLM where `vllm` is on the PATH and a GPU is here. has_gpu: called only then (it runs nvidia-smi)."""
     if cfg.engine == "kit":
         return "kit"
     if cfg.engine_url:
