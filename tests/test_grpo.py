@@ -162,11 +162,11 @@ def test_grpo_options_map_onto_trl_with_whole_groups_per_step():
 
 
 def test_grpo_problems_are_reported_together():
-    cfg = training.TrainConfig(data="x", method="grpo", num_generations=1, mix="0.2", reward="speed",
-                                precompute_ref_log_probs=True)
+    cfg = training.TrainConfig(data="x", method="grpo", num_generations=1, mix="0.2", reward="speed")
     problems = " ".join(cfg.problems())
     assert "--num_generations must be at least 2" in problems and "--mix is for DPO" in problems
-    assert "--reward 'speed'" in problems and "--precompute_ref_log_probs is for DPO and KTO" in problems
+    assert "--reward 'speed'" in problems
+    assert "precompute" not in problems  # the default (DPO and KTO's reference once); GRPO's is online
 
 
 def test_grpo_reads_run_logs_or_a_prompts_file_and_holds_out_by_run(tmp_path):

@@ -174,11 +174,30 @@ def test_sft_weight_adds_the_weighted_mean_nll_of_the_chosen_tokens(baseline, tm
 
 # ------------------------------------------------------------------ the reference, computed other ways
 
-def test_precomputed_reference_log_probs_train_the_same(baseline, tmp_path):
-    run_dir, log, steps, _ = train(tmp_path, "pre", "--precompute_ref_log_probs")
-    assert "Computing reference log probs for train dataset" in log  # TRL's pass before training
-    assert_same_steps(steps, baseline[2])
-    assert_same_adapter(run_dir, baseline[0])
+def test_the_reference_computed_once_trains_what_a_reference_pass_every_step_trains(tmp_path):
+    """The default computes the reference's log-probs once before training (reference.py, through the armed lean
+    head) and keeps them on disk; --no_precompute_ref_log_probs runs the reference forward in every step, as TRL
+    does by default. The same losses and rewards at every step, the same adapter; a second run on the same data
+    and base reads the entry instead of computing, and trains the same again. Two pairs, two steps: every pair
+    is trained, so the pass pays (a run that trains fewer pairs than the data holds keeps the per-step one)."""
+    rows, cache = ROWS[:2], tmp_path / "cache"
+    first = train(tmp_path, "once", "--tokenized_cache", cache, rows=rows)
+    entries = list((cache / "reference").glob("*.safetensors"))
+    assert len(entries) == 1 and "reference log-probs (train): computed once for 2 pairs" in first[1], first[1]
+    each = train(tmp_path, "each", "--no_precompute_ref_log_probs", "--tokenized_cache", cache, rows=rows)
+    assert "reference log-probs" not in each[1]
+    assert_same_steps(each[2], first[2])
+    assert_same_adapter(each[0], first[0])
+    second = train(tmp_path, "again", "--tokenized_cache", cache, "--seed", 7, rows=rows)  # another seed, same reference
+    assert f"from cache (2 pairs, {entries[0]})" in second[1]
+    assert json.loads((second[0] / "data.json").read_text())["reference"]["train"].startswith("from cache")
+    third = train(tmp_path, "third", "--tokenized_cache", cache, rows=rows)
+    assert_same_steps(third[2], first[2], tol=0.0)  # read back bit for bit
+    entries[0].write_bytes(b"not a safetensors file")  # a damaged entry is computed again and replaced
+    fourth = train(tmp_path, "fourth", "--tokenized_cache", cache, rows=rows)
+    assert "ignoring damaged reference cache entry" in fourth[1] and "computed once" in fourth[1]
+    part = train(tmp_path, "part", "--tokenized_cache", cache)  # 2 steps of 1 pair train 2 of the 4 pairs
+    assert "the reference forward runs in each step: 2 steps train 2 of the 4 rows" in part[1]
 
 
 def test_a_separate_reference_model_is_loaded_and_used(baseline, tmp_path):

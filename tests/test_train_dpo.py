@@ -140,10 +140,10 @@ def test_every_dpo_config_key_exists_in_trl():
 
 
 def test_config_problems_are_collected():
-    cfg = training.TrainConfig(ref_model_name_or_path="m", precompute_ref_log_probs=True, lora_r=0, beta=-1,
-                                max_steps=0, run_name="../x")
+    cfg = training.TrainConfig(ref_model_name_or_path="m", lora_r=0, beta=-1, max_steps=0, run_name="../x")
     problems = "\n".join(cfg.problems())
-    for needle in ("--data is required", "choose one reference mode", "--lora_r must be at least 1",
+    assert "reference mode" not in problems  # a separate reference's log-probs are computed once too, by default
+    for needle in ("--data is required", "--lora_r must be at least 1",
                    "--beta must be positive", "--max_steps must be -1 or positive", "--run_name must be a plain"):
         assert needle in problems
     assert "--mix_answers base answers the --mix pairs: give --mix" in "\n".join(

@@ -73,6 +73,7 @@ class Compute:
     liger: int = 0  # modules running Liger's Triton kernels (CUDA), each checked on a probe
     chosen_only: bool = False  # sft loss alone: training steps forward the chosen rows only (chosen_only_sft_loss)
     broke: dict | None = None  # --broke_weight: {"weight", "pairs"} (broke_preference_loss); None = off
+    reference: dict | None = None  # split -> the reference pass before training (reference.py); None = none ran
 
 
 def version_problem(versions: dict[str, str] | None = None) -> str | None:

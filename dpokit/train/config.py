@@ -174,7 +174,10 @@ class TrainConfig(GRPOOptions, KTOOptions, DPOOptions, FastOptions, EvalOptions)
                                     "matmuls, ~10x faster) when that copy takes under 40% of free memory")
     # Reference model: default = the base with the adapter disabled (one copy of the weights)
     ref_model_name_or_path: str = field("", "a separate reference model (loaded like the base, 4-bit by default)")
-    precompute_ref_log_probs: bool = field(False, "compute reference log-probs once before training")
+    precompute_ref_log_probs: bool = field(True, "DPO and KTO: the reference's log-probs computed once before training "
+                                           "(DPO: through the kit's lean head and shared prompts, kept on disk beside "
+                                           "--tokenized_cache for a resume or rerun on the same data and base) instead "
+                                           "of a reference forward every step; GRPO's reference is online either way")
     use_liger_kernel: bool = field(False, "TRL's switch: Liger's kernels in the model and TRL's chunked log-probs "
                                    "(needs the liger-kernel package and a GPU, and --no_fused_ops)")
     # DPO and optimisation (TRL / transformers names)
@@ -214,8 +217,6 @@ class TrainConfig(GRPOOptions, KTOOptions, DPOOptions, FastOptions, EvalOptions)
         p = []
         if not self.data:
             p.append("--data is required (a JSONL file of preference pairs)")
-        if self.ref_model_name_or_path and self.precompute_ref_log_probs:
-            p.append("--ref_model_name_or_path and --precompute_ref_log_probs: choose one reference mode")
         for name in ("lora_r", "lora_alpha", "max_length", "per_device_train_batch_size",
                      "gradient_accumulation_steps", "logging_steps", "save_steps"):
             if getattr(self, name) < 1:

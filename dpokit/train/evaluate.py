@@ -174,15 +174,15 @@ def load_probes(path: str) -> list[dict]:
     return probes
 
 
-def reference_mode(cfg) -> str:
-    """What the run's reference model was. cfg: a train_dpo.TrainConfig."""
+def reference_mode(cfg, passes: dict | None = None) -> str:
+    """What the run's reference model was, and when its log-probs were computed. cfg: a train_dpo.TrainConfig;
+    passes: data.json's reference record (split -> what the pass before training did), empty when none ran."""
+    when = f"; its log-probs computed once before training ({passes['train']})" if (passes or {}).get("train") else ""
     if cfg.init_adapter:
-        return f"base with the adapter of {cfg.init_adapter} (the run this one started from), frozen"
+        return f"base with the adapter of {cfg.init_adapter} (the run this one started from), frozen{when}"
     if cfg.ref_model_name_or_path:
-        return f"separate model {cfg.ref_model_name_or_path} ({'4-bit' if cfg.load_in_4bit else 'full'})"
-    if cfg.precompute_ref_log_probs:
-        return "base model with the adapter disabled, log-probs precomputed once"
-    return "base model with the adapter disabled"
+        return f"separate model {cfg.ref_model_name_or_path} ({'4-bit' if cfg.load_in_4bit else 'full'}){when}"
+    return f"base model with the adapter disabled{when}"
 
 
 def model_card(run_name: str, cfg, data: dict, params: dict, targets, metrics: list[dict],
@@ -224,7 +224,7 @@ def model_card(run_name: str, cfg, data: dict, params: dict, targets, metrics: l
         f"- steps: {last.get('step', 0)}, beta {cfg.beta}, learning rate {cfg.learning_rate}, "
         f"batch {batch['effective_batch_size']} pairs per step ({cfg.per_device_train_batch_size} per device "
         f"x {batch['processes']} process(es) x accumulation {cfg.gradient_accumulation_steps}), seed {cfg.seed}",
-        f"- reference: {reference_mode(cfg)}"
+        f"- reference: {reference_mode(cfg, data.get('reference'))}"
         + (" (held-out evaluation only: the sft loss alone trained on the chosen rows, which it reads)"
            if data.get("chosen_only") else "") + f"; compute: {data['compute']}",
         f"- parameters: {params['trainable']:,} trainable of {params['total']:,} "

@@ -71,7 +71,7 @@ def kto_problems(cfg) -> list[str]:
 def grpo_problems(cfg) -> list[str]:
     """What does not go with GRPO, and GRPO's own options."""
     p = dpo_only_problems(cfg, "grpo")
-    for name in ("ref_model_name_or_path", "precompute_ref_log_probs", "use_liger_kernel", "early_stopping_patience"):
+    for name in ("ref_model_name_or_path", "use_liger_kernel", "early_stopping_patience"):
         if getattr(cfg, name):
             p.append(f"--{name} is for DPO and KTO; --method grpo does not take it")
     if cfg.num_generations < 2:
@@ -261,7 +261,7 @@ def dpo_config_kwargs(cfg, checkpoint_dir: str, on_gpu: bool, bf16_ok: bool, wit
     if cfg.loss_type == "sft" and cfg.precompute_ref_log_probs:
         # The sft loss never reads the reference; TRL would still run it over every pair before training.
         kwargs["precompute_ref_log_probs"] = False
-        print("[model] --precompute_ref_log_probs: not done, the sft loss alone never reads the reference", flush=True)
+        print("[model] no reference pass: the sft loss alone never reads the reference", flush=True)
     return kwargs
 
 
@@ -316,8 +316,24 @@ def trl_config(cfg, data: formats.TrainingData, rows: list[dict], checkpoint_dir
               f"{weights[0]:g} and {weights[1]:g} (desirable x weight / (undesirable x weight) = "
               f"{weights[0] * max(n_good, 1) / (weights[1] * max(len(rows) - n_good, 1)):.2f}"
               f"{'' if cfg.desirable_weight and cfg.undesirable_weight else ', from the class balance'})", flush=True)
-        return KTOConfig(**kto_config_kwargs(cfg, checkpoint_dir, on_gpu, bf16_ok, weights, with_eval))
-    return DPOConfig(**dpo_config_kwargs(cfg, checkpoint_dir, on_gpu, bf16_ok, with_eval))
+        kwargs = kto_config_kwargs(cfg, checkpoint_dir, on_gpu, bf16_ok, weights, with_eval)
+        return KTOConfig(**kwargs | reference_pass(cfg, kwargs, len(rows), ranks.world()["world_size"]))
+    kwargs = dpo_config_kwargs(cfg, checkpoint_dir, on_gpu, bf16_ok, with_eval)
+    return DPOConfig(**kwargs | reference_pass(cfg, kwargs, len(rows), ranks.world()["world_size"]))
+
+
+def reference_pass(cfg, kwargs: dict, n_rows: int, processes: int) -> dict:
+    """The reference's log-probs once before training pay where training sees every row at least once: a pass
+    costs one reference forward per row, the per-step reference one per row trained. A run of max_steps that
+    sees fewer rows than the data holds keeps the reference forward in each step (said)."""
+    if not kwargs.get("precompute_ref_log_probs") or cfg.max_steps < 1:
+        return {}
+    seen = cfg.max_steps * cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * processes
+    if seen >= n_rows:
+        return {}
+    print(f"[model] the reference forward runs in each step: {cfg.max_steps} steps train {seen:,} of the "
+          f"{n_rows:,} rows, so a pass over them all before training would cost more", flush=True)
+    return {"precompute_ref_log_probs": False}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from pathlib import Path
 from dpokit.core.kit import BROKE_COLUMN
 from dpokit.data import token_cache, tokenization
 from dpokit.model import fastpath, sampler
-from dpokit.train import losses
+from dpokit.train import losses, reference
 
 
 def kto_trainer_class():
@@ -184,10 +184,47 @@ def dpo_trainer_class(cache_dir: Path | None, keys: dict, record: dict):
         kit_chosen_batches = 0  # training batches that did
         kit_broke_weight = 0.0  # --broke_weight (broke_preference_loss); 0 = off
         kit_broke_batches = 0  # training batches that ran it
+        kit_ref_cache: tuple = (None, {}, {})  # (reference cache dir or None, {split: token key}, identity)
 
         def __init__(self, *args, **kwargs):
+            self.kit_ref_pending = {}  # split -> batch size: TRL's __init__ asked for the reference pass
+            self.kit_ref_record = {}  # split -> what the reference pass did (data.json)
+            self.kit_ref_ready = False  # until TRL's __init__ returns
             super().__init__(*args, **kwargs)
             self.data_collator = losses.BrokeCollator(self.data_collator)
+            self.kit_ref_ready = True
+
+        def _precompute_ref_logps(self, dataset, name, batch_size):
+            """TRL's __init__ asks before trainers.arm has switched the lean head on: deferred to
+            kit_precompute_reference (called after arming, and by train / evaluate at the latest). Called again
+            after that (evaluate on a new dataset), it computes at once. Several processes: TRL's own pass."""
+            if not self.kit_ref_ready:  # inside super().__init__
+                self.kit_ref_pending[name] = batch_size
+                return dataset
+            if self.accelerator.num_processes > 1:
+                return super()._precompute_ref_logps(dataset, name, batch_size)
+            where, keys, ident = self.kit_ref_cache
+            key = reference.cache_key(keys[name], ident) if where is not None and name in keys else None
+            return reference.precompute(self, dataset, name, batch_size, where, key, self.kit_ref_record)
+
+        def kit_precompute_reference(self):
+            """The reference passes TRL's __init__ asked for, through the trainer as armed now."""
+            pending, self.kit_ref_pending = self.kit_ref_pending, {}
+            for name, batch_size in pending.items():
+                if name == "train":
+                    self.train_dataset = self._precompute_ref_logps(self.train_dataset, name, batch_size)
+                elif isinstance(self.eval_dataset, dict):
+                    self.eval_dataset[name] = self._precompute_ref_logps(self.eval_dataset[name], name, batch_size)
+                else:
+                    self.eval_dataset = self._precompute_ref_logps(self.eval_dataset, name, batch_size)
+
+        def train(self, *args, **kwargs):
+            self.kit_precompute_reference()
+            return super().train(*args, **kwargs)
+
+        def evaluate(self, *args, **kwargs):
+            self.kit_precompute_reference()
+            return super().evaluate(*args, **kwargs)
 
         def _set_signature_columns_if_needed(self):  # keep BROKE_COLUMN through the Trainer's column pruning
             super()._set_signature_columns_if_needed()

@@ -39,7 +39,7 @@ from dpokit.core import kit, ranks, runs
 from dpokit.data import formats, token_cache, tokenization
 from dpokit.model import fastpath, models, preflight, shapes
 from dpokit.scoring import checker, rewards
-from dpokit.train import evaluate, methods, trainers
+from dpokit.train import evaluate, methods, reference, trainers
 from dpokit.core.kit import UserError
 from dpokit.train.config import KIT_NAME, TrainConfig
 
@@ -407,6 +407,26 @@ def build_trainer(cfg: TrainConfig, run: runs.Run, built: Built, pairs: list[dic
     if cfg.use_liger_kernel:  # TRL's chunked log-probs, whatever --chunked_logps says
         built.compute.logps, built.compute.chunked = "chunked by TRL, Liger kernels in the model (--use_liger_kernel)", True
     models.float32_trainable(trainer.model)  # TRL casts them to bfloat16 for a 4-bit base, on a GPU too
+    if hasattr(trainer, "kit_precompute_reference"):  # the reference's pass TRL's __init__ asked for, armed now
+        trainer.kit_ref_cache = reference_cache(cfg, built, dpo_cache)
+        built.compute.reference = trainer.kit_ref_record
+        trainer.kit_precompute_reference()
+
+
+def reference_cache(cfg: TrainConfig, built: Built, dpo_cache: tuple) -> tuple:
+    """(where reference log-probs are kept or None, {split: tokenised-data key}, what else they depend on)."""
+    import bitsandbytes
+    import peft
+    import torch
+    import transformers
+    import trl
+
+    if not dpo_cache or dpo_cache[0] is None:
+        return None, {}, {}
+    device = torch.cuda.get_device_name() if built.on_gpu else "cpu"
+    versions = {m.__name__: m.__version__ for m in (torch, transformers, trl, peft, bitsandbytes)}
+    return (reference.cache_dir(dpo_cache[0]), dpo_cache[1],
+            reference.identity(cfg, built.compute, device, versions))
 
 
 def record_data(cfg: TrainConfig, run: runs.Run, built: Built, data: formats.TrainingData, n_pairs: int) -> None:
@@ -444,6 +464,7 @@ def data_record(data: formats.TrainingData, compute: fastpath.Compute, cfg: Trai
     random_base = shapes.describe(cfg.model_name_or_path) if shapes.is_random(cfg.model_name_or_path) else None
     return dataclasses.asdict(data) | {"compute": compute.matmuls, "logps": compute.logps, "fused_ops": compute.fused,
                                        "chosen_only": compute.chosen_only, "broke_term": compute.broke,
+                                       "reference": compute.reference,
                                        "random_base": random_base}
 
 
