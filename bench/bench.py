@@ -10,8 +10,10 @@ token length (a prompt of --prompt_fractions of L tokens, a quarter by default; 
 truncated to exactly L = --max_length), batch 4, no held-out pairs, no probes. The child passes one timing
 callback (run's `callbacks`); its peak memory is taken at the end of training: on a CPU resident memory from
 /proc (VmHWM), on CUDA torch.cuda.max_memory_allocated and max_memory_reserved (the allocator expandable, as training sets it).
-The tokenised-data cache is the bench's own: the default mode runs first at each length and tokenises
-(a cold start-up); the modes after it find the same tokens cached, as a user's second run would.
+The tokenised-data cache is the bench's own: the first mode at each case tokenises (a cold start-up; the default
+at the first case, for the start-up goal); the modes after it find the same tokens cached, as a user's second run
+would. The modes run in another order at each case (mode_order). Each child prints the kit's counters (prompt
+sharing, lean head, the reference's pass) into the results.
 build_pairs.py runs on generated logs of 10k, 100k and 1M runs (QUICK: 10k and 100k; not on CUDA). Writes
 bench/results.json, bench/results.md (the table and the ratios against TRL as it comes) and bench/results.png
 (QUICK: bench/results-quick.*, not committed; CUDA: bench/results-gpu.*, with the GPU's name), after each
@@ -21,11 +23,12 @@ The model: the bundled SmolLM2-135M-Instruct, any model directory, or random:<sh
 shape with random weights, built once into the cache, e.g. random:llama-3-8b; loaded like any base, 4-bit NF4).
 On CUDA (--device auto finds one) the defaults change to what a GPU is for: lengths 1,024 and 4,096, prompts
 three quarters and a quarter of each sequence, the modes default, trl_separate_ref and trl_best at every length,
-10 steps each (the first is warm-up), bfloat16 (the kit's auto dtype there), no build_pairs.
+11 steps each (the first is warm-up, with its kernels compiled; 10 timed), bfloat16 (the kit's auto dtype there), no build_pairs.
 
 Modes ((a)-(d): the kit's default against TRL's own reference modes and without 4-bit, plus what each of the
 kit's choices buys on its own):
-  default           (a) the kit's default: reference = base with the adapter disabled, log-probs of the
+  default           (a) the kit's default: reference = base with the adapter disabled, its log-probs computed
+                    once before training (reference.py: counted in the end-to-end pairs/s), log-probs of the
                     completion tokens only through the head in chunks, float32 matmuls on a CPU (bfloat16 on a GPU;
                     LoRA weights and optimizer in float32), NF4 dequantised once (CPU), fastpath.py's fused
                     LoRA / RMSNorm / SiLU-gate / head kernels, each prompt run once for both completions, and
@@ -38,9 +41,10 @@ kit's choices buys on its own):
                     (no reference pass in training) and use_liger_kernel=True (Liger's kernels in the model and
                     TRL's chunked log-probs) where liger-kernel is installed and there is a GPU; without it the
                     table says "no Liger" and TRL computes full logits
-  separate_ref      the kit's fast path with a separate 4-bit reference (what (a) gains from the reference alone;
-                    not run by default)
-  precompute_ref    (c) --precompute_ref_log_probs: one reference pass over the data before training
+  separate_ref      the kit's fast path with a separate 4-bit reference in every step (what (a) gains from the
+                    reference alone; not run by default)
+  ref_each_step     (c) --no_precompute_ref_log_probs: the reference forward in every step (TRL's default), what
+                    the pass before training buys
   no_4bit           (d) --no_load_in_4bit: LoRA on the unquantised weights
   default_bf16      (a) with bfloat16 autocast on the CPU: what it would buy (not the default: see README)
   full_logits       (a) with TRL's full-logits log-probs: what the chunked head buys (not run by default)
@@ -75,7 +79,8 @@ of width d:
   forward                  tokens x 2 (N_blocks + N_lora) + attention
   backward                 tokens x (2 N_blocks + 4 N_lora) + 2 x attention (activation grads only
                            through the frozen base; input and weight grads for LoRA)
-  reference forward        tokens x 2 N_blocks + attention (0 when precomputed: counted in start-up)
+  reference forward        tokens x 2 N_blocks + attention (0 when computed before training: counted in the
+                           end-to-end pairs/s, not in a step)
   output head              2 N_head per completion token in each of the three passes (the prompt's
                            logits are not needed by DPO: computing them, as TRL's full-logits path
                            does, is waste, not model FLOPs)
@@ -110,11 +115,11 @@ from dpokit.core.kit import field  # noqa: E402
 
 MODES = {  # mode -> extra train_dpo flags (see the docstring; mode_flags fills them in)
     "default": [],
-    "trl_separate_ref": ["--ref_model_name_or_path", "{model}", "--no_chunked_logps", "--no_dequantize_on_cpu",
-                         "--no_fused_ops"],
+    "trl_separate_ref": ["--ref_model_name_or_path", "{model}", "--no_precompute_ref_log_probs", "--no_chunked_logps",
+                         "--no_dequantize_on_cpu", "--no_fused_ops"],
     "trl_best": ["--precompute_ref_log_probs", "--no_chunked_logps", "--no_dequantize_on_cpu", "--no_fused_ops"],
-    "separate_ref": ["--ref_model_name_or_path", "{model}"],
-    "precompute_ref": ["--precompute_ref_log_probs"],
+    "separate_ref": ["--ref_model_name_or_path", "{model}", "--no_precompute_ref_log_probs"],
+    "ref_each_step": ["--no_precompute_ref_log_probs"],
     "no_4bit": ["--no_load_in_4bit"],
     "default_bf16": ["--compute_dtype", "bfloat16"],
     "full_logits": ["--no_chunked_logps"],
@@ -149,7 +154,7 @@ class BenchConfig:
                                   "0.75,0.25)")
     steps: int = field(0, "optimizer steps per mode at lengths up to 512 (CUDA: at every length): the first is "
                        "warm-up, the rest are timed (the median of their times); 0 = 3 (quick: 1, timed with its "
-                       "warm-up; CUDA: 10, quick 3: on an H200 the default's warm-up lasted past its first step, and a median "
+                       "warm-up; CUDA: 11, 10 timed, quick 3: on an H200 the default's warm-up lasted past its first step, and a median "
                        "of 3 steps read 0.64 s a step where one of 9 read 0.36)")
     long_steps: int = field(1, "optimizer steps at lengths over 512 on a CPU (one step of ~100 s at 1024 tokens on "
                             "2 cores: its warm-up is a few percent of it)")
@@ -219,7 +224,7 @@ class BenchConfig:
 
     def step_count(self, seq_len: int) -> int:
         if self.cuda:
-            return self.steps or (3 if self.quick else 10)
+            return self.steps or (3 if self.quick else 11)
         return self.long_steps if seq_len > 512 else self.steps or (1 if self.quick else 3)
 
     def stem(self) -> str:
@@ -292,6 +297,13 @@ def step_flops(shape: dict, n_lora: int, seq_len: int, batch: int, reference: bo
     return parts | {"total": sum(parts.values())}
 
 
+def mode_order(modes: list[str], case_index: int) -> list[str]:
+    """The modes in the order they run at a case: rotated by one at each case, so no mode always runs first (on a
+    cold machine, before any kernel is compiled or cached) or last (after the others have heated it)."""
+    k = case_index % len(modes) if modes else 0
+    return modes[k:] + modes[:k]
+
+
 def mode_dtype(flags: list[str], auto: str) -> str:
     """The dtype a mode's matmuls run in: the one --compute_dtype names, else train_dpo's auto choice."""
     if "--compute_dtype" in flags:
@@ -336,9 +348,13 @@ def ratios(train: dict, lengths: list[int], fractions: tuple[float, ...] = (DEFA
     out |= {f"memory_default_vs_{BASELINE}_L{c}": div(get("default", c, "peak_train_mb"),
                                                        get(BASELINE, c, "peak_train_mb")) for c in longest}
     for other in ("trl_best", "separate_ref", "default_bf16", "cpu_matmul_bf16", "full_logits", "bnb_kernels",
-                  "precompute_ref", "no_fused", "no_share"):
+                  "ref_each_step", "no_fused", "no_share"):
         out |= {f"speed_default_vs_{other}_L{c}": div(get("default", c, "pairs_per_s"), get(other, c, "pairs_per_s"))
                 for c in cases if get(other, c, "pairs_per_s")}
+    for other in (BASELINE, "trl_best", "ref_each_step"):  # end to end: one epoch, the reference's pass included
+        out |= {f"speed_e2e_default_vs_{other}_L{c}": div(get("default", c, "pairs_per_s_with_precompute"),
+                                                          get(other, c, "pairs_per_s_with_precompute"))
+                for c in cases if get(other, c, "pairs_per_s_with_precompute")}
     for other in ("trl_best", "full_logits"):
         out |= {f"memory_default_vs_{other}_L{c}": div(get("default", c, "peak_train_mb"),
                                                         get(other, c, "peak_train_mb"))
@@ -350,6 +366,8 @@ def ratios(train: dict, lengths: list[int], fractions: tuple[float, ...] = (DEFA
 
 GOALS = (  # (ratio key prefix, comparison, target, what)
     (f"speed_default_vs_{BASELINE}", ">=", 1.5, "default pairs/s >= 1.5x (b) separate 4-bit reference"),
+    (f"speed_e2e_default_vs_{BASELINE}", ">=", 1.5, "default pairs/s end to end (an epoch, the reference's pass "
+                                                    "included) >= 1.5x (b)"),
     (f"memory_default_vs_{BASELINE}", "<=", 0.7, "default peak memory <= 0.7x (b) separate reference (longest L)"),
     ("mfu_default", ">=", 0.5, "default MFU >= 50% of the measured matmul peak in its dtype"),
     ("startup_default", "<=", 20.0, "start-up (process start -> first optimizer step begins) < 20 s"),
@@ -358,8 +376,11 @@ GOALS = (  # (ratio key prefix, comparison, target, what)
 
 GPU_CASE = "L1024p0.75"  # the GPU goals' case: 1,024 tokens, the prompt three quarters (agent data), an 8B shape
 GPU_GOALS = (
-    (f"speed_default_vs_{BASELINE}_{GPU_CASE}", ">=", 1.9, "default pairs/s >= 1.9x (b) TRL as it comes"),
-    (f"speed_default_vs_trl_best_{GPU_CASE}", ">=", 1.3, "default pairs/s >= 1.3x (e) TRL with its best switches"),
+    (f"speed_e2e_default_vs_{BASELINE}_{GPU_CASE}", ">=", 1.9, "default pairs/s end to end (an epoch, precompute "
+                                                               "included) >= 1.9x (b) TRL as it comes"),
+    (f"speed_e2e_default_vs_trl_best_{GPU_CASE}", ">=", 1.3, "default pairs/s end to end >= 1.3x (e) TRL with its "
+                                                             "best switches"),
+    ("speed_e2e_default_vs_trl_best_L4096", ">=", 1.5, "default pairs/s end to end at 4,096 tokens >= 1.5x (e)"),
     (f"memory_default_vs_{BASELINE}_{GPU_CASE}", "<=", 0.6, "default peak GPU memory <= 0.6x (b)"),
     (f"mfu_default_{GPU_CASE}", ">=", 0.35, "default MFU >= 35% of the measured bfloat16 peak"),
 )
@@ -410,11 +431,14 @@ def markdown(results: dict) -> str:
               + ", steps per mode " + ", ".join(f"{v} at L={k}" for k, v in results["steps"].items())
               + " (with more than one, the first is warm-up and not timed), sequences of exactly L tokens, the prompt "
               "the given share of each" + (", gradient checkpointing" if results.get("gradient_checkpointing") else "")
-              + ".", "",
-              f"| mode | L | prompt | batch | matmuls | pairs/s | tokens/s | s/step | GFLOP/s | MFU | "
+              + ". Pairs/s end to end: the mode's pairs (one epoch) over its steps plus the one-off work between "
+              "building the trainer and training (the reference's pass before training, where the mode has one)."
+              + (f" Modes ran in a different order at each case: {'; '.join(results['orders'])}."
+                 if results.get("orders") else ""), "",
+              f"| mode | L | prompt | batch | matmuls | pairs/s | pairs/s end to end | tokens/s | s/step | GFLOP/s | MFU | "
               f"{'peak GPU memory, allocated / reserved' if cuda else 'peak RSS train'} (MB) | start-up (s) "
               "| precompute (s) | loss (last step) |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for mode, by_case in results["train"].items():
         for case in result_cases(results):
             r = by_case.get(case["key"])
@@ -424,12 +448,14 @@ def markdown(results: dict) -> str:
                 f"{mode} (examples/s)" if mode == "kto" else mode
             head = f"| {label} | {case['seq_len']} | {case['prompt_fraction']:g} | {case['batch']} |"
             if "error" in r or "skipped" in r:
-                lines.append(f"{head} {'failed: ' + r['error'][:80] if 'error' in r else r['skipped']} |||||||||")
+                lines.append(f"{head} {'failed: ' + r['error'][:80] if 'error' in r else r['skipped']} ||||||||||")
                 continue
-            lines.append(f"{head} {r.get('dtype', 'float32')} | {r['pairs_per_s']:.3f} | {r['tokens_per_s']:.0f} "
+            lines.append(f"{head} {r.get('dtype', 'float32')} | {r['pairs_per_s']:.3f} "
+                         f"| {r['pairs_per_s_with_precompute']:.3f} | {r['tokens_per_s']:.0f} "
                          f"| {r['step_s']:.2f} | {kit.num(r['gflops'], '.1f')} | {kit.num(r['mfu'], '.1%')} | {r['peak_train_mb']:,.0f}"
                          + (f" / {r['peak_gpu_reserved_mb']:,.0f}" if r.get("peak_gpu_reserved_mb") else "")
                          + f" | {r['startup_s']:.1f} | {r['precompute_s']:.1f} | {r.get('last_loss', float('nan')):.4f} |")
+    lines += counter_lines(results)
     if "kto" in results["train"]:
         lines += ["", "kto: `--method kto` on the same pairs, unpaired: a step of that batch trains that many single "
                   "completions (each with the KL term's mismatched one), where DPO's trains that many pairs of two."]
@@ -519,11 +545,16 @@ def child_train(argv: list[str], timing_path: str) -> None:
     import torch
     from transformers import TrainerCallback
 
-    from dpokit.train import training
+    from dpokit.train import trainers, training
 
     rec = {"step_ends": [], "torch_threads": torch.get_num_threads()}
 
     class Timing(TrainerCallback):
+        trainer = None
+
+        def kit_bind(self, trainer):  # training.build_trainer hands the built trainer to callbacks that ask
+            self.trainer = trainer
+
         def on_init_end(self, args, state, control, **kw):
             rec["init_end"] = time.time()
 
@@ -541,6 +572,10 @@ def child_train(argv: list[str], timing_path: str) -> None:
                 rec["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2 ** 20
                 rec["peak_gpu_reserved_mb"] = torch.cuda.max_memory_reserved() / 2 ** 20  # what nvidia-smi sees
                 rec["alloc_conf"] = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+            if self.trainer is not None:
+                trainers.print_counts(self.trainer)
+                rec["counts"] = trainers.counts(self.trainer)
+                rec["reference"] = getattr(self.trainer, "kit_ref_record", None)
             Path(timing_path).write_text(json.dumps(rec))
             os._exit(0)
 
@@ -623,7 +658,7 @@ def bench_train(cfg: BenchConfig, mode: str, case: Case, data: Path, work: Path,
     out = summarize_steps(rec["step_ends"], start, rec["init_end"], rec["train_begin"], case.batch, case.seq_len)
     kto = "kto" in flags
     flops = None if kto else step_flops(shape, n_lora, case.seq_len, case.batch,
-                                        reference="--precompute_ref_log_probs" not in flags,
+                                        reference="--no_precompute_ref_log_probs" in flags,
                                         prompt_fraction=case.prompt_fraction)
     metrics_file = run_dir / "r.partial" / "metrics.jsonl"  # the run stops before it is renamed to r/
     metrics = [json.loads(r) for r in metrics_file.read_text().splitlines() if r.strip()]
@@ -635,7 +670,8 @@ def bench_train(cfg: BenchConfig, mode: str, case: Case, data: Path, work: Path,
             "dtype": dtype, "mfu": flops["total"] / out["step_s"] / (peaks[dtype] * 1e9) if flops else None,
             "first_loss": losses[0] if losses else None,
             "last_loss": losses[-1] if losses else None, "torch_threads": rec["torch_threads"],
-            "train_runtime_s": next((m["train_runtime"] for m in metrics if "train_runtime" in m), None)}
+            "train_runtime_s": next((m["train_runtime"] for m in metrics if "train_runtime" in m), None),
+            "counts": rec.get("counts"), "reference": rec.get("reference")}
     if mode == "trl_best":
         out["liger"] = liger
     return out
@@ -677,6 +713,22 @@ def bench_grpo(cfg: BenchConfig, work: Path, model: str, steps: int, timeout: fl
         "wall_s": wall, "peak_train_mb": rec.get("peak_gpu_mb" if cfg.cuda else "peak_train_mb"),
         "num_generations": d.num_generations, "max_completion_length": cfg.grpo_completion_length or d.max_completion_length,
         "prompts_per_step": d.per_device_train_batch_size}
+
+
+def counter_lines(results: dict) -> list[str]:
+    """What the kit's paths did in each measured child (trainers.counts, the reference's pass): the evidence that
+    prompt sharing, the lean head and the pass before training ran where the table says they did."""
+    short = {"kit_lean_batches": "lean-head passes", "kit_shared_batches": "shared-prompt passes",
+             "kit_chosen_batches": "chosen-only batches", "kit_broke_batches": "broke-term batches"}
+    out = []
+    for mode, by_case in results["train"].items():
+        for key, r in by_case.items():
+            if not isinstance(r, dict) or "counts" not in r:
+                continue
+            done = [f"{n} {short[k]}" for k, n in (r.get("counts") or {}).items() if n]
+            done += [f"reference ({split}) {what}" for split, what in (r.get("reference") or {}).items()]
+            out.append(f"- {mode}, {key}: {'; '.join(done) or 'none of the kit paths'}")
+    return ["", "What ran (the kit's counters, per mode and case):", "", *out] if out else []
 
 
 def grpo_markdown(g: dict) -> list[str]:
@@ -849,11 +901,13 @@ def main(argv=None) -> int:
     longest, long_modes = max(cfg.length_list()), set(cfg.long_mode_list())
     stem = cfg.stem()  # a quick check never overwrites the measured record
     try:
-        for case in cases:
+        for i, case in enumerate(cases):
             data = work / f"pairs-{case.key}.jsonl"
             pairs = make_pairs(tokenizer, case.batch * case.steps, case.seq_len, cfg.seed, case.prompt_fraction)
             data.write_text("".join(json.dumps(p) + "\n" for p in pairs))
-            for mode in cfg.mode_list():
+            order = mode_order(cfg.mode_list(), i)
+            results.setdefault("orders", []).append(f"{case.key}: {', '.join(order)}")
+            for mode in order:
                 if case.seq_len == longest != min(cfg.length_list()) and mode not in long_modes:
                     continue
                 left = cfg.budget_s - (time.time() - began) if cfg.budget_s else 900.0

@@ -100,9 +100,10 @@ def test_summarize_steps_worked_example():
     assert s["pairs_per_s_with_precompute"] == pytest.approx(16 / (1.0 + 4 * 2.0))
 
 
-def result(pairs_per_s, peak, mfu=0.1, startup=30.0):
+def result(pairs_per_s, peak, mfu=0.1, startup=30.0, e2e=None):
     return {"pairs_per_s": pairs_per_s, "peak_train_mb": peak, "mfu": mfu, "startup_s": startup, "tokens_per_s": 1.0,
-            "step_s": 1.0, "gflops": 1.0, "precompute_s": 0.0, "last_loss": 0.69}
+            "step_s": 1.0, "gflops": 1.0, "precompute_s": 0.0, "last_loss": 0.69,
+            "pairs_per_s_with_precompute": pairs_per_s if e2e is None else e2e}
 
 
 def test_ratios_and_goals():
@@ -127,21 +128,32 @@ def test_ratios_and_goals():
 
 
 def test_ratios_per_prompt_share_and_the_gpu_goals():
-    train = {"default": {"1024p0.75": result(1.9, 3000, mfu=0.4), "1024": result(1.0, 5000),
+    train = {"default": {"1024p0.75": result(2.2, 3000, mfu=0.4, e2e=1.9), "1024": result(1.0, 5000),
                          "4096p0.75": result(0.5, 9000)},
              "trl_separate_ref": {"1024p0.75": result(1.0, 6000), "1024": result(0.5, 7000)},
-             "trl_best": {"1024p0.75": result(1.5, 4000)}}
+             "trl_best": {"1024p0.75": result(1.5, 4000), "4096p0.75": result(0.4, 9000, e2e=0.3)}}
     r = bench.ratios(train, [1024, 4096], (0.75, 0.25), every_memory=True)
-    assert r["speed_default_vs_trl_separate_ref_L1024p0.75"] == pytest.approx(1.9)
+    assert r["speed_default_vs_trl_separate_ref_L1024p0.75"] == pytest.approx(2.2)  # per step
+    assert r["speed_e2e_default_vs_trl_separate_ref_L1024p0.75"] == pytest.approx(1.9)  # the reference's pass counted
     assert r["speed_default_vs_trl_separate_ref_L1024"] == pytest.approx(2.0)
     assert r["memory_default_vs_trl_separate_ref_L1024p0.75"] == pytest.approx(0.5)
-    assert r["speed_default_vs_trl_best_L1024p0.75"] == pytest.approx(1.9 / 1.5)
+    assert r["speed_e2e_default_vs_trl_best_L1024p0.75"] == pytest.approx(1.9 / 1.5)
+    assert r["speed_e2e_default_vs_trl_best_L4096p0.75"] == pytest.approx(0.5 / 0.3)
     assert r["memory_default_vs_trl_separate_ref_L4096"] is None  # not run: n/a
     rows = {g.split(" [")[-1].rstrip("]"): ok for g, _, ok in bench.goal_rows(r, [], bench.GPU_GOALS)}
-    assert rows == {"speed_default_vs_trl_separate_ref_L1024p0.75": "met",
-                    "speed_default_vs_trl_best_L1024p0.75": "missed (0.97x target)",
+    assert rows == {"speed_e2e_default_vs_trl_separate_ref_L1024p0.75": "met",  # the goals read the end-to-end figure
+                    "speed_e2e_default_vs_trl_best_L1024p0.75": "missed (0.97x target)",
+                    "speed_e2e_default_vs_trl_best_L4096p0.75": "met",
                     "memory_default_vs_trl_separate_ref_L1024p0.75": "met", "mfu_default_L1024p0.75": "met"}
     assert "memory_default_vs_trl_separate_ref_L1024" not in bench.ratios(train, [1024, 4096], (0.75, 0.25))
+
+
+def test_modes_run_in_another_order_at_each_case():
+    modes = ["default", "trl_separate_ref", "trl_best"]
+    orders = [bench.mode_order(modes, i) for i in range(4)]
+    assert orders[0] == modes and orders[3] == modes and sorted(orders[1]) == sorted(modes)
+    assert [o[0] for o in orders[:3]] == modes  # each mode runs first once, cold
+    assert bench.mode_order([], 2) == []
 
 
 def test_markdown_table():
@@ -153,7 +165,13 @@ def test_markdown_table():
                                 "peak_mb": 69.0, "main_peak_mb": 29.0, "wall_s": 2.5, "pairs": 13}]}
     results["ratios"] = bench.ratios(results["train"], [128])
     text = bench.markdown(results)
-    assert "| default | 128 | 0.25 | 4 | float32 | 0.500 |" in text and "failed: exit 1: boom" in text
+    assert "| default | 128 | 0.25 | 4 | float32 | 0.500 | 0.500 |" in text and "failed: exit 1: boom" in text
+    assert "What ran" not in text  # no child recorded counters
+    results["train"]["default"]["128"] |= {"counts": {"kit_lean_batches": 6, "kit_shared_batches": 6,
+                                                      "kit_broke_batches": 0},
+                                           "reference": {"train": "computed once for 4 pairs in 1.0s"}}
+    assert "- default, 128: 6 lean-head passes; 6 shared-prompt passes; reference (train) computed once for 4 pairs" \
+        in bench.markdown(results)
     assert "| 10,000 | 2 | 5,000 | 4,000 | 69 | 29 | 2.50 | 13 |" in text and "100.0 GFLOP/s" in text
 
 
@@ -170,7 +188,7 @@ def test_config_defaults_and_problems():
     assert quick.mode_list() == ["default", "trl_separate_ref", "trl_best"] and quick.step_count(256) == 1
     assert full.length_list() == [256, 1024] and full.run_sizes()[-1] == 1_000_000
     assert full.step_count(256) == 3 and full.step_count(1024) == 1 and full.fraction_list() == [0.25]
-    assert {"default", "trl_separate_ref", "precompute_ref", "no_4bit", "trl_best"} <= set(full.mode_list())  # (a)-(e)
+    assert {"default", "trl_separate_ref", "ref_each_step", "no_4bit", "trl_best"} <= set(full.mode_list())  # (a)-(e)
     assert not set(bench.OPTIONAL_MODES) & set(full.mode_list())
     assert full.long_mode_list() == ["default", "trl_separate_ref"] and (full.stem(), quick.stem()) == (
         "results", "results-quick")
@@ -183,7 +201,7 @@ def test_cuda_defaults_and_the_model_option():
     assert gpu.model_name_or_path == "random:llama-3-8b" and gpu.cuda
     assert gpu.length_list() == [1024, 4096] and gpu.fraction_list() == [0.75, 0.25] and gpu.run_sizes() == []
     assert gpu.mode_list() == ["default", "trl_separate_ref", "trl_best"] == gpu.long_mode_list()
-    assert gpu.step_count(4096) == 10 and gpu.stem() == "results-gpu"
+    assert gpu.step_count(4096) == 11 and gpu.stem() == "results-gpu"  # a warm-up, then 10 timed
     assert kit.parse_config(bench.BenchConfig, ["--device", "cuda", "--quick"], "").stem() == "results-gpu-quick"
     with pytest.raises(kit.UserError) as e:
         kit.parse_config(bench.BenchConfig, ["--model", "random:gpt-5", "--prompt_fractions", "0.5,1.5",
@@ -240,10 +258,14 @@ def test_a_tiny_cpu_bench_of_the_default_trl_best_and_kto_on_a_random_shape(tmp_
     default, best = results["train"]["default"]["64p0.75"], results["train"]["trl_best"]["64p0.75"]
     assert default["pairs_per_s"] > 0 and default["peak_train_mb"] > 0 and 0 < default["mfu"] < 1
     assert best["liger"] is False and best["precompute_s"] > 0  # the reference pass ran before training
-    assert best["flops_per_step"]["reference_forward"] == 0 and default["flops_per_step"]["reference_forward"] > 0
+    assert best["flops_per_step"]["reference_forward"] == 0 == default["flops_per_step"]["reference_forward"]
+    assert default["reference"]["train"].startswith("computed once for 2 pairs") and default["precompute_s"] > 0
+    assert default["counts"]["kit_lean_batches"] > 0  # the child's counters reach the results
+    assert default["pairs_per_s_with_precompute"] < default["pairs_per_s"]  # the pass is counted end to end
     table = (tmp_path / "r.md").read_text()
     assert "| trl_best (no Liger) | 64 | 0.75 | 2 | float32 |" in table
     assert "trl_best ran without Liger: liger-kernel is not installed" in table
+    assert "- default, 64p0.75: " in table and "reference (train) computed once for 2 pairs" in table
     assert (tmp_path / "r.png").exists() and "speed_default_vs_trl_best_L64p0.75" in results["ratios"]
     kto = results["train"]["kto"]["64p0.75"]  # the same pairs, unpaired, through TRL's KTOTrainer
     assert kto["pairs_per_s"] > 0 and kto["peak_train_mb"] > 0 and kto["mfu"] is None and kto["last_loss"] > 0

@@ -156,13 +156,21 @@ def grpo_trainer_class():
     return KitGRPOTrainer
 
 
+COUNTERS = (("kit_lean_batches", "forward passes took their log-probs through the lean head"),
+            ("kit_chosen_batches", "training batches forwarded their chosen rows only (sft loss)"),
+            ("kit_broke_batches", "training batches ran DPO's term on pairs whose rejected answer deleted what must "
+                                  "be kept (--broke_weight)"),
+            ("kit_shared_batches", "forward passes ran each prompt once for both completions"))
+
+
+def counts(trainer) -> dict:
+    """How many passes each of the kit's paths took: {counter: n} (make bench records them)."""
+    return {attr: getattr(trainer, attr, 0) for attr, _ in COUNTERS}
+
+
 def print_counts(trainer) -> None:
     """After training: how many passes each of the kit's paths took (none printed for a path not taken)."""
-    for attr, what in (("kit_lean_batches", "forward passes took their log-probs through the lean head"),
-                       ("kit_chosen_batches", "training batches forwarded their chosen rows only (sft loss)"),
-                       ("kit_broke_batches", "training batches ran DPO's term on pairs whose rejected answer "
-                                             "deleted what must be kept (--broke_weight)"),
-                       ("kit_shared_batches", "forward passes ran each prompt once for both completions")):
+    for attr, what in COUNTERS:
         if getattr(trainer, attr, 0):
             print(f"[model] {getattr(trainer, attr)} {what}")
 

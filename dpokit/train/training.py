@@ -402,6 +402,9 @@ def build_trainer(cfg: TrainConfig, run: runs.Run, built: Built, pairs: list[dic
                                        built.tokenizer, peft_config, [*extra, *callbacks])
     trainer.remove_callback(PrinterCallback)  # raw dicts per step: runs.training_callbacks shows progress instead
     built.trainer = trainer
+    for cb in callbacks:  # a caller's callback that reads the trainer's own record (make bench: its counters)
+        if hasattr(cb, "kit_bind"):
+            cb.kit_bind(trainer)
     if built.internals:
         trainers.arm(cfg, built)
     if cfg.use_liger_kernel:  # TRL's chunked log-probs, whatever --chunked_logps says
