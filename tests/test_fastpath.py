@@ -758,3 +758,49 @@ def test_liger_module_patches_go_back_for_classes_and_take_the_fast_path_only_fo
     fastpath.scope_module_patches(namespace, saved, "cpu")  # a model patched on the CPU (the interpreter's Triton)
     rope = namespace["apply_rotary_pos_emb"]
     assert rope(cpu, cpu) == "liger" and rope(OnCuda(), cpu) == "own"
+
+
+@pytest.mark.parametrize("optimizer", ["fused", "foreach"])
+def test_lora_weights_are_cast_once_per_optimiser_step_and_never_read_stale(optimizer):
+    """Under bfloat16 autocast the fused LoRA layer reads its float32 weights in bfloat16 through one cast per
+    optimiser step (fastpath.cast_weight), not one per call. After each step (a fused AdamW updates the weights
+    without bumping their version) the layer's output and gradients are peft's own on the updated weights, and
+    a weight changed in place between steps (a checkpoint loaded) is read anew."""
+    torch.manual_seed(0)
+    model = tiny_llama_with_lora()
+    assert fastpath.enable(model, autocast_dtype=torch.bfloat16)["lora_linear"] == 14
+    layer = next(m for m in model.modules() if isinstance(m, fastpath.lora_linear_classes()))
+    weights = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(weights, lr=0.1, **{optimizer: True})
+    x = torch.randn(2, 5, layer.in_features)
+
+    def outputs(own: bool):
+        for p in weights:
+            p.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = type(layer).forward(layer, x) if own else layer(x)
+        y.float().square().sum().backward()
+        return y.detach(), [p.grad.clone() for p in (layer.lora_A["default"].weight, layer.lora_B["default"].weight)]
+
+    a_weight, before = layer.lora_A["default"].weight, None
+    for step in range(3):
+        y, grads = outputs(own=False)
+        cast = fastpath.cast_weight(a_weight, torch.bfloat16)
+        assert cast is not before  # a new step: a new cast
+        y2, _ = outputs(own=False)  # a second call in the same step reads the same copy
+        assert fastpath.cast_weight(a_weight, torch.bfloat16) is cast and torch.equal(y, y2)
+        before = cast
+        fastpath._WEIGHT_CASTS.clear()
+        fresh, fresh_grads = outputs(own=False)  # cast anew from the weights as they are now: bit for bit the same
+        assert torch.equal(y, fresh) and all(torch.equal(g, f) for g, f in zip(grads, fresh_grads)), step
+        y_own, grads_own = outputs(own=True)  # peft's own forward, to bfloat16 rounding
+        assert torch.allclose(y.float(), y_own.float(), rtol=0, atol=2e-2), step
+        for g, g_own in zip(grads, grads_own):
+            assert g.dtype == torch.float32 and ((g - g_own).norm() / g_own.norm()) < 2e-2, step
+        outputs(own=False)
+        opt.step()  # moves A and B by about lr: a stale copy would be off by far more than the rounding
+    with torch.no_grad():
+        layer.lora_B["default"].weight.mul_(2.0)  # in place, outside any optimiser
+    y, _ = outputs(own=False)
+    fastpath._WEIGHT_CASTS.clear()
+    assert torch.equal(y, outputs(own=False)[0])

@@ -225,30 +225,32 @@ def _functions():
     class LoraDelta(torch.autograd.Function):
         """y = y_base + s (x A^T) B^T for 2-D x, accumulated into y_base in place (one GEMM with beta = 1):
         no scaled copy, no add pass. The base layer (dense, or bitsandbytes 4-bit) ran before, under its own
-        autograd, so a dequantised base and the 4-bit kernels still train exactly alike. All four tensors in
-        one dtype (under autocast, autocast's: the caller casts A and B, and autograd casts their gradients
-        back to the float32 weights)."""
+        autograd, so a dequantised base and the 4-bit kernels still train exactly alike. y_base and x in one
+        dtype (under autocast, autocast's); A and B are the float32 weights, read in x's dtype through
+        cast_weight (one cast per weight per optimiser step, not one per call), their gradients computed in
+        x's dtype and returned in theirs, as autograd's cast would."""
 
         @staticmethod
         def forward(ctx, y_base, x, lora_a, lora_b, scaling):
+            a, b = cast_weight(lora_a, x.dtype), cast_weight(lora_b, x.dtype)
             with _no_autocast(x):
-                h = x @ lora_a.t()  # [N, r]
-                y_base.addmm_(h, lora_b.t(), alpha=scaling)
+                h = x @ a.t()  # [N, r]
+                y_base.addmm_(h, b.t(), alpha=scaling)
             ctx.mark_dirty(y_base)
-            ctx.save_for_backward(x, lora_a, lora_b, h)
-            ctx.scaling = scaling
+            ctx.save_for_backward(x, a, b, h)
+            ctx.scaling, ctx.weight_dtypes = scaling, (lora_a.dtype, lora_b.dtype)
             return y_base
 
         @staticmethod
         def backward(ctx, gy):
             x, lora_a, lora_b, h = ctx.saved_tensors
-            s = ctx.scaling
+            s, (a_dtype, b_dtype) = ctx.scaling, ctx.weight_dtypes
             _, need_x, need_a, need_b = ctx.needs_input_grad[:4]
             with _no_autocast(x):
                 gh = (gy @ lora_b).mul_(s)  # [N, r]
                 gx = gh @ lora_a if need_x else None  # autograd adds the base layer's part
-                ga = gh.t() @ x if need_a else None
-                gb = (gy.t() @ h).mul_(s) if need_b else None
+                ga = (gh.t() @ x).to(a_dtype) if need_a else None
+                gb = (gy.t() @ h).mul_(s).to(b_dtype) if need_b else None
             return gy, gx, ga, gb, None
 
     class RMSNorm(torch.autograd.Function):
@@ -405,9 +407,47 @@ def _lora_forward(self, x, *args, **kwargs):
     y = self.get_base_layer()(x2)
     if y.dim() != 2 or y.dtype != dtype or y._base is not None:  # not a fresh [N, out] tensor: leave it be
         y = y.to(dtype, copy=True)
-    y = fn().LoraDelta.apply(y, x2, self.lora_A[a].weight.to(dtype), self.lora_B[a].weight.to(dtype),
-                             float(self.scaling[a]))
+    y = fn().LoraDelta.apply(y, x2, self.lora_A[a].weight, self.lora_B[a].weight, float(self.scaling[a]))
     return y.view(*shape[:-1], y.shape[-1])
+
+
+_WEIGHT_CASTS: dict = {}  # id(weight) -> (weakref to it, its version, STEPS[0], dtype, the copy in dtype)
+STEPS = [0]  # optimiser steps taken in this process (any optimiser): a cast made before the last one is stale
+_STEP_HOOK: list = [None]  # the handle of the hook that counts them
+
+
+def cast_weight(w, dtype):
+    """w (a LoRA weight, float32) in dtype, cast once per optimiser step: the copy is reused until an optimiser
+    steps (counted by a hook on every torch optimiser, since a fused AdamW updates weights in place without
+    bumping their version counter) or w changes in place otherwise (a checkpoint loaded: its version). Under
+    bfloat16 autocast each LoRA layer read its two weights through a cast on every call: at the 8B shape 448
+    small casts a forward, each a kernel launch and an autograd node. The copy is detached: LoraDelta returns
+    the gradient in w's dtype itself."""
+    import weakref
+
+    if w.dtype == dtype:
+        return w
+    _count_optimiser_steps()
+    hit = _WEIGHT_CASTS.get(id(w))
+    if hit is not None and hit[0]() is w and hit[1:4] == (w._version, STEPS[0], dtype):
+        return hit[4]
+    low = w.detach().to(dtype)
+    _WEIGHT_CASTS[id(w)] = (weakref.ref(w), w._version, STEPS[0], dtype, low)
+    return low
+
+
+def _count_optimiser_steps():
+    """Registers, once, the hook that counts optimiser steps and drops the casts they made stale."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    if _STEP_HOOK[0] is not None:
+        return
+
+    def stepped(optimizer, args, kwargs):
+        STEPS[0] += 1
+        _WEIGHT_CASTS.clear()
+
+    _STEP_HOOK[0] = register_optimizer_step_post_hook(stepped)
 
 
 _LAST_CAST: list = [None, None]  # [(weakref to x, x's version, dtype, grad mode), x as [N, in] in dtype]
