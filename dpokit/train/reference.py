@@ -66,6 +66,7 @@ def identity(cfg, compute, device: str, versions: dict) -> dict:
             "quant": [cfg.load_in_4bit, cfg.bnb_4bit_quant_type, cfg.bnb_4bit_use_double_quant],
             "dtype": cfg.compute_dtype, "cpu_matmul_precision": cfg.cpu_matmul_precision,
             "matmuls": compute.matmuls, "logps": compute.logps, "fused": compute.fused,
+            "share_prompts": cfg.share_prompts,
             "ld_alpha": getattr(cfg, "ld_alpha", None), "device": device, "versions": versions}
 
 
