@@ -113,11 +113,13 @@ from dpokit.core import kit  # noqa: E402
 from dpokit.model import shapes  # noqa: E402
 from dpokit.core.kit import field  # noqa: E402
 
+TRL_OWN = ["--no_dequantize_on_gpu", "--no_auto_micro_batch"]  # TRL's modes keep the 4-bit kernels and the batch
 MODES = {  # mode -> extra train_dpo flags (see the docstring; mode_flags fills them in)
     "default": [],
     "trl_separate_ref": ["--ref_model_name_or_path", "{model}", "--no_precompute_ref_log_probs", "--no_chunked_logps",
-                         "--no_dequantize_on_cpu", "--no_fused_ops"],
-    "trl_best": ["--precompute_ref_log_probs", "--no_chunked_logps", "--no_dequantize_on_cpu", "--no_fused_ops"],
+                         "--no_dequantize_on_cpu", "--no_fused_ops", *TRL_OWN],
+    "trl_best": ["--precompute_ref_log_probs", "--no_chunked_logps", "--no_dequantize_on_cpu", "--no_fused_ops",
+                 *TRL_OWN],
     "separate_ref": ["--ref_model_name_or_path", "{model}", "--no_precompute_ref_log_probs"],
     "ref_each_step": ["--no_precompute_ref_log_probs"],
     "no_4bit": ["--no_load_in_4bit"],

@@ -82,8 +82,11 @@ step_e2e() {
   read -ra extra <<<"${GPU_E2E_ARGS:-}"  # more train_dpo flags, last (they win)
   rm -rf "$art"
   "$PY" build_pairs.py data/runs.jsonl -o "$pairs" --report "$WORK/pairs.report.json" || return 1
-  for variant in fused no_fused; do
-    local flags=() ; [ "$variant" = no_fused ] && flags=(--no_fused_ops)
+  for variant in fused no_fused old_path; do
+    local flags=()
+    [ "$variant" = no_fused ] && flags=(--no_fused_ops)
+    # the path before issue 59: the reference in every step, bitsandbytes' kernels, the run's own batch
+    [ "$variant" = old_path ] && flags=(--no_precompute_ref_log_probs --no_dequantize_on_gpu --no_auto_micro_batch)
     echo "== train gpu-$variant"
     timeout "$(left)" "$PY" train_dpo.py --data "$pairs" --model_name_or_path random:smollm2-135m --output_dir "$art" \
       --run_name "gpu-$variant" --max_steps 8 --max_length 512 --per_device_train_batch_size 4 --eval_steps 4 \
@@ -96,14 +99,20 @@ from pathlib import Path
 art = Path(sys.argv[1])
 def rows(run):
     return [json.loads(x) for x in (art / run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-a, b = rows("gpu-fused"), rows("gpu-no_fused")
-print("step  loss (default)  loss (--no_fused_ops)  difference")
-for x, y in zip([r for r in a if "loss" in r], [r for r in b if "loss" in r]):
-    print(f"{x['step']:>4}  {x['loss']:>14.5f}  {y['loss']:>21.5f}  {x['loss'] - y['loss']:>+10.5f}")
-for run in ("gpu-fused", "gpu-no_fused"):
+a, b, c = rows("gpu-fused"), rows("gpu-no_fused"), rows("gpu-old_path")
+print("step  loss (default)  loss (--no_fused_ops)  difference  loss (the old path)  difference")
+worst = 0.0
+for x, y, z in zip(*([r for r in rows_ if "loss" in r] for rows_ in (a, b, c))):
+    print(f"{x['step']:>4}  {x['loss']:>14.5f}  {y['loss']:>21.5f}  {x['loss'] - y['loss']:>+10.5f}  "
+          f"{z['loss']:>19.5f}  {x['loss'] - z['loss']:>+10.5f}")
+    worst = max(worst, abs(x['loss'] - z['loss']))
+print(f"the default against the old path: at most {worst:.5f} apart at a step (bfloat16 noise: under 0.02)")
+if worst >= 0.02:
+    sys.exit(1)
+for run in ("gpu-fused", "gpu-no_fused", "gpu-old_path"):
     ev = json.loads((art / run / "evaluation.json").read_text()).get("held_out", {})
     data = json.loads((art / run / "data.json").read_text())
-    print(run, "held-out accuracy", {k: v.get("accuracy") for k, v in ev.items()}, "|", data["compute"], "|", data["logps"])
+    print(run, "held-out accuracy", {k: v.get("accuracy") for k, v in ev.items()}, "|", data["compute"], "|", data["logps"], "|", data.get("reference"), "|", data.get("micro_batch"))
 EOF
   echo "== chat"
   timeout "$(left)" "$PY" entrypoint.py chat "$art/gpu-fused.tar.gz" --compare "How do I free disk space?" || rc=1

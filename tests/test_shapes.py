@@ -223,15 +223,22 @@ def test_random_values_are_the_same_bits_on_cuda_and_cpu():
 
 @needs_tokenizer
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", ["--fused_ops", "--no_fused_ops"])
+@pytest.mark.parametrize("fused", ["--fused_ops", "--no_fused_ops", "--no_dequantize_on_gpu"])
 def test_two_dpo_steps_on_a_random_base_in_4bit_on_cuda(tmp_path, fused):
+    """The default dequantises the NF4 base once where it fits (an H100 or H200 fits it many times over) and
+    says so; --no_dequantize_on_gpu keeps bitsandbytes' kernels. Either way every LoRA layer takes the kernel."""
     import torch
 
     import importlib.util
 
     run_dir, printed = random_run(tmp_path, "g", fused)
     data = check_random_run(run_dir, printed)
-    assert data["compute"].startswith("4-bit kernels") and "bfloat16" in data["compute"]
+    if fused == "--no_dequantize_on_gpu":
+        assert data["compute"].startswith("4-bit kernels") and "bfloat16" in data["compute"]
+    else:
+        assert data["compute"].startswith("NF4 weights dequantised once to bfloat16 (cuda)"), data["compute"]
+        assert "[model] cuda: 210 NF4 layers dequantised once to bfloat16" in printed
+    assert "[batch] kept from GPU memory: 2 pairs per forward x 1 accumulated" in printed
     assert json.loads((run_dir / "manifest.json").read_text())["device"] == torch.cuda.get_device_name(0)
     if fused == "--no_fused_ops":
         assert not data["fused_ops"] and "fused ops" not in printed
@@ -254,3 +261,22 @@ def test_trl_best_switches_with_liger_on_cuda(tmp_path):
     run_dir, printed = random_run(tmp_path, "l", "--no_fused_ops", "--no_chunked_logps", "--use_liger_kernel",
                                   "--precompute_ref_log_probs")
     assert check_random_run(run_dir, printed)["logps"].startswith("chunked by TRL, Liger kernels")
+
+
+@needs_tokenizer
+@pytest.mark.gpu
+def test_pairs_per_forward_chosen_from_gpu_memory_train_what_accumulation_trains(tmp_path):
+    """4 pairs a step asked as 1 pair x 4 accumulated: the GPU holds all 4 in one forward, so the kit runs them
+    so; the losses at each step are those of the run held to 1 x 4 (--no_auto_micro_batch), to bfloat16 noise."""
+    asked = ["--per_device_train_batch_size", 1, "--gradient_accumulation_steps", 4]
+    chosen, printed = random_run(tmp_path / "a", "chosen", *asked)
+    assert "[batch] chosen from GPU memory: 4 pairs per forward x 1 accumulated = 4 pairs per step" in printed
+    assert json.loads((chosen / "data.json").read_text())["micro_batch"]["pairs_per_forward"] == 4
+    kept, printed = random_run(tmp_path / "b", "kept", *asked, "--no_auto_micro_batch")
+    assert "from GPU memory" not in printed
+
+    def losses(run):
+        return [json.loads(r)["loss"] for r in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in r]
+
+    a, b = losses(chosen), losses(kept)
+    assert len(a) == len(b) == 2 and all(abs(x - y) < 2e-2 for x, y in zip(a, b)), (a, b)

@@ -74,6 +74,7 @@ class Compute:
     chosen_only: bool = False  # sft loss alone: training steps forward the chosen rows only (chosen_only_sft_loss)
     broke: dict | None = None  # --broke_weight: {"weight", "pairs"} (broke_preference_loss); None = off
     reference: dict | None = None  # split -> the reference pass before training (reference.py); None = none ran
+    micro_batch: dict | None = None  # pairs per forward chosen from GPU memory (training.micro_batched); None = the run's
 
 
 def version_problem(versions: dict[str, str] | None = None) -> str | None:

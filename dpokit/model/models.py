@@ -514,6 +514,43 @@ def detect_lora_targets(model) -> list[str]:
     return lora_target_modules(model.named_modules(), lambda m: isinstance(m, torch.nn.Linear), head_names)
 
 
+MICRO_BATCH_HEADROOM = 0.8  # of the GPU's free memory, what a step's activations may plan to take
+ACTIVATION_SAFETY = 1.5  # the estimate below is of the tensors kept for the backward; temporaries come on top
+
+
+def activation_bytes_per_token(config: dict, dtype_bytes: int = 2) -> float:
+    """The tensors a decoder layer keeps for the backward, per token, summed over the layers, as the kit's fast
+    path keeps them (fastpath.py): the two norms' inputs, the attention and MLP inputs cast once for their LoRA
+    layers, q, k, v and the attention output (SDPA), the MLP's gate, up and their product. In elements per layer:
+    6 hidden + 2 key/value widths + 4 intermediate; times dtype_bytes and the layers. At Llama-3-8B's shape in
+    bfloat16: 5.4 MB a token (a pair of 1,024 tokens, the prompt three quarters and run once: 6.9 GB; the H200
+    run's default measured (38.6 GB - 5.5 GB of 4-bit weights) / 4 pairs = 8.3 GB, hence ACTIVATION_SAFETY)."""
+    h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads", heads) * (config.get("head_dim") or h // heads)
+    return float((6 * h + 2 * kv + 4 * inter) * dtype_bytes * layers)
+
+
+def plan_micro_batch(per_device: int, accumulation: int, pair_bytes: float, free_bytes: float,
+                     headroom: float = MICRO_BATCH_HEADROOM) -> tuple[int, int]:
+    """(pairs per forward, accumulation steps) holding the same pairs per optimiser step as the run asked for
+    (per_device x accumulation): the largest whole divisor of it whose activations (pair_bytes each, times
+    ACTIVATION_SAFETY) fit in headroom of the free memory; 1 pair when not even one fits (the run then finds out).
+    The same pairs per step and the same mean loss: only how many forwards a step takes changes."""
+    total = per_device * accumulation
+    fit = int(headroom * free_bytes // max(pair_bytes * ACTIVATION_SAFETY, 1.0))
+    micro = max((d for d in range(1, total + 1) if total % d == 0 and d <= fit), default=1)
+    return micro, total // micro
+
+
+def dequantize_on_gpu_fits(quantized_params: int, compute: str, free_bytes: float, step_bytes: float,
+                           headroom: float = MICRO_BATCH_HEADROOM) -> bool:
+    """Whether the NF4 base's dense copy in the compute dtype (2 bytes a weight; the 4-bit one, half a byte, is
+    freed) leaves room for a step of step_bytes in headroom of the GPU's free memory."""
+    dense = quantized_params * ((2 if compute in ("bfloat16", "float16") else 4) - 0.5)
+    return dense + step_bytes * ACTIVATION_SAFETY <= headroom * free_bytes
+
+
 def dequantize_if_it_fits(models: list, compute: str) -> tuple[int, float] | None:
     """On a CPU, swap the 4-bit layers of these models for dense ones (dequantize_4bit_) when the dense
     copies take under 40% of free memory. Returns (layers swapped, megabytes), or None when kept 4-bit."""

@@ -170,6 +170,13 @@ class TrainConfig(GRPOOptions, KTOOptions, DPOOptions, FastOptions, EvalOptions)
     lora_alpha: int = field(32, "LoRA scale numerator (scale = lora_alpha / lora_r)")
     lora_dropout: float = field(0.0, "dropout on the LoRA input (DPO turns model dropout off by default)")
     lora_target_modules: str = field("auto", "comma-separated module names, or auto = every linear layer but the head")
+    dequantize_on_gpu: bool = field(True, "on a GPU, dequantise the NF4 weights once to the compute dtype (the same "
+                                    "values its kernels multiply by, without dequantising at every matmul) where the "
+                                    "dense copy and a step's activations fit in 80% of free GPU memory (said)")
+    auto_micro_batch: bool = field(True, "on one GPU, the pairs per forward chosen from free GPU memory: the "
+                                   "largest divisor of per_device_train_batch_size x gradient_accumulation_steps "
+                                   "whose activations fit, the rest accumulated; the same pairs per optimiser step "
+                                   "(said)")
     dequantize_on_cpu: bool = field(True, "on a CPU, dequantise the NF4 weights once (same values, float32 "
                                     "matmuls, ~10x faster) when that copy takes under 40% of free memory")
     # Reference model: default = the base with the adapter disabled (one copy of the weights)

@@ -94,6 +94,7 @@ class Built:
     trainer: object = None
     method: str = "dpo"  # or kto
     parent: dict | None = None  # --init_adapter: the run this one continues
+    micro: tuple | None = None  # (pairs per forward, accumulation, why): plan_gpu_memory's choice; None = the run's
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,6 +356,8 @@ def build_model(cfg: TrainConfig, model_path: str, ref_path: str | None, interna
                   "the same values, without re-dequantising at every matmul (--no_dequantize_on_cpu keeps 4-bit kernels)")
         else:
             print("[model] cpu: keeping 4-bit kernels (a dense copy would not fit in 40% of free memory)")
+    micro = plan_gpu_memory(cfg, [m for m in (model, ref_model) if m is not None], compute_dtype, compute) \
+        if on_gpu else None
     if not on_gpu and cfg.fused_ops and fastpath.keep_freed_memory():
         print("[model] cpu: malloc keeps freed memory for reuse (fewer page faults; see fastpath.keep_freed_memory)")
     if not on_gpu and cfg.cpu_matmul_precision == "bf16":
@@ -362,7 +365,40 @@ def build_model(cfg: TrainConfig, model_path: str, ref_path: str | None, interna
         print("[model] cpu: float32 matmuls round their inputs to bfloat16 and accumulate in float32 "
               "(--cpu_matmul_precision bf16)")
     return Built(tokenizer=tokenizer, model=model, ref_model=ref_model, targets=targets,
-                 params={"quantized_4bit": quantized}, compute=compute, on_gpu=on_gpu, internals=internals)
+                 params={"quantized_4bit": quantized}, compute=compute, on_gpu=on_gpu, internals=internals,
+                 micro=micro)
+
+
+def plan_gpu_memory(cfg: TrainConfig, loaded: list, compute_dtype: str, compute: fastpath.Compute) -> tuple | None:
+    """On a GPU: the NF4 base dequantised once where it and a step fit (--dequantize_on_gpu), then the pairs per
+    forward from what is free (--auto_micro_batch, one process: several would each choose from their own GPU).
+    Returns (pairs per forward, accumulation, why) or None to keep the run's own; both said."""
+    import torch
+
+    config = loaded[0].config.to_dict()
+    pair_bytes = 2 * cfg.max_length * models.activation_bytes_per_token(config)  # no prompt shared: the bound
+    step_bytes = cfg.per_device_train_batch_size * pair_bytes
+    if cfg.load_in_4bit and cfg.dequantize_on_gpu:
+        quantized = sum(models.count_parameters(m.named_parameters())["quantized_4bit"] for m in loaded)
+        free = torch.cuda.mem_get_info()[0]
+        if models.dequantize_on_gpu_fits(quantized, compute_dtype, free, step_bytes):
+            swapped = sum(models.dequantize_4bit_(m) for m in loaded)
+            torch.cuda.empty_cache()
+            compute.matmuls = f"NF4 weights dequantised once to {compute_dtype} (cuda), {compute_dtype} matmuls"
+            print(f"[model] cuda: {swapped} NF4 layers dequantised once to {compute_dtype} ({quantized * 2 / 1e9:.1f} "
+                  f"GB; {free / 1e9:.0f} GB were free): the same values, without dequantising at every matmul "
+                  "(--no_dequantize_on_gpu keeps 4-bit kernels)", flush=True)
+        else:
+            print(f"[model] cuda: keeping 4-bit kernels (a dense copy and a step of {cfg.per_device_train_batch_size} "
+                  f"pairs would not fit in {models.MICRO_BATCH_HEADROOM:.0%} of the {free / 1e9:.0f} GB free)")
+    if not cfg.auto_micro_batch or ranks.world()["world_size"] > 1:
+        return None
+    free = torch.cuda.mem_get_info()[0]
+    micro, accumulation = models.plan_micro_batch(cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps,
+                                                  pair_bytes, free)
+    why = (f"{free / 1e9:.0f} GB free; up to {pair_bytes * models.ACTIVATION_SAFETY / 1e9:.1f} GB of activations "
+           f"a pair at {cfg.max_length} tokens")
+    return micro, accumulation, why
 
 
 def build_trainer(cfg: TrainConfig, run: runs.Run, built: Built, pairs: list[dict], held: list[dict],
@@ -377,7 +413,8 @@ def build_trainer(cfg: TrainConfig, run: runs.Run, built: Built, pairs: list[dic
     peft_config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                              target_modules=built.targets, task_type="CAUSAL_LM", bias="none")
     built.method = data.method
-    args = methods.trl_config(cfg, data, pairs, str(run.checkpoints), on_gpu, bf16_ok, with_eval=bool(held))
+    args = methods.trl_config(micro_batched(cfg, built, data.method), data, pairs, str(run.checkpoints), on_gpu,
+                              bf16_ok, with_eval=bool(held))
     extra = runs.training_callbacks(run, lambda: interrupt.signum is not None, sys.stdout.isatty())
     if held and cfg.early_stopping_patience:
         extra.append(EarlyStoppingCallback(early_stopping_patience=cfg.early_stopping_patience))
@@ -432,6 +469,21 @@ def reference_cache(cfg: TrainConfig, built: Built, dpo_cache: tuple) -> tuple:
             reference.identity(cfg, built.compute, device, versions))
 
 
+def micro_batched(cfg: TrainConfig, built: Built, method: str) -> TrainConfig:
+    """The config TRL gets: the run's, with the pairs per forward plan_gpu_memory chose (DPO: each pair's loss
+    stands alone, so accumulating forwards trains what one forward of them all trains; KTO's KL term and GRPO's
+    groups read the batch as a whole)."""
+    if built.micro is None or method != "dpo":
+        return cfg
+    micro, accumulation, why = built.micro
+    same = (micro, accumulation) == (cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps)
+    print(f"[batch] {'kept' if same else 'chosen'} from GPU memory: {micro} pairs per forward x {accumulation} "
+          f"accumulated = {micro * accumulation} pairs per step per device, as asked ({why}; --no_auto_micro_batch "
+          "keeps the run's own)", flush=True)
+    built.compute.micro_batch = {"pairs_per_forward": micro, "accumulation": accumulation, "why": why}
+    return dataclasses.replace(cfg, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation)
+
+
 def record_data(cfg: TrainConfig, run: runs.Run, built: Built, data: formats.TrainingData, n_pairs: int) -> None:
     """What TRL kept of the pairs, and the parameter counts: printed, and into data.json / parameters.json."""
     ds = built.trainer.train_dataset
@@ -467,7 +519,7 @@ def data_record(data: formats.TrainingData, compute: fastpath.Compute, cfg: Trai
     random_base = shapes.describe(cfg.model_name_or_path) if shapes.is_random(cfg.model_name_or_path) else None
     return dataclasses.asdict(data) | {"compute": compute.matmuls, "logps": compute.logps, "fused_ops": compute.fused,
                                        "chosen_only": compute.chosen_only, "broke_term": compute.broke,
-                                       "reference": compute.reference,
+                                       "reference": compute.reference, "micro_batch": compute.micro_batch,
                                        "random_base": random_base}
 
 
