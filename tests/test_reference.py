@@ -90,3 +90,41 @@ def test_the_pass_before_training_runs_where_training_sees_every_row(max_steps, 
     assert got == ({} if once else {"precompute_ref_log_probs": False})
     assert ("the reference forward runs in each step" in capsys.readouterr().out) is not once
     assert methods.reference_pass(cfg, {"precompute_ref_log_probs": False}, 10, processes) == {}
+
+
+def test_the_pass_gives_each_row_its_own_values_and_halves_its_batch_when_memory_runs_out(capsys):
+    """reference.compute over a trainer's collator and compute_ref_log_probs (TRL's), here a stand-in that
+    returns each row's id as its log-probs and runs out of memory above 2 pairs a forward: every row gets its
+    own values in dataset order, longest rows first, the batch halved until it fits (said)."""
+    import torch
+    from datasets import Dataset
+
+    rows = Dataset.from_list([{"prompt_ids": [1] * (i % 4 + 1), "chosen_ids": [1], "rejected_ids": [2, 2], "rid": i,
+                               reference.BROKE_COLUMN: False} for i in range(7)])
+    seen = []
+
+    class Trainer:
+        ref_model, model = None, "policy"
+
+        @staticmethod
+        def data_collator(examples):
+            return {"rid": torch.tensor([e["rid"] for e in examples]), reference.BROKE_COLUMN: torch.tensor([False])}
+
+        @staticmethod
+        def _prepare_inputs(batch):
+            assert reference.BROKE_COLUMN not in batch  # not a model input
+            return batch
+
+        @staticmethod
+        def compute_ref_log_probs(model, batch):
+            if len(batch["rid"]) > 2:
+                raise torch.OutOfMemoryError("CUDA out of memory")
+            seen.append(batch["rid"].tolist())
+            return -batch["rid"].double(), -10.0 - batch["rid"].double()
+
+    chosen, rejected = reference.compute(Trainer(), rows, 8)
+    assert chosen.tolist() == [-float(i) for i in range(7)] and rejected.tolist() == [-10.0 - i for i in range(7)]
+    assert seen[0] == [3, 2]  # the longest rows first (4 and 3 prompt tokens)
+    assert sorted(sum(seen, [])) == list(range(7)) and max(map(len, seen)) == 2
+    out = capsys.readouterr().out
+    assert "ran out of GPU memory at 8 pairs a forward; 4 from here" in out and "at 4 pairs a forward; 2 from" in out

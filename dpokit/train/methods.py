@@ -258,6 +258,8 @@ def dpo_config_kwargs(cfg, checkpoint_dir: str, on_gpu: bool, bf16_ok: bool, wit
         "loss_type": [cfg.loss_type]}
     if cfg.sft_weight:
         kwargs.update(loss_type=[cfg.loss_type, "sft"], loss_weights=[1.0, cfg.sft_weight])
+    if on_gpu and kwargs["precompute_ref_log_probs"]:  # a forward without a backward keeps no activations: 4x the
+        kwargs["precompute_ref_batch_size"] = 4 * cfg.per_device_train_batch_size  # pairs (halved on running out)
     if cfg.loss_type == "sft" and cfg.precompute_ref_log_probs:
         # The sft loss never reads the reference; TRL would still run it over every pair before training.
         kwargs["precompute_ref_log_probs"] = False

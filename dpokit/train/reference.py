@@ -130,13 +130,33 @@ def compute(trainer, dataset, batch_size: int):
     chosen, rejected = torch.empty(len(dataset)), torch.empty(len(dataset))
     model = trainer.ref_model or trainer.model
     rows = dataset.remove_columns([c for c in COLUMNS if c in dataset.column_names])
-    for i in range(0, len(order), batch_size):
+    i = 0
+    while i < len(order):
         idx = order[i:i + batch_size]
         batch = trainer.data_collator([rows[j] for j in idx])
         batch = trainer._prepare_inputs({k: v for k, v in batch.items() if k != BROKE_COLUMN})
-        c, r = trainer.compute_ref_log_probs(model, batch)
+        try:
+            c, r = trainer.compute_ref_log_probs(model, batch)
+        except torch.OutOfMemoryError:
+            if batch_size == 1:
+                raise
+            del batch
+            batch_size = halved(batch_size)
+            continue
         chosen[idx], rejected[idx] = c.float().cpu(), r.float().cpu()
+        i += len(idx)
     return chosen, rejected
+
+
+def halved(batch_size: int) -> int:
+    """After an out-of-memory error in the pass: half the rows a forward, the GPU's cache emptied (the longest
+    rows come first, so the first batch finds out)."""
+    import torch
+
+    torch.cuda.empty_cache()
+    print(f"[model] the reference's pass ran out of GPU memory at {batch_size} pairs a forward; "
+          f"{max(1, batch_size // 2)} from here", flush=True)
+    return max(1, batch_size // 2)
 
 
 def precompute(trainer, dataset, name: str, batch_size: int, where: Path | None, key: str | None, record: dict):
