@@ -205,12 +205,12 @@ def dpo_trainer_class(cache_dir: Path | None, keys: dict, record: dict):
         def _precompute_ref_logps(self, dataset, name, batch_size):
             """TRL's __init__ asks before trainers.arm has switched the lean head on: deferred to
             kit_precompute_reference (called after arming, and by train / evaluate at the latest). Called again
-            after that (evaluate on a new dataset), it computes at once. Several processes: TRL's own pass."""
+            after that (evaluate on a new dataset), it computes at once. With several processes each computes the
+            whole split on its own device before the model is wrapped (no collective, the same values a rank's
+            steps would have computed); rank 0 keeps them on disk for the next run."""
             if not self.kit_ref_ready:  # inside super().__init__
                 self.kit_ref_pending[name] = batch_size
                 return dataset
-            if self.accelerator.num_processes > 1:
-                return super()._precompute_ref_logps(dataset, name, batch_size)
             where, keys, ident = self.kit_ref_cache
             key = reference.cache_key(keys[name], ident) if where is not None and name in keys else None
             return reference.precompute(self, dataset, name, batch_size, where, key, self.kit_ref_record)
