@@ -170,9 +170,11 @@ def test_an_exported_gguf_is_a_base_to_train_from_again(exported, tmp_path, monk
     tokenizer = AutoTokenizer.from_pretrained(converted)
     assert tokenizer.chat_template == AutoTokenizer.from_pretrained(run_dir).chat_template
     # the converted base is the GGUF's model: its greedy answers to the probes, token by token, are what llama.cpp's
-    # runtime predicts from the same file (the export's own check, the other way round)
+    # runtime predicts from the same file (the export's own check, the other way round). Every probe: llama.cpp's
+    # q8_0 kernels round the activations to 8 bits as well, so a near-tie may flip, and over 3 probes' 18 tokens
+    # one flip (on an AVX2 CPU, after a change that moved the adapter by float rounding) read 0.944
     model = AutoModelForCausalLM.from_pretrained(converted).eval()
-    probes = [json.loads(line) for line in (ROOT / "data" / "probes.jsonl").read_text().splitlines()[:3]]
+    probes = [json.loads(line) for line in (ROOT / "data" / "probes.jsonl").read_text().splitlines()]
     sequences, starts = export.probe_sequences(model, tokenizer, probes)
     runtime = export.GgufRuntime(gguf_file, n_ctx=512)
     assert export.agreement([export.hf_top1(model, s) for s in sequences], [runtime.top1(s) for s in sequences],
