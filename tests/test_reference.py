@@ -34,6 +34,11 @@ def test_a_models_files_name_it_without_reading_the_weights(tmp_path):
     (tmp_path / "config.json").write_text('{"a": 2}')
     assert reference.files_identity(str(tmp_path))["config.json"] != first["config.json"]
     assert reference.files_identity("random:llama-8b") == {"name": "random:llama-8b"}
+    gguf = tmp_path / "run-q8_0.gguf"
+    gguf.write_bytes(b"GGUF one")
+    before = reference.files_identity(str(gguf))
+    gguf.write_bytes(b"GGUF two, longer")  # exported again to the same name
+    assert reference.files_identity(str(gguf)) != before
 
 
 def test_the_identity_names_the_adapter_that_is_the_reference(tmp_path):

@@ -31,8 +31,12 @@ COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")  # TRL 1.14's names: its co
 
 def files_identity(path: str) -> dict:
     """What names a model's weights without reading them: each weights file's name, size and mtime, and the
-    config's sha256 (a model directory); the string itself otherwise (a hub name, a random:<shape> base)."""
+    config's sha256 (a model directory); a single file's (a GGUF); the string itself otherwise (a hub name, a
+    random:<shape> base)."""
     p = Path(path)
+    if p.is_file():  # a GGUF base (make train MODEL=run.gguf)
+        st = p.stat()
+        return {"name": str(p.resolve()), p.name: [st.st_size, st.st_mtime_ns]}
     if not p.is_dir():
         return {"name": path}
     out = {"name": str(p.resolve())}
