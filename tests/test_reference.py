@@ -4,6 +4,7 @@ Training through it, against the reference forward in every step, is tests/test_
 
     .venv/bin/python -m pytest -q tests/test_reference.py
 """
+import dataclasses
 import os
 
 import pytest
@@ -41,17 +42,15 @@ def test_a_models_files_name_it_without_reading_the_weights(tmp_path):
     assert reference.files_identity(str(gguf)) != before
 
 
-def test_the_identity_names_the_adapter_that_is_the_reference(tmp_path):
-    run = tmp_path / "run" / "adapter"
-    run.mkdir(parents=True)
-    (run / "adapter_model.safetensors").write_bytes(b"one")
-    cfg = training.TrainConfig(data="x", init_adapter=str(tmp_path / "run"))
-    compute = fastpath.Compute(matmuls="float32 matmuls")
-    first = reference.identity(cfg, compute, "cpu", {})
-    assert first["adapter"] and reference.identity(cfg, compute, "cpu", {}) == first
-    (run / "adapter_model.safetensors").write_bytes(b"two")
-    assert reference.identity(cfg, compute, "cpu", {})["adapter"] != first["adapter"]
-    assert reference.identity(training.TrainConfig(data="x"), compute, "cpu", {})["adapter"] == ""
+def test_the_identity_names_the_adapter_that_is_the_reference_and_what_computes():
+    cfg, compute = training.TrainConfig(data="x"), fastpath.Compute(matmuls="float32 matmuls")
+    first = reference.identity(cfg, compute, "", "cpu", {"trl": "1.14.2"})
+    assert reference.identity(cfg, compute, "", "cpu", {"trl": "1.14.2"}) == first
+    for other in (reference.identity(cfg, compute, "ab12", "cpu", {"trl": "1.14.2"}),  # an --init_adapter run
+                  reference.identity(cfg, fastpath.Compute(matmuls="bfloat16 matmuls"), "", "cpu", {"trl": "1.14.2"}),
+                  reference.identity(dataclasses.replace(cfg, share_prompts=False), compute, "", "cpu",
+                                     {"trl": "1.14.2"})):
+        assert reference.cache_key("t", other) != reference.cache_key("t", first)
 
 
 def test_an_entry_is_written_whole_and_read_back_only_for_the_same_rows(tmp_path):

@@ -49,29 +49,17 @@ def files_identity(path: str) -> dict:
     return out
 
 
-def adapter_identity(run_or_dir: str) -> str:
-    """sha256 of the adapter weights of an --init_adapter run (the reference), '' when there is none."""
-    if not run_or_dir:
-        return ""
-    p = Path(run_or_dir)
-    found = sorted(p.rglob("adapter_model.safetensors")) if p.is_dir() else [p]
-    h = hashlib.sha256()
-    for f in found:
-        h.update(f.read_bytes())
-    return h.hexdigest()
-
-
-def identity(cfg, compute, device: str, versions: dict) -> dict:
+def identity(cfg, compute, adapter_sha256: str, device: str, versions: dict) -> dict:
     """Everything besides the tokenised data that the reference log-probs depend on. cfg: a TrainConfig;
-    compute: fastpath.Compute (matmuls, log-prob path, kernels); device: 'cpu' or the GPU's name."""
+    compute: fastpath.Compute (matmuls in their dtype, log-prob path, kernels); adapter_sha256: the --init_adapter
+    run's adapter, the reference ('' for none: models.load_init_adapter hashed it); device: 'cpu' or the GPU's
+    name; versions: the libraries' that compute them."""
     return {"base": files_identity(cfg.model_name_or_path),
             "ref_model": files_identity(cfg.ref_model_name_or_path) if cfg.ref_model_name_or_path else None,
-            "adapter": adapter_identity(cfg.init_adapter),
-            "quant": [cfg.load_in_4bit, cfg.bnb_4bit_quant_type, cfg.bnb_4bit_use_double_quant],
-            "dtype": cfg.compute_dtype, "cpu_matmul_precision": cfg.cpu_matmul_precision,
+            "adapter": adapter_sha256, "quant": [cfg.load_in_4bit, cfg.bnb_4bit_quant_type,
+                                                 cfg.bnb_4bit_use_double_quant],
             "matmuls": compute.matmuls, "logps": compute.logps, "fused": compute.fused,
-            "share_prompts": cfg.share_prompts,
-            "ld_alpha": getattr(cfg, "ld_alpha", None), "device": device, "versions": versions}
+            "share_prompts": cfg.share_prompts, "device": device, "versions": versions}
 
 
 def cache_key(token_key: str, ident: dict) -> str:

@@ -455,18 +455,17 @@ def build_trainer(cfg: TrainConfig, run: runs.Run, built: Built, pairs: list[dic
 
 def reference_cache(cfg: TrainConfig, built: Built, dpo_cache: tuple) -> tuple:
     """(where reference log-probs are kept or None, {split: tokenised-data key}, what else they depend on)."""
-    import bitsandbytes
-    import peft
+    import importlib.metadata
+
     import torch
-    import transformers
-    import trl
 
     if not dpo_cache or dpo_cache[0] is None:
         return None, {}, {}
     device = torch.cuda.get_device_name() if built.on_gpu else "cpu"
-    versions = {m.__name__: m.__version__ for m in (torch, transformers, trl, peft, bitsandbytes)}
+    versions = {n: importlib.metadata.version(n) for n in ("torch", "transformers", "trl", "peft", "bitsandbytes")}
+    adapter = built.parent["adapter_sha256"] if built.parent else ""
     return (reference.cache_dir(dpo_cache[0]), dpo_cache[1],
-            reference.identity(cfg, built.compute, device, versions))
+            reference.identity(cfg, built.compute, adapter, device, versions))
 
 
 def micro_batched(cfg: TrainConfig, built: Built, method: str) -> TrainConfig:
