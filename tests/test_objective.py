@@ -174,14 +174,21 @@ def test_sft_weight_adds_the_weighted_mean_nll_of_the_chosen_tokens(baseline, tm
 
 # ------------------------------------------------------------------ the reference, computed other ways
 
-def test_the_reference_computed_once_trains_what_a_reference_pass_every_step_trains(tmp_path):
+def test_the_reference_computed_once_trains_what_a_reference_pass_every_step_trains(tmp_path, monkeypatch):
     """The default computes the reference's log-probs once before training (reference.py, through the armed lean
     head) and keeps them on disk; --no_precompute_ref_log_probs runs the reference forward in every step, as TRL
     does by default. The same losses and rewards at every step, the same adapter; a second run on the same data
     and base reads the entry instead of computing, and trains the same again. Two pairs, two steps: every pair
     is trained, so the pass pays (a run that trains fewer pairs than the data holds keeps the per-step one)."""
+    from trl.trainer import dpo_trainer
+
+    def weights_hashed(module):  # TRL's own key for its own pass: every weight copied and hashed at start-up
+        raise AssertionError("TRL hashed the model's weights")
+
+    monkeypatch.setattr(dpo_trainer, "hash_module", weights_hashed)
     rows, cache = ROWS[:2], tmp_path / "cache"
     first = train(tmp_path, "once", "--tokenized_cache", cache, rows=rows)
+    assert dpo_trainer.hash_module is weights_hashed  # skipped while the trainer was built, and put back
     entries = list((cache / "reference").glob("*.safetensors"))
     assert len(entries) == 1 and "reference log-probs (train): computed once for 2 pairs" in first[1], first[1]
     each = train(tmp_path, "each", "--no_precompute_ref_log_probs", "--tokenized_cache", cache, rows=rows)

@@ -11,6 +11,7 @@ through TRL's public API. TRL is imported inside the functions that build the cl
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -198,7 +199,8 @@ def dpo_trainer_class(cache_dir: Path | None, keys: dict, record: dict):
             self.kit_ref_pending = {}  # split -> batch size: TRL's __init__ asked for the reference pass
             self.kit_ref_record = {}  # split -> what the reference pass did (data.json)
             self.kit_ref_ready = False  # until TRL's __init__ returns
-            super().__init__(*args, **kwargs)
+            with model_hash_skipped():
+                super().__init__(*args, **kwargs)
             self.data_collator = losses.BrokeCollator(self.data_collator)
             self.kit_ref_ready = True
 
@@ -275,6 +277,22 @@ def dpo_trainer_class(cache_dir: Path | None, keys: dict, record: dict):
 
     KitDPOTrainer.__name__ = KitDPOTrainer.__qualname__ = "DPOTrainer"
     return KitDPOTrainer
+
+
+@contextlib.contextmanager
+def model_hash_skipped():
+    """TRL 1.14's DPOTrainer.__init__ hashes every weight of the reference for its own precompute's cache key
+    (trl.trainer.utils.hash_module: each tensor copied to the CPU, bfloat16 widened to float32: 32 GB of host
+    memory and tens of seconds for a dequantised 8B base). The kit's pass keys its cache itself (reference.py), so
+    while the kit's subclass is built the hash is an empty string."""
+    from trl.trainer import dpo_trainer
+
+    saved = dpo_trainer.hash_module
+    dpo_trainer.hash_module = lambda module: ""
+    try:
+        yield
+    finally:
+        dpo_trainer.hash_module = saved
 
 
 def enable_chunked_logps(trainer, targets: list[str]) -> tuple[str, bool]:
