@@ -376,7 +376,8 @@ def plan_gpu_memory(cfg: TrainConfig, loaded: list, compute_dtype: str, compute:
     import torch
 
     config = loaded[0].config.to_dict()
-    pair_bytes = 2 * cfg.max_length * models.activation_bytes_per_token(config)  # no prompt shared: the bound
+    width = 2 if compute_dtype in ("bfloat16", "float16") else 4  # bytes a weight or activation takes
+    pair_bytes = 2 * cfg.max_length * models.activation_bytes_per_token(config, width)  # no prompt shared: the bound
     step_bytes = cfg.per_device_train_batch_size * pair_bytes
     if cfg.load_in_4bit and cfg.dequantize_on_gpu:
         quantized = sum(models.count_parameters(m.named_parameters())["quantized_4bit"] for m in loaded)
@@ -385,7 +386,7 @@ def plan_gpu_memory(cfg: TrainConfig, loaded: list, compute_dtype: str, compute:
             swapped = sum(models.dequantize_4bit_(m) for m in loaded)
             torch.cuda.empty_cache()
             compute.matmuls = f"NF4 weights dequantised once to {compute_dtype} (cuda), {compute_dtype} matmuls"
-            print(f"[model] cuda: {swapped} NF4 layers dequantised once to {compute_dtype} ({quantized * 2 / 1e9:.1f} "
+            print(f"[model] cuda: {swapped} NF4 layers dequantised once to {compute_dtype} ({quantized * width / 1e9:.1f} "
                   f"GB; {free / 1e9:.0f} GB were free): the same values, without dequantising at every matmul "
                   "(--no_dequantize_on_gpu keeps 4-bit kernels)", flush=True)
         else:
