@@ -196,9 +196,8 @@ def dpo_trainer_class(cache_dir: Path | None, keys: dict, record: dict):
         kit_ref_cache: tuple = (None, {}, {})  # (reference cache dir or None, {split: token key}, identity)
 
         def __init__(self, *args, **kwargs):
-            self.kit_ref_pending = {}  # split -> batch size: TRL's __init__ asked for the reference pass
-            self.kit_ref_record = {}  # split -> what the reference pass did (data.json)
-            self.kit_ref_ready = False  # until TRL's __init__ returns
+            # split -> batch size TRL's __init__ asked a reference pass for; split -> what it did (data.json); ready
+            self.kit_ref_pending, self.kit_ref_record, self.kit_ref_ready = {}, {}, False  # once __init__ returns
             with model_hash_skipped():
                 super().__init__(*args, **kwargs)
             self.data_collator = losses.BrokeCollator(self.data_collator)
