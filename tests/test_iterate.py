@@ -378,17 +378,26 @@ stages:
     assert [st["data"] for st in got["stages"]] == ["/w/runs.pairs.jsonl", "/logs.jsonl"]
     assert [st["train"].get("eval_prompts") for st in got["stages"]] == [None, None]
     demo = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
-    later = {}
-    for name, kinds in (("sft-grpo.yaml", ["dpo", "grpo"]), ("rounds.yaml", ["dpo", "attempts"])):
+    later, chained = {}, {}
+    for name, kinds in (("sft-grpo.yaml", ["dpo", "grpo"]), ("rounds.yaml", ["dpo", "attempts"]),
+                        ("rounds-grpo.yaml", ["dpo", "attempts", "grpo"])):
         bundled, lines = iterate.load_plan(str(ROOT / "configs" / name))  # the recipe first, as make train trains it
         assert not iterate.plan_problems(bundled, lines) and [st["kind"] for st in bundled["stages"]] == kinds
-        first, later[name] = iterate.chain(bundled, lines, {st["data"]: "a" * 64 for st in bundled["stages"]})
+        chained[name] = iterate.chain(bundled, lines, {st["data"]: "a" * 64 for st in bundled["stages"]})
+        first, later[name] = chained[name][0], chained[name][-1]
         assert all(first.train[k] == demo[k] for k in ("loss_type", "learning_rate", "mix", "num_train_epochs",
                                                        "distinct_chosen")), name
     rl = later["sft-grpo.yaml"]
     # `learning_rate: default` (and num_train_epochs): the config's own default, not the included recipe's
     assert not set(rl.train) & set(methods.DPO_ONLY) and not {"learning_rate", "num_train_epochs"} & set(rl.train)
     assert later["rounds.yaml"].train["learning_rate"] == 2e-4 and later["rounds.yaml"].train["eval_samples"] == 8
+    # rounds-grpo.yaml: make train's round as configs/rounds.yaml trains it, then GRPO as sft-grpo.yaml's
+    round_, then_rl = chained["rounds-grpo.yaml"][1], later["rounds-grpo.yaml"]
+    assert all(round_.train[k] == later["rounds.yaml"].train[k] for k in ("learning_rate", "num_train_epochs",
+                                                                          "broke_weight", "loss_type", "mix"))
+    assert round_.pairs == chained["rounds.yaml"][1].pairs
+    assert {k: v for k, v in then_rl.train.items() if k not in ("seed",)} == \
+        {k: v for k, v in rl.train.items() if k not in ("seed",)}
 
 
 @pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="bundled model not converted (make model)")

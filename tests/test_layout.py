@@ -137,7 +137,7 @@ def test_every_training_option_and_its_default_live_in_the_config_module():
     assert {"TrainConfig", "DPOOptions", "KTOOptions", "GRPOOptions", "FastOptions", "EvalOptions"} <= classes
     for module in ("dpokit.train.methods", "dpokit.train.evaluate", "dpokit.model.fastpath", "dpokit.train.training"):
         assert "field(" not in LIBRARY[module].read_text(), module
-    for plan in ("rounds.yaml", "sft-grpo.yaml"):  # the recipe included, not copied
+    for plan in ("rounds.yaml", "sft-grpo.yaml", "rounds-grpo.yaml"):  # the recipe included, not copied
         text = (ROOT / "configs" / plan).read_text()
         assert "config: configs/demo.yaml" in text and "2.0e-3" not in text, plan
 
