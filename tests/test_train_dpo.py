@@ -1585,3 +1585,43 @@ def test_make_train_data_trains_text_pairs_kto_examples_and_supervised_rows_with
                              "--per_device_train_batch_size", 2, "--max_length", 96, "--lora_r", 4,
                              "--eval_fraction", 0, "--probes", "", data=data)
     assert (run_dir / "adapter_model.safetensors").exists(), out[-2000:]
+
+
+def test_an_eval_forward_leaves_the_4bit_layers_as_loaded_so_training_after_it_is_unchanged(tmp_path):
+    """The reference's pass and evaluations run the 4-bit base in eval mode without gradients. On a CPU with
+    AVX512-BF16, bitsandbytes 0.50 repacks each layer then (scales rounded to bfloat16, a kernel with no backward)
+    and keeps it so: loaded through the kit, a model trains after such a pass exactly as one that never ran it."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dpokit.model import models
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny")
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    def grads_after(eval_pass: bool):
+        model = models.load_model(str(tmp_path / "tiny"), models.LoadOptions(compute_dtype="float32"),
+                                  on_gpu=False, bf16_ok=False)
+        layer = model.model.layers[0].mlp.up_proj
+        assert type(layer).__name__ == "Linear4bit" and not getattr(layer, models.BNB_CPU_REPACK_FLAG)
+        loaded = layer.weight.data.clone()
+        torch.manual_seed(2)  # LoRA's A
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]))
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(len(name)))
+        if eval_pass:
+            with torch.no_grad():
+                model.eval()(input_ids=ids)
+        assert torch.equal(layer.weight.data, loaded)  # not repacked
+        loss = model.train()(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    (loss_a, grads_a), (loss_b, grads_b) = grads_after(False), grads_after(True)
+    assert torch.equal(loss_a, loss_b) and grads_a.keys() == grads_b.keys() and len(grads_a) == 8
+    assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)

@@ -398,9 +398,32 @@ def load_model(path: str, opts: LoadOptions, on_gpu: bool, bf16_ok: bool):
             load_in_4bit=True, bnb_4bit_quant_type=cfg.bnb_4bit_quant_type,
             bnb_4bit_use_double_quant=cfg.bnb_4bit_use_double_quant, bnb_4bit_compute_dtype=dtype)
     try:
-        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as e:
         raise UserError(f"cannot load model {path!r}: {e}") from None
+    if cfg.load_in_4bit:
+        keep_4bit_layout(model)
+    return model
+
+
+# bitsandbytes' Linear4bit attribute that turns its CPU repacking on (read in forward), as in the pinned 0.50
+BNB_CPU_REPACK_FLAG = "support_avx512bf16_for_cpu"
+
+
+def keep_4bit_layout(model) -> int:
+    """Keep every 4-bit layer in the layout it was loaded in. On a CPU with AVX512-BF16, bitsandbytes 0.50 repacks a
+    Linear4bit's weights the first time it runs in eval mode without gradients (the reference's pass, an evaluation,
+    generation) and never unpacks them: the scales are rounded to bfloat16 for the rest of the process, and training
+    then runs through gemv_4bit, which has no backward (the gradient to the layer's input is silently wrong). The
+    same run trained differently on such a CPU than on any other. Off here, on every machine; returns the count."""
+    import bitsandbytes as bnb
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit) and hasattr(module, BNB_CPU_REPACK_FLAG):
+            setattr(module, BNB_CPU_REPACK_FLAG, False)
+            count += 1
+    return count
 
 
 def float32_trainable(model) -> int:
