@@ -410,20 +410,18 @@ def load_model(path: str, opts: LoadOptions, on_gpu: bool, bf16_ok: bool):
 BNB_CPU_REPACK_FLAG = "support_avx512bf16_for_cpu"
 
 
-def keep_4bit_layout(model) -> int:
+def keep_4bit_layout(model) -> None:
     """Keep every 4-bit layer in the layout it was loaded in. On a CPU with AVX512-BF16, bitsandbytes 0.50 repacks a
     Linear4bit's weights the first time it runs in eval mode without gradients (the reference's pass, an evaluation,
     generation) and never unpacks them: the scales are rounded to bfloat16 for the rest of the process, and training
     then runs through gemv_4bit, which has no backward (the gradient to the layer's input is silently wrong). The
-    same run trained differently on such a CPU than on any other. Off here, on every machine; returns the count."""
+    same run trained differently on such a CPU than on any other. Off here, on every machine (a bitsandbytes without
+    the attribute has no such repacking; the test reads it, so an upgrade that renames it fails there)."""
     import bitsandbytes as bnb
 
-    count = 0
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit) and hasattr(module, BNB_CPU_REPACK_FLAG):
             setattr(module, BNB_CPU_REPACK_FLAG, False)
-            count += 1
-    return count
 
 
 def float32_trainable(model) -> int:
