@@ -13,6 +13,9 @@ LOGS ?= data/runs.jsonl
 # (data/attempts*.jsonl; data/README.md says how they were made). ATTEMPTS= leaves them out.
 comma := ,
 ATTEMPTS ?= $(if $(filter data/runs.jsonl,$(LOGS)),data/attempts.jsonl$(comma)data/attempts-round2.jsonl)
+# Run logs no training reads (other tasks, hosts and users than the demo's): make compare scores every row's answers
+# to them too (bench/compare.py --unseen). UNSEEN= leaves them out.
+UNSEEN ?= $(if $(filter data/runs.jsonl,$(LOGS)),bench/unseen-runs.jsonl)
 MODEL ?=
 RUN ?=
 ARGS ?=
@@ -389,8 +392,8 @@ bench: $(STAMP) $(if $(filter-out random:%,$(MODEL)),,$(BUNDLED_MODEL)/config.js
 	$(if $(MODEL),,$(PY) bench/sampling.py $(if $(filter 1,$(QUICK)),--repeats 1 --max_new_tokens 96 --stem results-sampling-quick))
 
 .PHONY: compare
-compare: $(STAMP) $(BUNDLED_MODEL)/config.json ## base vs make train (a round), the recipe alone, DPO, KTO, GRPO and the recipe + GRPO on LOGS, held-out checker scores over 3 seeds: bench/results-methods.{md,json} (hours; ARGS="--only recipe,kto" trains a part, rows on the same inputs are kept)
-	$(PY) bench/compare.py --logs $(LOGS) $(if $(ATTEMPTS),--extra_runs $(ATTEMPTS)) $(ARGS)
+compare: $(STAMP) $(BUNDLED_MODEL)/config.json ## base vs make train (a round), the recipe alone, DPO, KTO, GRPO and the recipe + GRPO on LOGS, held-out checker scores, and UNSEEN's, over 3 seeds: bench/results-methods.{md,json} (hours; ARGS="--only recipe,kto" trains a part, rows on the same inputs are kept)
+	$(PY) bench/compare.py --logs $(LOGS) $(if $(ATTEMPTS),--extra_runs $(ATTEMPTS)) $(if $(UNSEEN),--unseen $(UNSEEN)) $(ARGS)
 
 .PHONY: bench-serve
 bench-serve: $(STAMP) $(BUNDLED_MODEL)/config.json $(if $(filter vllm,$(ENGINE)),$(if $(ENGINE_URL),,$(VLLM_STAMP))) ## status polling while a job trains (50 clients, p50/p99), then chat answers to 1/4/16 clients (first-token p50/p99, tokens/s); ENGINE=vllm|ENGINE_URL=: the same through the engine, and a job's success to its adapter's first token -> bench/results-serve.md

@@ -3,7 +3,8 @@ over several seeds, each scored by running its sampled answers to the held-out r
 
     make compare                        # 3 seeds x 6 arms on the demo logs (hours): bench/results-methods.{md,json}
     .venv/bin/python bench/compare.py [--seeds 1,2,3] [--arms "dpo=dpo; kto=kto"] [--logs data/runs.jsonl]
-                                      [--out bench/results-methods] [-- TRAIN_FLAGS...]
+                                      [--out bench/results-methods] [--unseen bench/unseen-runs.jsonl]
+                                      [-- TRAIN_FLAGS...]
 
 An arm is NAME=METHOD [train_dpo.py flags], arms separated by ';'. The default arms: `rounds` (what `make train`
 runs on the bundled model: configs/rounds.yaml, the recipe, then the model's own scored attempts), `recipe` (its first
@@ -20,6 +21,9 @@ read back. A run's report's execution
 section is read back: `--eval_samples` sampled answers (seeded) to each
 held-out prompt from the base (adapter off) and from the tuned model, each run on the prompt's host. The base's
 numbers come from every run; with the same seed they are the same samples, so they are shown once per seed.
+With --unseen (make compare's UNSEEN, bench/unseen-runs.jsonl on the demo logs), each row's run is also scored on
+run logs no arm trained on or attempted (`entrypoint.py eval RUN FILE`), base and tuned, and the tables show those
+numbers beside the held-out ones: whether what a run learned carries over to other tasks, hosts and users.
 
 A comparison takes hours, so it can be made in parts: a row already in OUT.json is kept, not trained again, when its
 seed, arm and inputs are the same (the arm's method and flags, the flags after `--`, and the bytes of the logs, the
@@ -106,6 +110,9 @@ class CompareConfig:
                             "has for the same seed, arm and inputs")
     only: str = kit.field("", "train only these arms (comma-separated names) in this call; the others' rows are kept "
                           "where OUT.json has them on the same inputs, and left out where not")
+    unseen: str = kit.field("", "run logs no arm trains on (bench/unseen-runs.jsonl: other tasks, hosts and users): "
+                            "each row's base and tuned answers to their prompts are scored too, as `make eval RUN=... "
+                            "DATA=...` scores them, and the tables show them beside the held-out ones")
 
 
 def inputs_digest(method: str, flags: list[str], extra: list[str], files: list[Path]) -> str:
@@ -170,6 +177,18 @@ def summarize(rows: list[dict]) -> dict:
         out[name]["broke"] = sum(v.get("outcomes", {}).get("broke", 0) for v in values)
         out[name]["unscorable"] = sum(v.get("outcomes", {}).get("unscorable", 0) for v in values)
         out[name]["modes"] = sorted({v.get("isolation") or "?" for v in values})
+    unseen = {}
+    for r in rows:
+        if r.get("unseen"):
+            unseen.setdefault("base", {}).setdefault(r["seed"], r["unseen"]["base"])
+            unseen.setdefault(r["method"], {})[r["seed"]] = r["unseen"]["tuned"]
+    for name, by_seed in unseen.items():
+        values = list(by_seed.values())
+        out.setdefault(name, {})["unseen"] = {
+            key: {"mean": statistics.fmean(xs) if xs else float("nan"), "std": statistics.stdev(xs) if len(xs) > 1
+                  else 0.0, "n": len(xs)}
+            for key in ("mean_score", "pass_rate") for xs in [[v[key] for v in values if v.get(key) is not None]]}
+        out[name]["unseen"]["broke"] = sum(v.get("outcomes", {}).get("broke", 0) for v in values)
     return out
 
 
@@ -182,14 +201,34 @@ def table(rows: list[dict], summary: dict) -> str:
                      f"{s['pass_rate']['mean']:.3f} ± {s['pass_rate']['std']:.3f} | {s.get('broke', 0)} | "
                      f"{s['mean_score']['n']} | {', '.join(s.get('modes', ['?']))}"
                      + (f" ({s['unscorable']} unscorable)" if s.get("unscorable") else "") + " |")
-    lines += ["", "| seed | method | sandbox | base score | tuned score | base pass | tuned pass | tuned outcomes | steps | "
-              "minutes (run start to handoff; rounds: its stages', summed) | trained at (commit, date, device) |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    unseen = any(r.get("unseen") for r in rows)
+    if unseen:
+        lines += ["", f"On the unseen logs ({next(r['unseen']['file'] for r in rows if r.get('unseen'))}: no arm "
+                  "trained on or attempted them):", "",
+                  "| method | unseen mean checker score | pass rate | answers that deleted kept files, all seeds | seeds |",
+                  "| --- | --- | --- | --- | --- |"]
+        for name, s in summary.items():
+            u = s.get("unseen")
+            if u:
+                lines.append(f"| {name} | {u['mean_score']['mean']:+.4f} ± {u['mean_score']['std']:.4f} | "
+                             f"{u['pass_rate']['mean']:.3f} ± {u['pass_rate']['std']:.3f} | {u['broke']} | "
+                             f"{u['mean_score']['n']} |")
+    lines += ["", "| seed | method | sandbox | base score | tuned score | base pass | tuned pass | tuned outcomes | "
+              + ("unseen score, base → tuned | unseen pass, base → tuned | unseen deleting kept files, base → tuned | "
+                 if unseen else "")
+              + "steps | minutes (run start to handoff; rounds: its stages', summed) | trained at (commit, date, device) |",
+              "| --- " * (14 if unseen else 11) + "|"]
     for r in rows:
+        u = r.get("unseen")
         lines.append(f"| {r['seed']} | {r['method']} | {row_mode(r)} | {kit.num(r['base']['mean_score'], '+.4f')} | "
                      f"{kit.num(r['tuned']['mean_score'], '+.4f')} "
                      f"| {kit.num(r['base']['pass_rate'], '.3f')} | {kit.num(r['tuned']['pass_rate'], '.3f')} | "
                      + ", ".join(f"{k} {v}" for k, v in sorted(r["tuned"]["outcomes"].items()))
+                     + (" | " + " | ".join(f"{kit.num(u['base'][k], f)} → {kit.num(u['tuned'][k], f)}"
+                                          for k, f in (("mean_score", "+.4f"), ("pass_rate", ".3f")))
+                        + f" | {u['base'].get('outcomes', {}).get('broke', 0)} → "
+                          f"{u['tuned'].get('outcomes', {}).get('broke', 0)}" if u else " | n/a | n/a | n/a" if unseen
+                        else "")
                      + f" | {r['steps']} | {r['minutes']:.1f} | {(r.get('commit') or '?')[:7]} {r.get('date', '?')}"
                      + f" {r.get('device') or ''}".rstrip() + " |")
     return "\n".join(lines)
@@ -214,6 +253,17 @@ def grpo_runs(work: Path, run_dir: Path, method: str) -> list[Path]:
     if method != "rounds":
         return []
     return [work / st["run_name"] for st in json.loads((run_dir / "lineage.json").read_text()) if st.get("kind") == "grpo"]
+
+
+def unseen_scores(run_dir: Path, unseen: str) -> dict:
+    """The run's base and tuned answers to every prompt of the unseen logs, scored by the checker (entrypoint.py eval
+    RUN FILE, into <run>-eval/): {file, base, tuned, prompts, samples} as the held-out evaluation has them."""
+    cmd = [sys.executable, str(ROOT / "entrypoint.py"), "eval", str(run_dir), unseen]
+    print(f"[compare] {run_dir.name}: {' '.join(cmd[1:])}", flush=True)
+    if subprocess.run(cmd, cwd=ROOT).returncode:
+        raise kit.UserError(f"{run_dir.name}: entrypoint.py eval on {unseen} failed: its output is above")
+    execution = json.loads((run_dir.with_name(run_dir.name + "-eval") / "evaluation.json").read_text())["execution"]
+    return {"file": unseen, **{k: execution[k] for k in ("base", "tuned", "prompts", "samples")}}
 
 
 def findings(rows: list[dict]) -> list[str]:
@@ -309,8 +359,9 @@ def main(argv=None) -> int:
         raise kit.UserError(f"--only {', '.join(sorted(unknown))}: not an arm ({', '.join(a[0] for a in parse_arms(cfg.arms))})")
     rows = []
     arms = parse_arms(cfg.arms)
+    unseen = [Path(cfg.unseen)] if cfg.unseen else []  # a row is kept only where it was scored on the same unseen logs
     digests = {arm: inputs_digest(method, flags, extra, input_files(str(Path(cfg.logs).resolve()), more,
-                                                                     named_configs(method, flags)))
+                                                                     named_configs(method, flags)) + unseen)
                for arm, method, flags in arms}
     from dpokit.sandbox import sandbox
 
@@ -345,6 +396,8 @@ def main(argv=None) -> int:
                      "this_call_s": time.time() - t0, "digest": digest, "commit": kit.git_commit(ROOT),
                      "date": dt.date.today().isoformat(),
                      "device": json.loads((run_dir / "manifest.json").read_text()).get("device")})
+        if cfg.unseen:
+            rows[-1]["unseen"] = unseen_scores(run_dir, cfg.unseen)
         for grpo_run in grpo_runs(work, run_dir, method)[-1:]:  # a plan's GRPO stage too (sft-grpo)
             rows[-1]["grpo"] = grpo_signal([json.loads(line) for line in
                                             (grpo_run / "metrics.jsonl").read_text().splitlines() if line.strip()])

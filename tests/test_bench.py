@@ -312,6 +312,34 @@ def test_method_comparison_summary_is_mean_and_spread_over_seeds():
     assert "| 2 | grpo | limits | +0.1000 | n/a | 0.000 | n/a |" in text
 
 
+def test_the_comparison_shows_the_unseen_logs_beside_the_held_out_runs_per_seed_and_over_seeds():
+    import compare  # bench/compare.py
+
+    def arm(score, rate, broke=0):
+        return {"mean_score": score, "pass_rate": rate, "outcomes": {"failed": 3, "broke": broke},
+                "isolation": "bwrap"}
+
+    rows = [{"seed": s, "method": "rounds", "base": arm(0.0, 0.0), "tuned": arm(0.01, 0.4), "steps": 2,
+             "minutes": 1.0, "unseen": {"file": "bench/unseen-runs.jsonl", "base": arm(0.0, 0.0, b),
+                                        "tuned": arm(u, r, k), "prompts": 10, "samples": 8}}
+            for s, u, r, k, b in ((1, 0.02, 0.3, 0, 0), (2, -0.01, 0.2, 2, 1))]
+    summary = compare.summarize(rows)
+    assert summary["rounds"]["unseen"]["pass_rate"] == {"mean": pytest.approx(0.25), "std": pytest.approx(0.0707, abs=1e-4),
+                                                        "n": 2}
+    assert summary["rounds"]["unseen"]["broke"] == 2 and summary["base"]["unseen"]["broke"] == 1
+    text = compare.table(rows, summary)
+    assert "On the unseen logs (bench/unseen-runs.jsonl: no arm trained on or attempted them):" in text
+    assert "| rounds | +0.0050 ± 0.0212 | 0.250 ± 0.071 | 2 | 2 |" in text
+    assert "| 2 | rounds | bwrap | +0.0000 | +0.0100 | 0.000 | 0.400 | broke 0, failed 3 | +0.0000 → -0.0100 | " \
+           "0.000 → 0.200 | 1 → 2 | 2 | 1.0 |" in text
+    header, rule = [line for line in text.splitlines() if line.startswith("| seed") or line.startswith("| --- | --- | --- | --- | --- | --- | --- |")][:2]
+    assert header.count("|") == rule.count("|")  # the per-seed table's columns line up
+    del rows[1]["unseen"]  # a row from before --unseen: its cells say so
+    assert "| 2 | rounds | bwrap | +0.0000 | +0.0100 | 0.000 | 0.400 | broke 0, failed 3 | n/a | n/a | n/a | 2 |" \
+        in compare.table(rows, compare.summarize(rows))
+    assert "unseen" not in compare.table(rows[1:], compare.summarize(rows[1:]))
+
+
 def test_a_compared_row_is_kept_only_for_the_same_seed_arm_and_inputs(tmp_path):
     import compare  # bench/compare.py
 
