@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dpokit.core import kit  # noqa: E402
+from dpokit.data import runlogs  # noqa: E402
 
 
 DEFAULT_ARMS = ("rounds=rounds configs/rounds.yaml; recipe=dpo --config configs/demo.yaml; "
@@ -158,6 +159,14 @@ def row_mode(row: dict) -> str:
     return (row.get("tuned") or {}).get("isolation") or "?"
 
 
+def spread(values: list[dict], key: str) -> dict:
+    """Mean and sample standard deviation over seeds of one number of each run's scores, and how many runs had it
+    (None: no answer of that run could be scored)."""
+    xs = [v[key] for v in values if v.get(key) is not None]
+    return {"mean": statistics.fmean(xs) if xs else float("nan"), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0,
+            "n": len(xs)}
+
+
 def summarize(rows: list[dict]) -> dict:
     """Per method (and the base): mean and sample standard deviation over seeds of the held-out mean checker score
     and pass rate. rows: {seed, method, base: {mean_score, pass_rate}, tuned: {...}}."""
@@ -171,9 +180,7 @@ def summarize(rows: list[dict]) -> dict:
     for name, values in arms.items():
         out[name] = {}
         for key in ("mean_score", "pass_rate"):
-            xs = [v[key] for v in values if v.get(key) is not None]  # None: no answer of that run could be scored
-            out[name][key] = {"mean": statistics.fmean(xs) if xs else float("nan"),
-                              "std": statistics.stdev(xs) if len(xs) > 1 else 0.0, "n": len(xs)}
+            out[name][key] = spread(values, key)
         out[name]["broke"] = sum(v.get("outcomes", {}).get("broke", 0) for v in values)
         out[name]["unscorable"] = sum(v.get("outcomes", {}).get("unscorable", 0) for v in values)
         out[name]["modes"] = sorted({v.get("isolation") or "?" for v in values})
@@ -184,12 +191,20 @@ def summarize(rows: list[dict]) -> dict:
             unseen.setdefault(r["method"], {})[r["seed"]] = r["unseen"]["tuned"]
     for name, by_seed in unseen.items():
         values = list(by_seed.values())
-        out.setdefault(name, {})["unseen"] = {
-            key: {"mean": statistics.fmean(xs) if xs else float("nan"), "std": statistics.stdev(xs) if len(xs) > 1
-                  else 0.0, "n": len(xs)}
-            for key in ("mean_score", "pass_rate") for xs in [[v[key] for v in values if v.get(key) is not None]]}
-        out[name]["unseen"]["broke"] = sum(v.get("outcomes", {}).get("broke", 0) for v in values)
+        out[name]["unseen"] = {"mean_score": spread(values, "mean_score"), "pass_rate": spread(values, "pass_rate"),
+                               "broke": sum(v.get("outcomes", {}).get("broke", 0) for v in values)}
     return out
+
+
+def unseen_cells(unseen: dict | None) -> str:
+    """A per-seed row's three unseen-logs cells (score, pass rate, answers deleting kept files; base → tuned), each
+    after a ' | '; 'n/a' for a row scored before --unseen was given."""
+    if not unseen:
+        return " | n/a" * 3
+    base, tuned = unseen["base"], unseen["tuned"]
+    cells = [f"{kit.num(base[k], f)} → {kit.num(tuned[k], f)}" for k, f in (("mean_score", "+.4f"), ("pass_rate", ".3f"))]
+    cells.append(f"{base.get('outcomes', {}).get('broke', 0)} → {tuned.get('outcomes', {}).get('broke', 0)}")
+    return "".join(f" | {c}" for c in cells)
 
 
 def table(rows: list[dict], summary: dict) -> str:
@@ -219,16 +234,11 @@ def table(rows: list[dict], summary: dict) -> str:
               + "steps | minutes (run start to handoff; rounds: its stages', summed) | trained at (commit, date, device) |",
               "| --- " * (14 if unseen else 11) + "|"]
     for r in rows:
-        u = r.get("unseen")
         lines.append(f"| {r['seed']} | {r['method']} | {row_mode(r)} | {kit.num(r['base']['mean_score'], '+.4f')} | "
                      f"{kit.num(r['tuned']['mean_score'], '+.4f')} "
                      f"| {kit.num(r['base']['pass_rate'], '.3f')} | {kit.num(r['tuned']['pass_rate'], '.3f')} | "
                      + ", ".join(f"{k} {v}" for k, v in sorted(r["tuned"]["outcomes"].items()))
-                     + (" | " + " | ".join(f"{kit.num(u['base'][k], f)} → {kit.num(u['tuned'][k], f)}"
-                                          for k, f in (("mean_score", "+.4f"), ("pass_rate", ".3f")))
-                        + f" | {u['base'].get('outcomes', {}).get('broke', 0)} → "
-                          f"{u['tuned'].get('outcomes', {}).get('broke', 0)}" if u else " | n/a | n/a | n/a" if unseen
-                        else "")
+                     + (unseen_cells(r.get("unseen")) if unseen else "")
                      + f" | {r['steps']} | {r['minutes']:.1f} | {(r.get('commit') or '?')[:7]} {r.get('date', '?')}"
                      + f" {r.get('device') or ''}".rstrip() + " |")
     return "\n".join(lines)
@@ -359,6 +369,8 @@ def main(argv=None) -> int:
         raise kit.UserError(f"--only {', '.join(sorted(unknown))}: not an arm ({', '.join(a[0] for a in parse_arms(cfg.arms))})")
     rows = []
     arms = parse_arms(cfg.arms)
+    if cfg.unseen and not runlogs.prompts_from_logs(cfg.unseen):  # FILE:LINE for a bad line, before hours of training
+        raise kit.UserError("no run in it to ask the runs' models", cfg.unseen)
     unseen = [Path(cfg.unseen)] if cfg.unseen else []  # a row is kept only where it was scored on the same unseen logs
     digests = {arm: inputs_digest(method, flags, extra, input_files(str(Path(cfg.logs).resolve()), more,
                                                                      named_configs(method, flags)) + unseen)

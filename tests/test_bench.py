@@ -340,6 +340,19 @@ def test_the_comparison_shows_the_unseen_logs_beside_the_held_out_runs_per_seed_
     assert "unseen" not in compare.table(rows[1:], compare.summarize(rows[1:]))
 
 
+def test_unseen_logs_that_cannot_be_read_stop_the_comparison_before_anything_trains(tmp_path, capsys):
+    import compare  # bench/compare.py
+
+    bad = tmp_path / "unseen.jsonl"
+    bad.write_text('{"run_id": "u-01", "prompt": []\n')
+    for path, message in ((tmp_path / "nope.jsonl", "cannot read the run logs"), (bad, f"{bad}:1: malformed JSON")):
+        argv = ["--unseen", str(path), "--work", str(tmp_path / "w"), "--out", str(tmp_path / "out")]
+        assert kit.run_cli(compare.main, argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
+    assert not (tmp_path / "out.json").exists() and not list((tmp_path / "w" / "pairs").iterdir())
+
+
 def test_a_compared_row_is_kept_only_for_the_same_seed_arm_and_inputs(tmp_path):
     import compare  # bench/compare.py
 
