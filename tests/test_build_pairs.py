@@ -113,10 +113,8 @@ def test_a_mixed_pair_whose_rejected_attempt_broke_what_must_be_kept_is_marked()
 def test_the_demo_logs_mark_each_keep_part_runs_wipe_and_nothing_else():
     pairs = [p for r in runlogs.read_runs(str(DEMO)) for p in bp.pairs_for_run(r, bp.PairsConfig(runs="x"))]
     marked = sorted(p.meta["run_id"] for p in pairs if p.meta.get("rejected_broke"))
-    traps = ["run-0301", "run-0303", "run-0304", "run-0305", "run-0306", "run-0307", "run-0308", "run-0310",
-             "run-0311", "run-0312", "run-0313", "run-0314", "run-0316", "run-0317", "run-0319", "run-0320"]
     assert marked == ["run-0153", "run-0156", "run-0157", "run-0158", "run-0160", "run-0163", "run-0164",
-                      "run-0165", *traps]  # the runs that keep part, then the broad tasks that must keep some
+                      "run-0165"]  # the runs that keep part
 
 
 def test_mixed_cap_keeps_the_earliest_failures():
@@ -512,7 +510,7 @@ def test_demo_logs_exercise_every_rule_and_load_as_pairs(tmp_path):
     assert code == 0 and report["invalid_lines_skipped"] == 0
     assert all(n > 0 for n in report["pairs_by_rule"].values()), report["pairs_by_rule"]
     assert all(n > 0 for n in report["runs_by_outcome"].values()), report["runs_by_outcome"]
-    assert 80 <= report["pairs_written"] <= 110
+    assert 60 <= report["pairs_written"] <= 90
     assert report["duplicates_removed"] > 0 and report["pairs_capped"] > 0 and report["cross_run_capped"] > 0
     records, stats = formats.load_pairs(str(tmp_path / "pairs.jsonl"))
     assert stats["format"] == "trl_conversational" and len(records) == report["pairs_written"]
@@ -535,7 +533,7 @@ def test_demo_logs_with_emit_kto_use_every_run(tmp_path, capsys):
     assert all(list(line) == ["prompt", "completion", "label", "meta"] and line["label"] in (True, False)
                and line["completion"][0]["role"] == "assistant" for line in lines)
     records, stats = formats.load_pairs(str(tmp_path / "pairs.jsonl"))  # what train_dpo.py reads: KTO, by run
-    assert stats["format"] == "kto" and len(records) == len(lines) and len({r["_run"] for r in records}) == 73
+    assert stats["format"] == "kto" and len(records) == len(lines) and len({r["_run"] for r in records}) == 57
     labels = report["examples_by_label"]
     assert (f"examples written: {len(lines)} ({labels['desirable']} desirable, {labels['undesirable']} undesirable) "
             f"from {report['runs_used']} of {report['runs_read']} runs") in capsys.readouterr().err
@@ -870,8 +868,8 @@ def test_extra_run_files_read_after_the_first_give_what_the_files_joined_give(tm
                                   "--prompts", str(tmp_path / "p"))
     assert code == code2 == 0 and parts == joined and len(parts) > 20
     assert (tmp_path / "p").read_bytes() == (whole / "p").read_bytes()  # one prompt per (strategy, host)
-    assert report2["extra_runs"] == [str(second), str(third)] and report2["runs_read"] == report["runs_read"] == 73
-    assert f"73 runs read from {first} + {second} + {third}" in capsys.readouterr().err
+    assert report2["extra_runs"] == [str(second), str(third)] and report2["runs_read"] == report["runs_read"] == 57
+    assert f"57 runs read from {first} + {second} + {third}" in capsys.readouterr().err
     third.write_text("".join(lines[35:37]) + "{not json\n")
     code3, _, _ = build(tmp_path, first, "--emit", emit, "--extra_runs", f"{second},{third}")
     assert code3 == 2 and f"{third}:3:" in capsys.readouterr().err  # the file and its own line

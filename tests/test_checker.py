@@ -265,12 +265,12 @@ def test_the_grpo_reward_has_trls_signature_and_without_a_host_column_reads_the_
 @needs_bwrap
 def test_the_demo_logs_are_scored_as_they_were_logged_for_most_attempts():
     """The demo logs are the ground truth: the checker agrees with them on whether each attempt succeeded (ran and
-    freed space) for 109 of their 123 attempts (measured). Where it does not, the logged host had something the
+    freed space) for 77 of their 91 attempts (measured). Where it does not, the logged host had something the
     planted one does not (a tool that failed, a cache the agent's code missed)."""
     result = checker.agreement(str(ROOT / "data" / "runs.jsonl"))
     print(f"\nchecker vs logs: ran {result['ran_agree']}/{result['attempts']}, "
           f"succeeded {result['succeeded_agree']}/{result['attempts']}")
-    assert result["attempts"] == 123 and result["succeeded_agree"] >= 109 and result["ran_agree"] >= 103
+    assert result["attempts"] == 91 and result["succeeded_agree"] >= 77 and result["ran_agree"] >= 71
 
 
 def test_cli_prints_the_outcome_and_refuses_a_missing_file(tmp_path):

@@ -171,14 +171,14 @@ def test_grpo_problems_are_reported_together():
 
 def test_grpo_reads_run_logs_or_a_prompts_file_and_holds_out_by_run(tmp_path):
     rows, fmt = methods.load_prompts(str(ROOT / "data" / "runs.jsonl"))
-    assert fmt == "run_logs" and len(rows) == 73 and all("Host " in r["host"] for r in rows)
+    assert fmt == "run_logs" and len(rows) == 57 and all("Host " in r["host"] for r in rows)
     assert methods.holds_prompts(methods.first_record(str(ROOT / "data" / "runs.jsonl")))
     assert not methods.holds_prompts({"prompt": "q", "chosen": "a", "rejected": "b"})
     assert methods.holds_prompts({"prompt": "q", "host": "h"})
     data = training.formats.TrainingData(path="x", sha256="", format="", pairs=0, skipped={})
     cfg = training.TrainConfig(data=str(ROOT / "data" / "runs.jsonl"), method="grpo")
     train, held = methods.grpo_data(cfg, data)
-    assert data.held_out == len(held) == 8 and len(train) == 65 and data.format == "run_logs"
+    assert data.held_out == len(held) == 8 and len(train) == 49 and data.format == "run_logs"
     held_runs = {r["_run"] for r in held}
     assert not held_runs & {r["_run"] for r in train}  # a run's prompt is on one side only, as its pairs are
     bad = tmp_path / "prompts.jsonl"

@@ -140,7 +140,7 @@ def test_input_kind_tells_run_logs_sft_and_pairs_apart(tmp_path):
 
 
 # What a hostile upload holds (the training file's first line, or its second after a good row), and the one
-# sentence its job fails with, after FILE:LINE. Each fits the test service's --max_file_mb 0.2 (200,000 bytes).
+# sentence its job fails with, after FILE:LINE. Each fits the test service's --max_file_mb 0.1 (100,000 bytes).
 HOSTILE = {
     "deep.jsonl": (b"[" * 100_000, "malformed JSON: nested too deep at column 1"),  # RecursionError in json's parser
     "huge_line.jsonl": (b'{"input": "' + b"x" * 99_000 + b"\n", "malformed JSON: Unterminated string starting at "
@@ -388,7 +388,7 @@ def job_log(out: Path, job_id: str) -> str:
 def service(tmp_path_factory):
     if not (MODEL / "config.json").exists():
         pytest.skip("bundled model not converted (make model)")
-    svc = Service(tmp_path_factory.mktemp("serve") / "art", None, "--max_file_mb", "0.2",  # data/runs.jsonl: 117 KB
+    svc = Service(tmp_path_factory.mktemp("serve") / "art", None, "--max_file_mb", "0.1",  # data/runs.jsonl: 72 KB
                   "--model_map", "gpt-4o-mini*=SmolLM2-135M-Instruct,gpt-4.1-nano=SmolLM2-135M-Instruct")
     yield svc
     svc.stop()
@@ -488,7 +488,7 @@ def test_a_bad_line_fails_the_job_naming_the_line_and_http_errors_are_openai_sha
     with pytest.raises(openai.NotFoundError):
         client.fine_tuning.jobs.retrieve("ftjob-nope")
     big = tmp_path / "big.jsonl"
-    big.write_text(openai_pairs(1500))  # over the fixture's --max_file_mb 0.2
+    big.write_text(openai_pairs(800))  # over the fixture's --max_file_mb 0.1
     with pytest.raises(openai.APIStatusError) as e:
         client.files.create(file=open(big, "rb"), purpose="fine-tune")
     assert e.value.status_code == 413
