@@ -1,4 +1,5 @@
 """train_dpo.py: pure helpers on toy modules, then real 4-bit DPO steps on the bundled model."""
+import contextlib
 import datetime as dt
 import dataclasses
 import json
@@ -353,6 +354,52 @@ def test_completion_logps_on_a_toy_model_with_known_likelihoods():
     assert [(pytest.approx(a), b) for a, b in want] == got
     stats = evaluate.preference_stats([(got[0][0], got[1][0], 2, 3)])
     assert stats["accuracy"] == 1.0  # [0, 0] is likelier than [1, 2, 3] under this model
+
+
+def test_completion_logps_through_the_lean_head_match_each_rows_own_logits():
+    """A tiny real Llama with LoRA: the lean path (the backbone, then the head on the completion tokens alone;
+    rows sorted by length and padded in batches) gives each row what the model's own full logits give for that
+    row alone, with the adapter on and off; and the model whose head is not a plain one takes its own logits."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    model.eval()
+    assert fastpath.plain_head(model) is model.get_base_model().lm_head
+    assert fastpath.plain_head(model.base_model.model) is model.get_base_model().lm_head  # as dpo_logps passes it
+    gen = torch.Generator().manual_seed(1)
+    lengths = [(5, 3), (1, 7), (9, 1), (2, 2), (6, 5)]
+    prompts = [torch.randint(1, 64, (p,), generator=gen).tolist() for p, _ in lengths]
+    completions = [torch.randint(1, 64, (c,), generator=gen).tolist() for _, c in lengths]
+
+    def alone():
+        out = []
+        for p, c in zip(prompts, completions):
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([p + c])).logits[0].float()
+            logp = logits.log_softmax(-1)[len(p) - 1:-1].gather(-1, torch.tensor(c)[:, None])
+            out.append((logp.sum().item(), len(c)))
+        return out
+
+    for context in (model.disable_adapter, contextlib.nullcontext):
+        with context():
+            got = evaluate.completion_logps(model, prompts, completions, pad_id=0, batch_size=2)
+            want = alone()
+        assert [n for _, n in got] == [n for _, n in want]
+        assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in want], rel=1e-5, abs=1e-5)
+    with model.disable_adapter():
+        base = evaluate.completion_logps(model, prompts, completions, pad_id=0)
+    assert base != got  # the adapter moved them: the comparison above saw both models
+
+    model.get_base_model().config.final_logit_softcapping = 30.0  # a head the lean path would get wrong
+    assert fastpath.plain_head(model) is None
 
 
 def test_default_run_name_is_time_and_data_hash():

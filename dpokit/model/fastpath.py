@@ -837,6 +837,26 @@ def head_agrees(device, autocast_dtype=None) -> str | None:
         LOGP_TOKEN_CHUNK, LOGP_VOCAB_CHUNK, LOGP_TILES_CUDA = saved
 
 
+def plain_head(causal_lm):
+    """The output head of a causal LM (PEFT's wrapper taken off) when log-probs may go through chunked_logps on
+    its backbone's last hidden states: a bias-free linear head whose logits the model neither scales nor
+    soft-caps. None otherwise (and for anything that is not a transformers model), where the caller takes the
+    model's own logits."""
+    import torch
+
+    inner = causal_lm.get_base_model() if hasattr(causal_lm, "get_base_model") else causal_lm  # PEFT's wrapper
+    if not hasattr(inner, "get_output_embeddings") or not hasattr(inner, "base_model"):
+        return None
+    head = inner.get_output_embeddings()
+    text = inner.config.get_text_config()
+    if (head is None or getattr(head, "bias", None) is not None or type(head.weight) is not torch.nn.Parameter
+            or getattr(text, "final_logit_softcapping", None) is not None
+            or getattr(text, "logit_scale", None) not in (None, 1.0)
+            or getattr(text, "output_multiplier", None) not in (None, 1.0)):
+        return None
+    return head
+
+
 def chunked_logps(hidden, weight, targets, with_entropy: bool = False):
     """Per-row log-prob of targets under softmax(hidden @ weight^T), never the full logits; and the
     entropy of each row's softmax (no gradient) when with_entropy, else an empty tensor. The head's matmuls
@@ -1087,13 +1107,9 @@ def dpo_logps(trainer, model, model_kwargs: dict, input_ids, completion_mask):
 
     unwrapped = trainer.accelerator.unwrap_model(model)
     inner = unwrapped.base_model.model if hasattr(unwrapped, "peft_config") else unwrapped
-    head = inner.get_output_embeddings()
+    head = plain_head(inner)
     text = inner.config.get_text_config()
-    if (getattr(trainer, "_is_vlm", False) or head is None
-            or getattr(head, "bias", None) is not None or type(head.weight) is not torch.nn.Parameter
-            or head.weight.requires_grad or getattr(text, "final_logit_softcapping", None) is not None
-            or getattr(text, "logit_scale", None) not in (None, 1.0)
-            or getattr(text, "output_multiplier", None) not in (None, 1.0)):
+    if getattr(trainer, "_is_vlm", False) or head is None or head.weight.requires_grad:
         return None
     mask = completion_mask[:, 1:].bool()
     layout = None

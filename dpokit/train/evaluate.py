@@ -271,21 +271,48 @@ def tokenize_example(tokenizer, rec: dict, max_length: int) -> tuple[list, list]
 
 
 def completion_logps(model, prompts: list[list], completions: list[list], pad_id: int, batch_size: int = 4):
-    """Summed log-likelihood (nats) of each completion given its prompt, and its token count."""
+    """Summed log-likelihood (nats) of each completion given its prompt, and its token count. Rows run shortest
+    first, so a batch pads little; where the model's head is a plain one (fastpath.plain_head), the head runs on
+    the completion tokens' hidden states alone, through fastpath.chunked_logps, never the [tokens x vocabulary]
+    logits of the whole batch; else from the model's own logits."""
     import torch
 
-    out = []
-    for i in range(0, len(prompts), batch_size):
-        seqs = [p + c for p, c in zip(prompts[i:i + batch_size], completions[i:i + batch_size])]
+    from dpokit.model import fastpath
+
+    head = fastpath.plain_head(model)
+    if head is not None and fastpath.head_agrees(head.weight.device,
+                                                 fastpath.autocast_dtype(head.weight.device.type)) is not None:
+        head = None  # the lean head's kernel disagrees here: the model's own logits
+    backbone = None
+    if head is not None:
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        backbone = inner.base_model
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(completions[i]))
+    out = [None] * len(prompts)
+    for i in range(0, len(order), batch_size):
+        rows = order[i:i + batch_size]
+        seqs = [prompts[r] + completions[r] for r in rows]
         width = max(map(len, seqs))
         ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs])
         mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+        # the hidden state (logit) at position t predicts token t + 1: a completion's tokens are predicted from
+        # its prompt's last position on
+        predicts = torch.zeros(len(rows), max(width - 1, 0), dtype=torch.bool)
+        for j, r in enumerate(rows):
+            predicts[j, len(prompts[r]) - 1:len(prompts[r]) - 1 + len(completions[r])] = True
+        targets = ids[:, 1:][predicts]
         with torch.no_grad():
-            logits = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).logits.float()
-        logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None].to(logits.device))[..., 0]
-        for row, (p, c) in enumerate(zip(prompts[i:i + batch_size], completions[i:i + batch_size])):
-            start = len(p) - 1  # the logit at position t predicts token t + 1
-            out.append((logp[row, start:start + len(c)].sum().item(), len(c)))
+            if backbone is not None:
+                hidden = backbone(input_ids=ids.to(head.weight.device),
+                                  attention_mask=mask.to(head.weight.device)).last_hidden_state
+                logp = fastpath.chunked_logps(hidden[:, :-1][predicts.to(hidden.device)], head.weight,
+                                              targets.to(hidden.device))[0]
+            else:
+                logits = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).logits
+                chosen = logits[:, :-1][predicts.to(logits.device)].float()
+                logp = torch.log_softmax(chosen, dim=-1).gather(-1, targets[:, None].to(logits.device))[:, 0]
+        for r, part in zip(rows, logp.split([len(completions[r]) for r in rows])):
+            out[r] = (part.sum().item(), len(completions[r]))
     return out
 
 
