@@ -20,7 +20,7 @@ from pathlib import Path
 
 from dpokit.core import kit, runs
 from dpokit.data import formats, tokenization
-from dpokit.model import models, shapes
+from dpokit.model import fastpath, models, shapes
 from dpokit.scoring import checker
 from dpokit.train import methods
 from dpokit.core.kit import UserError
@@ -276,8 +276,6 @@ def completion_logps(model, prompts: list[list], completions: list[list], pad_id
     the completion tokens' hidden states alone, through fastpath.chunked_logps, never the [tokens x vocabulary]
     logits of the whole batch; else from the model's own logits."""
     import torch
-
-    from dpokit.model import fastpath
 
     head = fastpath.plain_head(model)
     if head is not None and fastpath.head_agrees(head.weight.device,
