@@ -356,7 +356,7 @@ def test_completion_logps_on_a_toy_model_with_known_likelihoods():
     assert stats["accuracy"] == 1.0  # [0, 0] is likelier than [1, 2, 3] under this model
 
 
-def test_completion_logps_through_the_lean_head_match_each_rows_own_logits():
+def test_completion_logps_through_the_lean_head_match_each_rows_own_logits(monkeypatch):
     """A tiny real Llama with LoRA: the lean path (the backbone, then the head on the completion tokens alone;
     rows sorted by length and padded in batches) gives each row what the model's own full logits give for that
     row alone, with the adapter on and off; and the model whose head is not a plain one takes its own logits."""
@@ -372,8 +372,9 @@ def test_completion_logps_through_the_lean_head_match_each_rows_own_logits():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.5)
     model.eval()
-    assert fastpath.plain_head(model) is model.get_base_model().lm_head
-    assert fastpath.plain_head(model.base_model.model) is model.get_base_model().lm_head  # as dpo_logps passes it
+    causal_lm = model.get_base_model()
+    assert fastpath.lean_parts(model) == (causal_lm.model, causal_lm.lm_head)
+    assert fastpath.lean_parts(model.base_model.model) == (causal_lm.model, causal_lm.lm_head)  # as dpo_logps passes it
     gen = torch.Generator().manual_seed(1)
     lengths = [(5, 3), (1, 7), (9, 1), (2, 2), (6, 5)]
     prompts = [torch.randint(1, 64, (p,), generator=gen).tolist() for p, _ in lengths]
@@ -388,18 +389,28 @@ def test_completion_logps_through_the_lean_head_match_each_rows_own_logits():
             out.append((logp.sum().item(), len(c)))
         return out
 
+    lean_calls = []
+    real_chunked = fastpath.chunked_logps
+
+    def spy(*args, **kwargs):  # the real kernel, counted: the lean path is what ran, not the fallback
+        if args[1] is causal_lm.lm_head.weight:  # not head_agrees' own probe
+            lean_calls.append(args[0].shape[0])
+        return real_chunked(*args, **kwargs)
+
+    monkeypatch.setattr(fastpath, "chunked_logps", spy)
     for context in (model.disable_adapter, contextlib.nullcontext):
         with context():
             got = evaluate.completion_logps(model, prompts, completions, pad_id=0, batch_size=2)
             want = alone()
         assert [n for _, n in got] == [n for _, n in want]
         assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in want], rel=1e-5, abs=1e-5)
+    assert sum(lean_calls) == 2 * sum(c for _, c in lengths)  # the head ran on the completion tokens alone
     with model.disable_adapter():
         base = evaluate.completion_logps(model, prompts, completions, pad_id=0)
     assert base != got  # the adapter moved them: the comparison above saw both models
 
     model.get_base_model().config.final_logit_softcapping = 30.0  # a head the lean path would get wrong
-    assert fastpath.plain_head(model) is None
+    assert fastpath.lean_parts(model) is None
 
 
 def test_default_run_name_is_time_and_data_hash():

@@ -837,11 +837,11 @@ def head_agrees(device, autocast_dtype=None) -> str | None:
         LOGP_TOKEN_CHUNK, LOGP_VOCAB_CHUNK, LOGP_TILES_CUDA = saved
 
 
-def plain_head(causal_lm):
-    """The output head of a causal LM (PEFT's wrapper taken off) when log-probs may go through chunked_logps on
-    its backbone's last hidden states: a bias-free linear head whose logits the model neither scales nor
-    soft-caps. None otherwise (and for anything that is not a transformers model), where the caller takes the
-    model's own logits."""
+def lean_parts(causal_lm):
+    """(backbone, output head) of a causal LM (PEFT's wrapper taken off) when its log-probs may go through
+    chunked_logps on the backbone's last hidden states: a bias-free linear head whose logits the model neither
+    scales nor soft-caps. None otherwise (and for anything that is not a transformers model), where the caller
+    takes the model's own logits."""
     import torch
 
     inner = causal_lm.get_base_model() if hasattr(causal_lm, "get_base_model") else causal_lm  # PEFT's wrapper
@@ -854,7 +854,7 @@ def plain_head(causal_lm):
             or getattr(text, "logit_scale", None) not in (None, 1.0)
             or getattr(text, "output_multiplier", None) not in (None, 1.0)):
         return None
-    return head
+    return inner.base_model, head
 
 
 def chunked_logps(hidden, weight, targets, with_entropy: bool = False):
@@ -1107,10 +1107,11 @@ def dpo_logps(trainer, model, model_kwargs: dict, input_ids, completion_mask):
 
     unwrapped = trainer.accelerator.unwrap_model(model)
     inner = unwrapped.base_model.model if hasattr(unwrapped, "peft_config") else unwrapped
-    head = plain_head(inner)
-    text = inner.config.get_text_config()
-    if getattr(trainer, "_is_vlm", False) or head is None or head.weight.requires_grad:
+    parts = lean_parts(inner)
+    if getattr(trainer, "_is_vlm", False) or parts is None or parts[1].weight.requires_grad:
         return None
+    backbone, head = parts
+    text = inner.config.get_text_config()
     mask = completion_mask[:, 1:].bool()
     layout = None
     if trainer.kit_share_prompts and _prefix_sharing_applies(trainer, inner, model_kwargs):
@@ -1124,10 +1125,10 @@ def dpo_logps(trainer, model, model_kwargs: dict, input_ids, completion_mask):
             layout = None
     with trainer.accelerator.autocast():
         if layout is not None:
-            predictors, labels, outputs = _shared_prompt_forward(inner.base_model, input_ids, *layout)
+            predictors, labels, outputs = _shared_prompt_forward(backbone, input_ids, *layout)
             trainer.kit_shared_batches += 1
         else:
-            outputs = inner.base_model(**model_kwargs)
+            outputs = backbone(**model_kwargs)
             predictors, labels = outputs.last_hidden_state[:, :-1][mask], input_ids[:, 1:][mask]
         logps, entropy = chunked_logps(predictors, head.weight, labels,
                                        with_entropy=not _is_reference_pass(trainer, model))

@@ -272,19 +272,15 @@ def tokenize_example(tokenizer, rec: dict, max_length: int) -> tuple[list, list]
 
 def completion_logps(model, prompts: list[list], completions: list[list], pad_id: int, batch_size: int = 4):
     """Summed log-likelihood (nats) of each completion given its prompt, and its token count. Rows run shortest
-    first, so a batch pads little; where the model's head is a plain one (fastpath.plain_head), the head runs on
+    first, so a batch pads little; where the model's head is a plain one (fastpath.lean_parts), the head runs on
     the completion tokens' hidden states alone, through fastpath.chunked_logps, never the [tokens x vocabulary]
     logits of the whole batch; else from the model's own logits."""
     import torch
 
-    head = fastpath.plain_head(model)
+    backbone, head = fastpath.lean_parts(model) or (None, None)
     if head is not None and fastpath.head_agrees(head.weight.device,
                                                  fastpath.autocast_dtype(head.weight.device.type)) is not None:
-        head = None  # the lean head's kernel disagrees here: the model's own logits
-    backbone = None
-    if head is not None:
-        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-        backbone = inner.base_model
+        backbone = None  # the lean head's kernel disagrees here: the model's own logits
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(completions[i]))
     out = [None] * len(prompts)
     for i in range(0, len(order), batch_size):
