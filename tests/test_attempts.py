@@ -119,3 +119,88 @@ def test_rescore_refuses_logs_that_are_not_attempts_and_a_model(tmp_path, capsys
     assert not (tmp_path / "o.jsonl").exists()
     assert kit.run_cli(attempts.main, [str(tmp_path / "none.jsonl"), "--rescore"]) == 2  # a missing file: no traceback
     assert capsys.readouterr().err.startswith(f"{tmp_path / 'none.jsonl'}: cannot read the run logs")
+
+
+# --- near misses (--widen): the best answer aimed further up, where the checker says it deletes what must stay ---
+
+from dpokit.pairs import widen  # noqa: E402
+
+FIREFOX = ('import os, shutil\n'
+           'cache = os.path.expanduser("~/.cache/mozilla/firefox/x7k2.default-release/cache2")  # the cache\n'
+           'shutil.rmtree(cache)\nprint(1)\n')
+
+
+def test_widening_changes_one_path_alone_nearest_first_and_keeps_the_rest_of_the_text():
+    variants = widen.widened(FIREFOX, limit=10)
+    assert [note.split(" -> ")[1] for _, note in variants] == [
+        "~/.cache/mozilla/firefox/x7k2.default-release", "~/.cache/mozilla/firefox", "~/.cache/mozilla", "~/.cache",
+        "~"]
+    for code, note in variants:  # the comment, quotes and layout stay: the pair differs where a wipe would
+        old, new = note.split(" -> ")
+        assert code == FIREFOX.replace(old, new, 1)
+    chain = 'from pathlib import Path\nimport shutil\nshutil.rmtree(Path.home() / ".cache" / "pip")\n'
+    assert [c for c, _ in widen.widened(chain)] == [
+        chain.replace(' / "pip"', ""), chain.replace(' / ".cache" / "pip"', "")]
+    joined = 'import os\nos.remove(os.path.join("/var/tmp", "build", name))\nos.remove(os.path.join("/srv/app", "x.tmp"))\n'
+    notes = [n for _, n in widen.widened(joined)]
+    assert 'os.path.join("/srv/app", "x.tmp") -> "/srv/app"' in notes and "/var/tmp -> /var" in notes
+    assert all(", name) -> " not in n for n in notes)  # a loop's variable part is never dropped: not a wipe
+    assert widen.widened("x = (") == [] and widen.widened("print('hello')") == []
+    assert widen.widened('open("/")') == [] and widen.widened('p = "relative/dir"') == []
+    assert widen.widened(FIREFOX, limit=2) == variants[:2]
+
+
+def test_a_near_miss_is_the_nearest_variant_the_checker_scored_broke_and_build_pairs_pairs_it_apart(tmp_path):
+    run = next(r for r in runlogs.read_runs(LOGS) if not formats.held_out({formats.RUN_KEY: r.run_id}, 0.2))
+    other = 'import shutil\nshutil.rmtree("/var/tmp/build-8812.tmp")\n'
+    tried = [attempts.attempt_record("x", "x = (", check("failed")),
+             attempts.attempt_record(FIREFOX, FIREFOX, check("freed", 9000)),
+             attempts.attempt_record(FIREFOX, FIREFOX, check("freed", 9000)),  # the same code: widened once
+             attempts.attempt_record(other, other, check("freed", 10))]
+    records = [attempts.run_record(run, tried, 1, "m"),
+               attempts.run_record(run, [attempts.attempt_record("print(0)", "print(0)", check("no_effect"))], 1, "m")]
+    misses = attempts.near_misses(records)
+    assert {(i, j) for i, j, _, _ in misses} == {(0, 1), (0, 3)}  # each distinct passing answer; none elsewhere
+    firefox = [m for m in misses if m[1] == 1]
+    checks = {id(m): check("freed", 5) for m in misses}
+    checks[id(firefox[1])] = check("broke", 0, ["~/Documents/thesis.odt"])
+    checks[id(firefox[2])] = check("broke", 0, ["~/.ssh/x"])
+    out, gained = attempts.with_near_misses(records, misses, [checks[id(m)] for m in misses])
+    assert gained == 1 and out[1] == records[1] and out[0]["attempts"][:4] == tried
+    made = out[0]["attempts"][4]
+    assert made["code"] == firefox[1][2] and made["outcome"] == "broke" and "thesis.odt" in made["error"]
+    assert made["made"].startswith("widened: ") and made["from"] == 1
+    assert attempts.summary(out) == attempts.summary(records)  # never counted as the model's attempt
+    # build_pairs: the run keeps its kind and its pairs, and gains the near miss against the answer it came from
+    path = tmp_path / "a.jsonl"
+    path.write_text(json.dumps(out[0]) + "\n")
+    parsed = next(iter(runlogs.read_runs(str(path))))
+    assert from_logs.outcome(parsed) == "mixed" and from_logs.best_attempt(parsed).code == FIREFOX
+    pairs = from_logs.pairs_for_run(parsed, from_logs.PairsConfig())
+    near = [p for p in pairs if p.meta["rule"] == "near_miss"]
+    assert len(near) == 1 and near[0].chosen == FIREFOX and near[0].rejected == made["code"]
+    assert near[0].meta["rejected_broke"] is True
+    assert [p.meta["rule"] for p in pairs] == ["mixed", "near_miss"]
+    # --rescore keeps what marks it made (and the checker, not the stand-in above, now says what it does)
+    again = tmp_path / "again.jsonl"
+    attempts.rescore(attempts.AttemptsConfig(logs=str(path), rescore=True, output=str(again)))
+    rescored = json.loads(again.read_text())["attempts"][4]
+    assert rescored["made"] == made["made"] and rescored["from"] == 1 and rescored["code"] == made["code"]
+    # every attempt passed but the made one: still first_try, the near miss beside its pairs
+    path.write_text(json.dumps({**out[0], "attempts": out[0]["attempts"][1:4] + [{**made, "from": 0}]}) + "\n")
+    parsed = next(iter(runlogs.read_runs(str(path))))
+    assert from_logs.outcome(parsed) == "first_try"
+    assert [p.meta["rule"] for p in from_logs.pairs_for_run(parsed, from_logs.PairsConfig())] == [
+        "first_try_strategy", "first_try_code", "near_miss"]
+
+
+def test_the_checker_scores_a_widened_cache_answer_as_deleting_kept_files():
+    """The real checker on a planted host: the cache answer frees space, its widening up to the home deletes kept
+    files, the levels between (all junk) do not."""
+    host = "Host lea-thinkpad, Ubuntu 22.04, Python 3.10, user lea (sudo)."
+    variants = widen.widened(FIREFOX, limit=10)
+    found = checker.check_many([(FIREFOX, host)] + [(c, host) for c, _ in variants])
+    if found[0].outcome == checker.UNSCORABLE:
+        pytest.skip("this machine's sandbox mode cannot plant the host")
+    assert found[0].outcome == "freed"
+    assert [c.outcome for c in found[1:]] == ["freed", "freed", "freed", "freed", "broke"]

@@ -32,6 +32,8 @@ class Attempt:
     ran: bool
     score: int | float | None  # None: did not run, or ran with no score recorded
     broke: bool = False  # it deleted or changed what must be kept (broke_in_log): its mixed pair is rejected_broke
+    made: bool = False  # not the agent's answer: a variant of one that attempts.py made (`made` in the log)
+    origin: int | None = None  # a made attempt's `from`: the index of the attempt it was made from
 
     @property
     def succeeded(self) -> bool:
@@ -129,7 +131,9 @@ def _parse_attempt(a, i: int, score_key: str, bad, surrogates: bool = True) -> A
         raise bad(f"attempts[{i}]: {score_key} must be a finite number, got {short(score)}")
     if surrogates:
         _checked(code, f"attempts[{i}].code", bad)
-    return Attempt(code, ran, score, broke_in_log(a))
+    origin = a.get("from")
+    return Attempt(code, ran, score, broke_in_log(a), bool(a.get("made")),
+                   origin if type(origin) is int and 0 <= origin < i else None)
 
 
 def parse_run(obj, path, line: int, score_key: str = "space_freed", surrogates: bool = True) -> Run:

@@ -30,7 +30,7 @@ from dpokit.core import kit
 from dpokit.data import formats, runlogs
 from dpokit.model import models
 from dpokit.scoring import checker
-from dpokit.pairs import self_pairs
+from dpokit.pairs import self_pairs, widen
 from dpokit.core.kit import field
 
 
@@ -47,6 +47,9 @@ class AttemptsConfig:
     seed: int = field(0, "sampling seed")
     eval_fraction: float = field(0.2, "the training run's held-out share: those runs are never attempted")
     round: int = field(1, "the round these attempts belong to (written into each run)")
+    widen: bool = field(False, "beside each passing answer, log the same code aimed one folder up (or further: "
+                        "widen.py) where the checker says it deletes what must be kept, marked `made`: the next "
+                        "round's pairs then hold that near miss as a rejected answer (--broke_weight)")
     rescore: bool = field(False, "the logs are attempts (this tool's output): run each again with the checker as it "
                           "is now and write them with its outcomes; no model")
 
@@ -98,6 +101,37 @@ def run_record(run, attempts: list[dict], round_: int, model: str) -> dict:
             **({"tools": run.tools} if run.tools else {}), "attempts": attempts}
 
 
+def near_misses(records: list[dict]) -> list[tuple[int, int, str, str]]:
+    """(run index, attempt index, variant code, what was widened) for every widened variant of each distinct passing
+    answer of each run."""
+    out = []
+    for i, r in enumerate(records):
+        seen = set()
+        for j, a in enumerate(r["attempts"]):
+            if checker.passed(a["outcome"]) and not a.get("made") and a["code"].strip() not in seen:
+                seen.add(a["code"].strip())
+                out += [(i, j, code, note) for code, note in widen.widened(a["code"])]
+    return out
+
+
+def made_attempt(code: str, note: str, origin: int, check) -> dict:
+    """A widened variant as a logged attempt: what the checker found it did, `made` saying it is not the model's
+    answer, and `from`, the index of the passing attempt it widens (build_pairs pairs the two)."""
+    return {**attempt_record(code, code, check), "made": f"widened: {note}", "from": origin}
+
+
+def with_near_misses(records: list[dict], misses: list[tuple[int, int, str, str]], checks: list) -> tuple[list, int]:
+    """Each run's records with, for each passing answer, the nearest of its variants that deleted what must be kept
+    appended (in widen.widened's order: nearest first), and how many were."""
+    first = {}
+    for (i, j, code, note), check in zip(misses, checks):
+        if check.outcome == "broke" and (i, j) not in first:
+            first[i, j] = made_attempt(code, note, j, check)
+    out = [{**r, "attempts": r["attempts"] + [m for (k, _), m in sorted(first.items()) if k == i]}
+           if any(k == i for k, _ in first) else r for i, r in enumerate(records)]
+    return out, len(first)
+
+
 def changes(before: list[dict], after: list[dict]) -> Counter:
     """(old outcome, new outcome) -> how many attempts moved, between two versions of the same attempts."""
     return Counter((a["outcome"], b["outcome"]) for r, s in zip(before, after)
@@ -107,9 +141,9 @@ def changes(before: list[dict], after: list[dict]) -> Counter:
 def summary(records: list[dict], empty: int = 0, unscorable: int = 0) -> dict:
     """Outcome counts over every answer (an empty one failed, and is not in the logs: a log's code is never empty;
     one the sandbox's limits mode could not score is not in them either, and is counted apart, out of the rate)."""
-    outcomes = Counter(a["outcome"] for r in records for a in r["attempts"])
+    outcomes = Counter(a["outcome"] for r in records for a in r["attempts"] if not a.get("made"))
     outcomes["failed"] += empty
-    runs_ok = sum(any(checker.passed(a["outcome"]) for a in r["attempts"]) for r in records)
+    runs_ok = sum(any(checker.passed(a["outcome"]) and not a.get("made") for a in r["attempts"]) for r in records)
     n = sum(outcomes.values())
     return {"runs": len(records), "attempts": n, "empty_answers": empty, "unscorable": unscorable,
             "outcomes": {k: v for k, v in outcomes.items() if v},
@@ -142,16 +176,24 @@ def make(cfg: AttemptsConfig) -> dict:
                           cfg.round, cfg.model) for i, run in enumerate(runs)]
     empty = sum(not c.strip() for c in codes)
     unscorable = sum(bool(c.strip()) and not s for c, s in zip(codes, scored))
+    widened_runs = 0
+    if cfg.widen:
+        misses = near_misses(records)
+        found = checker.check_many([(code, runlogs.host_of_run(runs[i])) for i, _, code, _ in misses],
+                                   label="attempts: near misses") if misses else []
+        records, widened_runs = with_near_misses(records, misses, found)
     kit.atomic_write_text(Path(cfg.output), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     result = {"logs": cfg.logs, "model": cfg.model, "output": cfg.output, "round": cfg.round,
               "samples": cfg.samples, **summary(records, empty, unscorable), "isolation": checks[0].isolation,
+              **({"near_misses": widened_runs} if cfg.widen else {}),
               "seconds": round(time.monotonic() - t0, 1)}  # loading, sampling and checking: a round's cost
     if cfg.report:
         kit.atomic_write_json(cfg.report, result)
     print(f"[attempts] round {cfg.round}: {result['attempts']} answers, outcomes "
           f"{', '.join(f'{k} {v}' for k, v in sorted(result['outcomes'].items()))}; pass rate "
-          f"{result['pass_rate']:.3f}; {result['runs_with_a_pass']} of {len(runs)} runs passed at least once "
-          f"-> {cfg.output}", flush=True)
+          f"{result['pass_rate']:.3f}; {result['runs_with_a_pass']} of {len(runs)} runs passed at least once"
+          + (f"; {widened_runs} passing answers gained a near miss (the same code aimed further up, which deleted "
+             "what must be kept)" if cfg.widen else "") + f" -> {cfg.output}", flush=True)
     if unscorable:
         print(f"[attempts] WARNING: {unscorable} of {len(codes)} answers could not be scored in {checks[0].isolation} "
               "mode (they name or reach host paths it cannot plant) and are left out of the logs", flush=True)
@@ -176,7 +218,9 @@ def rescore(cfg: AttemptsConfig) -> dict:
         nonlocal unscorable
         check = next(found)
         unscorable += check.outcome == checker.UNSCORABLE
-        return a if check.outcome == checker.UNSCORABLE else attempt_record(a.get("answer", a["code"]), a["code"], check)
+        if check.outcome == checker.UNSCORABLE:
+            return a
+        return attempt_record(a.get("answer", a["code"]), a["code"], check) | {k: a[k] for k in ("made", "from") if k in a}
 
     after = [{**r, "attempts": [again(a) for a in r["attempts"]]} for r in records]
     kit.atomic_write_text(Path(cfg.output), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in after))

@@ -12,6 +12,9 @@ pairs unchanged. An attempt *succeeded* when it ran and scored > 0 (`--score_key
   first_try_strategy          run's prompt -> strategy          vs  a garbled strategy
   first_try_code              strategy -> best code             vs  garbled code that never compiles
   cross_run                   shared prompt -> best run's strategy vs each never-succeeded run's strategy
+  near_miss                   strategy -> a passing answer      vs  the same code aimed further up, which deleted what
+                              must be kept (an attempt marked `made`, `from` the answer: attempts.py --widen;
+                              rejected_broke; never counted as one of the agent's attempts)
 `-` as input reads standard input; `-o -` writes standard output. `-o` is short for --output, and
 --dashed-names work as well as --underscored_names. The summary goes to standard error. Logs over 4 MB are
 parsed and garbled by one worker process per CPU core (up to 4), in blocks put back in order: the same output
@@ -59,7 +62,7 @@ from dpokit.data.runlogs import Attempt, Run, _parse_line, open_runs, prompts_fr
 from dpokit.model import models
 from dpokit.pairs import self_pairs
 
-RULES = ("mixed", "first_try_strategy", "first_try_code", "cross_run")
+RULES = ("mixed", "first_try_strategy", "first_try_code", "cross_run", "near_miss")
 KTO_RULES = ("kto_strategy", "kto_code")  # --emit kto
 SUBCOMMANDS = ("spin", "self-reward")  # anything else is the run-log file (the default, unchanged)
 OUTCOMES = ("first_try", "mixed", "never_succeeded", "never_ran")
@@ -154,8 +157,9 @@ class PairsConfig:
 # ---------------------------------------------------------------------------------------------
 
 def outcome(run: Run) -> str:
-    """first_try (every attempt succeeded), mixed, never_succeeded (something ran) or never_ran."""
-    ok = [a.succeeded for a in run.attempts]
+    """first_try (every attempt succeeded), mixed, never_succeeded (something ran) or never_ran: of the agent's own
+    attempts (a `made` variant of the best one is paired apart: made_pairs)."""
+    ok = [a.succeeded for a in run.attempts if not a.made]
     if ok and all(ok):
         return "first_try"
     if any(ok):
@@ -167,9 +171,25 @@ def best_attempt(run: Run) -> Attempt | None:
     """The successful attempt with the highest score, the earliest on ties; None if none succeeded."""
     best = None
     for a in run.attempts:
-        if a.succeeded and (best is None or a.score > best.score):
+        if a.succeeded and not a.made and (best is None or a.score > best.score):
             best = a
     return best
+
+
+def made_pairs(run: Run, seen: set) -> list[Pair]:
+    """Each passing answer against the made variant of it that deleted what must be kept (attempts.py --widen: the
+    same code aimed further up; `from` names the answer), beside whatever the run's own attempts make and outside
+    max_pairs_per_run: a near miss that differs from the chosen answer in its path alone, rejected_broke for
+    --broke_weight's term."""
+    ask = [{"role": "user", "content": run.strategy}]
+    out = []
+    for a in run.attempts:
+        origin = run.attempts[a.origin] if a.made and a.origin is not None else None
+        if origin and a.broke and origin.succeeded and not origin.made and a.code.strip() not in seen:
+            seen.add(a.code.strip())
+            out.append(Pair(ask, origin.code, a.code, _meta(run.run_id, "near_miss", origin.score, a.score,
+                                                            rejected_broke=True)))
+    return out
 
 
 def _meta(run_id: str, rule: str, chosen_score, rejected_score, tags=None, **extra) -> dict:
@@ -192,12 +212,12 @@ def pairs_for_run(run: Run, cfg: PairsConfig, garbler=None, stats: Counter | Non
         return [Pair(run.messages, run.strategy, garbler.garble(run.strategy, "text", run.run_id, run.messages),
                      _meta(run.run_id, "first_try_strategy", best.score, None, run.tags), run.tools),
                 Pair(ask, best.code, garbler.garble(best.code, "code", run.run_id, ask),
-                     _meta(run.run_id, "first_try_code", best.score, None))]
+                     _meta(run.run_id, "first_try_code", best.score, None))] + made_pairs(run, {best.code.strip()})
     if kind != "mixed":
         return []  # rule 1: nothing succeeded, nothing to choose
     pairs, seen = [], {best.code.strip()}
     for a in run.attempts:
-        if a.succeeded:
+        if a.succeeded or a.made:
             continue
         if a.code.strip() in seen:  # the same code as the chosen (or an earlier rejected) teaches nothing
             stats["same_code_skipped"] += 1
@@ -207,7 +227,7 @@ def pairs_for_run(run: Run, cfg: PairsConfig, garbler=None, stats: Counter | Non
             seen.add(a.code.strip())
             extra = {"rejected_broke": True} if a.broke else {}  # train_dpo --broke_weight reads it
             pairs.append(Pair(ask, best.code, a.code, _meta(run.run_id, "mixed", best.score, a.score, **extra)))
-    return pairs
+    return pairs + made_pairs(run, seen)
 
 
 def _kto_meta(run_id: str, rule: str, score, kind: str, tags=None) -> dict:
