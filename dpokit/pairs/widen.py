@@ -18,8 +18,8 @@ MAX_VARIANTS = 6  # widened variants tried per answer (each costs one run of the
 
 
 def _parent(path: str) -> str | None:
-    """A string path's parent folder, or None where it has none worth naming: "/" and "~" themselves are not widened
-    to (an answer aimed at the whole file system is not a near miss), nor is a relative path."""
+    """A string path's parent folder, or None where it has none worth naming: "/" is not widened to (an answer aimed
+    at the whole file system is not a near miss), nor is a relative path; "~" (the home) is, from "~/x"."""
     if not (path.startswith("/") or path.startswith("~/")):
         return None
     trimmed = path.rstrip("/")
