@@ -121,7 +121,7 @@ def test_rescore_refuses_logs_that_are_not_attempts_and_a_model(tmp_path, capsys
     assert capsys.readouterr().err.startswith(f"{tmp_path / 'none.jsonl'}: cannot read the run logs")
 
 
-# --- near misses (--widen): the best answer aimed further up, where the checker says it deletes what must stay ---
+# --- near misses (--widen): each passing answer aimed further up, where the checker says it deletes what must stay ---
 
 from dpokit.pairs import widen  # noqa: E402
 
@@ -150,7 +150,7 @@ def test_widening_changes_one_path_alone_nearest_first_and_keeps_the_rest_of_the
     assert widen.widened(FIREFOX, limit=2) == variants[:2]
 
 
-def test_a_near_miss_is_the_nearest_variant_the_checker_scored_broke_and_build_pairs_pairs_it_apart(tmp_path):
+def test_a_near_miss_is_the_nearest_variant_the_checker_scored_broke_and_build_pairs_pairs_it_apart(tmp_path, capsys):
     run = next(r for r in runlogs.read_runs(LOGS) if not formats.held_out({formats.RUN_KEY: r.run_id}, 0.2))
     other = 'import shutil\nshutil.rmtree("/var/tmp/build-8812.tmp")\n'
     tried = [attempts.attempt_record("x", "x = (", check("failed")),
@@ -192,6 +192,13 @@ def test_a_near_miss_is_the_nearest_variant_the_checker_scored_broke_and_build_p
     assert from_logs.outcome(parsed) == "first_try"
     assert [p.meta["rule"] for p in from_logs.pairs_for_run(parsed, from_logs.PairsConfig())] == [
         "first_try_strategy", "first_try_code", "near_miss"]
+    kto = from_logs.examples_for_run(parsed, from_logs.PairsConfig())  # KTO labels the agent's own tries alone
+    assert made["code"] not in [e.completion for e in kto] and all(e.label for e in kto)
+    # a made attempt whose `from` names no earlier attempt is the file's error, at its line
+    capsys.readouterr()
+    path.write_text(json.dumps({**out[0], "attempts": out[0]["attempts"][:4] + [{**made, "from": 4}]}) + "\n")
+    assert kit.run_cli(from_logs.main, [str(path), "-o", str(tmp_path / "p.jsonl")]) == 2
+    assert capsys.readouterr().err.startswith(f"{path}:1: attempts[4]: a made attempt's `from` must be the index of ")
 
 
 def test_the_checker_scores_a_widened_cache_answer_as_deleting_kept_files():

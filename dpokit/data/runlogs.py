@@ -132,8 +132,10 @@ def _parse_attempt(a, i: int, score_key: str, bad, surrogates: bool = True) -> A
     if surrogates:
         _checked(code, f"attempts[{i}].code", bad)
     origin = a.get("from")
-    return Attempt(code, ran, score, broke_in_log(a), bool(a.get("made")),
-                   origin if type(origin) is int and 0 <= origin < i else None)
+    if a.get("made") and not (type(origin) is int and 0 <= origin < i):
+        raise bad(f"attempts[{i}]: a made attempt's `from` must be the index of an earlier attempt (0 to {i - 1}), "
+                  f"got {'nothing' if origin is None else short(origin)}")
+    return Attempt(code, ran, score, broke_in_log(a), bool(a.get("made")), origin if a.get("made") else None)
 
 
 def parse_run(obj, path, line: int, score_key: str = "space_freed", surrogates: bool = True) -> Run:

@@ -123,13 +123,14 @@ def made_attempt(code: str, note: str, origin: int, check) -> dict:
 def with_near_misses(records: list[dict], misses: list[tuple[int, int, str, str]], checks: list) -> tuple[list, int]:
     """Each run's records with, for each passing answer, the nearest of its variants that deleted what must be kept
     appended (in widen.widened's order: nearest first), and how many were."""
-    first = {}
+    first = {}  # (run, answer) -> its nearest broke variant; misses come in run, answer, nearest-first order
     for (i, j, code, note), check in zip(misses, checks):
-        if check.outcome == "broke" and (i, j) not in first:
-            first[i, j] = made_attempt(code, note, j, check)
-    out = [{**r, "attempts": r["attempts"] + [m for (k, _), m in sorted(first.items()) if k == i]}
-           if any(k == i for k, _ in first) else r for i, r in enumerate(records)]
-    return out, len(first)
+        if check.outcome == "broke":
+            first.setdefault((i, j), made_attempt(code, note, j, check))
+    added = [[] for _ in records]
+    for (i, _), made in first.items():
+        added[i].append(made)
+    return [{**r, "attempts": r["attempts"] + extra} if extra else r for r, extra in zip(records, added)], len(first)
 
 
 def changes(before: list[dict], after: list[dict]) -> Counter:

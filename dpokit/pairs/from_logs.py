@@ -256,6 +256,8 @@ def examples_for_run(run: Run, cfg: PairsConfig, stats: Counter | None = None, k
                         _kto_meta(run.run_id, "kto_strategy", score, kind, run.tags), run.tools)]
     codes = {}  # code.strip() -> the try that stands for it
     for a in run.attempts:
+        if a.made:
+            continue  # not the agent's try (attempts.py --widen): its near miss is a DPO pair alone
         key = a.code.strip()
         first = codes.get(key)
         if first is None:
