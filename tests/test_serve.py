@@ -4,6 +4,7 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -253,6 +254,31 @@ def test_a_running_jobs_estimated_finish_is_the_trainings_own_estimate_and_its_s
     assert [(json.loads(e["data"])["step"], json.loads(e["data"])["total_steps"]) for e in events] == [(1, 10), (2, 10)]
     store.update_job(job_id, status="succeeded")
     assert api_openai.job_view(store.job(job_id))["estimated_finish"] is None  # only while it runs
+
+
+def test_a_service_dying_between_a_steps_event_and_its_job_row_says_that_step_once_when_it_comes_back(tmp_path):
+    store = jobs.Store(tmp_path / "serve")
+    scheduler = jobs.Scheduler(serve.ServeConfig(output_dir=str(tmp_path)), store)
+    train = tmp_path / "train.jsonl"
+    train.write_text(openai_pairs(4))
+    job_id = add_job(store, train, METHODS["dpo"])
+    store.update_job(job_id, status="running")
+    run = tmp_path / f"{job_id}.partial"
+    run.mkdir()
+    rows = [{"step": s, "max_steps": 4, "seconds_left": 9, "loss": 0.7} for s in (1, 2)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # the job row's write fails after the events were written, as a kill -9 between the two would leave it
+    store.execute("CREATE TRIGGER dies BEFORE UPDATE OF metrics_step ON jobs BEGIN SELECT RAISE(ABORT, 'killed'); END")
+    with pytest.raises(sqlite3.IntegrityError, match="killed"):
+        scheduler.follow_metrics(store.job(job_id))
+    store.execute("DROP TRIGGER dies")
+    steps = lambda: [json.loads(e["data"])["step"] for e in store.query(  # noqa: E731
+        "SELECT data FROM events WHERE job_id = ? AND type = 'metrics' ORDER BY seq", job_id)]
+    assert steps() == [] and store.job(job_id)["metrics_step"] == 0
+    scheduler.follow_metrics(store.job(job_id))  # the service again
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + [dict(rows[1], step=3)]))
+    scheduler.follow_metrics(store.job(job_id))
+    assert steps() == [1, 2, 3] and store.job(job_id)["metrics_step"] == 3
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -296,8 +296,30 @@ class Store:
         return rows[0] if rows else None
 
     def event(self, job_id: str, message: str, level: str = "info", kind: str = "message", data=None) -> None:
-        self.insert("events", {"id": new_id("ftevent"), "job_id": job_id, "created_at": now(), "level": level,
-                               "message": message, "type": kind, "data": json.dumps(data) if data is not None else None})
+        self.insert("events", self._event_row(job_id, message, level, kind, data))
+
+    @staticmethod
+    def _event_row(job_id: str, message: str, level: str = "info", kind: str = "message", data=None) -> dict:
+        return {"id": new_id("ftevent"), "job_id": job_id, "created_at": now(), "level": level, "message": message,
+                "type": kind, "data": json.dumps(data) if data is not None else None}
+
+    def metrics_events(self, job_id: str, events: list[tuple[str, dict]], metrics_step: int,
+                       estimated_finish: int | None) -> None:
+        """The steps' metrics events and the job's metrics_step, in one transaction: a service killed between
+        them would otherwise say a step again when it comes back (its metrics_step still before the step)."""
+        with self.connect() as db:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                for message, data in events:
+                    row = self._event_row(job_id, message, kind="metrics", data=data)
+                    db.execute(f"INSERT INTO events ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
+                               tuple(row.values()))
+                db.execute("UPDATE jobs SET metrics_step = ?, estimated_finish = ? WHERE id = ?",
+                           (metrics_step, estimated_finish, job_id))
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
 
     def add_file(self, filename: str, purpose: str, path: Path, size: int, file_id: str | None = None) -> dict:
         row = {"id": file_id or new_id("file"), "bytes": size, "created_at": now(), "filename": filename,
@@ -673,17 +695,16 @@ class Scheduler(threading.Thread):
         """New metrics.jsonl rows (steps not yet reported) as metrics events."""
         run = runs.Run(self.out, job["id"])
         rows = runs.read_metrics(run.partial if run.partial.exists() else run.final)
-        seen, left = job["metrics_step"] or 0, None
+        seen, left, events = job["metrics_step"] or 0, None, []
         for row in rows:
             if row["step"] > seen and "train_runtime" not in row and "loss" in row:
-                message, data = metrics_event(row)
-                self.store.event(job["id"], message, kind="metrics", data=data)
+                events.append(metrics_event(row))
                 seen, left = row["step"], row.get("seconds_left")
         if seen != job["metrics_step"]:
             # OpenAI's estimated_finish: the training's own estimate of the time its remaining steps take (the
             # held-out evaluation and the handoff after them are not in it)
-            self.store.update_job(job["id"], metrics_step=seen,
-                                  estimated_finish=now() + int(left) if isinstance(left, (int, float)) else None)
+            self.store.metrics_events(job["id"], events, seen,
+                                      now() + int(left) if isinstance(left, (int, float)) else None)
 
     def reap(self, job: dict, rc: int) -> None:
         """The process ended: succeeded (the run is complete), or stopped as asked (cancel, pause, the service
