@@ -281,6 +281,31 @@ def test_a_service_dying_between_a_steps_event_and_its_job_row_says_that_step_on
     assert steps() == [1, 2, 3] and store.job(job_id)["metrics_step"] == 3
 
 
+@pytest.mark.parametrize("stop, becomes", [("cancel", "cancelled"), ("pause", "paused")])
+def test_a_service_dying_as_it_reaps_a_stopped_job_keeps_the_stop_so_the_job_never_goes_back_to_the_queue(
+        tmp_path, stop, becomes):
+    store = jobs.Store(tmp_path / "serve")
+    scheduler = jobs.Scheduler(serve.ServeConfig(output_dir=str(tmp_path)), store)
+    train = tmp_path / "train.jsonl"
+    train.write_text(openai_pairs(4))
+    job_id = add_job(store, train, METHODS["dpo"])
+    store.update_job(job_id, status="running", pid=12345, stop_request=stop)
+    events = lambda: [e["message"] for e in store.query("SELECT message FROM events WHERE job_id = ? ORDER BY seq",  # noqa: E731
+                                                        job_id)]
+    before = events()
+    # the training stopped as asked; the write of what that makes the job fails, as a kill -9 there would leave it
+    store.execute("CREATE TRIGGER dies BEFORE UPDATE OF status ON jobs BEGIN SELECT RAISE(ABORT, 'killed'); END")
+    with pytest.raises(sqlite3.IntegrityError, match="killed"):
+        scheduler.reap(store.job(job_id), 0)
+    store.execute("DROP TRIGGER dies")
+    job = store.job(job_id)
+    assert (job["status"], job["stop_request"], job["pid"], events()) == ("running", stop, 12345, before)
+    scheduler.recover_job(job)  # the service again
+    job = store.job(job_id)
+    assert (job["status"], job["stop_request"], job["pid"]) == (becomes, None, None)
+    assert events() == before + [f"The service restarted: job {becomes}"]
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_a_validation_file_is_read_by_its_methods_training_rules_and_a_bad_line_is_named(tmp_path, method):
     """OpenAI's validation file holds what the method's training file holds (reinforcement rows with their item

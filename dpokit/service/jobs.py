@@ -241,6 +241,18 @@ class Store:
         finally:
             db.close()
 
+    @contextlib.contextmanager
+    def transaction(self):
+        """One connection whose statements commit together or not at all (a kill -9 in between keeps none)."""
+        with self.connect() as db:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+
     def query(self, sql: str, *args) -> list[dict]:
         with self.connect() as db:
             return [self._row(r) for r in db.execute(sql, args).fetchall()]
@@ -258,25 +270,34 @@ class Store:
         return d
 
     def insert(self, table: str, values: dict) -> None:
-        values = {k: json.dumps(v) if k in JSON_COLUMNS and v is not None else v for k, v in values.items()}
-        self.execute(f"INSERT INTO {table} ({', '.join(values)}) VALUES ({', '.join('?' * len(values))})",
-                     *values.values())
+        with self.connect() as db:
+            self._insert(db, table, values)
 
-    def update_job(self, job_id: str, **values) -> None:
+    @staticmethod
+    def _insert(db, table: str, values: dict) -> None:
         values = {k: json.dumps(v) if k in JSON_COLUMNS and v is not None else v for k, v in values.items()}
-        self.execute(f"UPDATE jobs SET {', '.join(f'{k} = ?' for k in values)} WHERE id = ?", *values.values(), job_id)
+        db.execute(f"INSERT INTO {table} ({', '.join(values)}) VALUES ({', '.join('?' * len(values))})",
+                   tuple(values.values()))
 
-    def move(self, job_id: str, from_statuses: tuple, unstopped: bool = False, **values) -> bool:
+    def update_job(self, job_id: str, said: str | None = None, level: str = "info", **values) -> None:
+        """The job's columns in values; with said, the event (at level) that says so, in the same transaction."""
+        self.move(job_id, None, said=said, level=level, **values)
+
+    def move(self, job_id: str, from_statuses: tuple | None, unstopped: bool = False, said: str | None = None,
+             level: str = "info", **values) -> bool:
         """update_job only while the job is still in one of from_statuses (a cancel that came in between wins),
         and with unstopped, while no stop (cancel, pause) has been asked for either: one asked for since the job
-        was read then decides, not the writer's older view."""
+        was read then decides, not the writer's older view. The event said is written only with the move."""
         values = {k: json.dumps(v) if k in JSON_COLUMNS and v is not None else v for k, v in values.items()}
-        unstopped_sql = " AND stop_request IS NULL" if unstopped else ""
-        with self.connect() as db:
-            cursor = db.execute(f"UPDATE jobs SET {', '.join(f'{k} = ?' for k in values)} WHERE id = ? AND status IN "
-                                f"({', '.join('?' * len(from_statuses))}){unstopped_sql}",
-                                (*values.values(), job_id, *from_statuses))
-            return cursor.rowcount == 1
+        where = "" if from_statuses is None else f" AND status IN ({', '.join('?' * len(from_statuses))})"
+        where += " AND stop_request IS NULL" if unstopped else ""
+        with self.transaction() as db:
+            cursor = db.execute(f"UPDATE jobs SET {', '.join(f'{k} = ?' for k in values)} WHERE id = ?{where}",
+                                (*values.values(), job_id, *(from_statuses or ())))
+            moved = cursor.rowcount == 1
+            if moved and said is not None:
+                self._insert(db, "events", self._event_row(job_id, said, level))
+            return moved
 
     def update_export(self, export_id: str, **values) -> None:
         values = {k: json.dumps(v) if k in JSON_COLUMNS and v is not None else v for k, v in values.items()}
@@ -307,19 +328,11 @@ class Store:
                        estimated_finish: int | None) -> None:
         """The steps' metrics events and the job's metrics_step, in one transaction: a service killed between
         them would otherwise say a step again when it comes back (its metrics_step still before the step)."""
-        with self.connect() as db:
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                for message, data in events:
-                    row = self._event_row(job_id, message, kind="metrics", data=data)
-                    db.execute(f"INSERT INTO events ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
-                               tuple(row.values()))
-                db.execute("UPDATE jobs SET metrics_step = ?, estimated_finish = ? WHERE id = ?",
-                           (metrics_step, estimated_finish, job_id))
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            db.execute("COMMIT")
+        with self.transaction() as db:
+            for message, data in events:
+                self._insert(db, "events", self._event_row(job_id, message, kind="metrics", data=data))
+            db.execute("UPDATE jobs SET metrics_step = ?, estimated_finish = ? WHERE id = ?",
+                       (metrics_step, estimated_finish, job_id))
 
     def add_file(self, filename: str, purpose: str, path: Path, size: int, file_id: str | None = None) -> dict:
         row = {"id": file_id or new_id("file"), "bytes": size, "created_at": now(), "filename": filename,
@@ -376,9 +389,9 @@ class Scheduler(threading.Thread):
         stop = job["stop_request"]
         status = {"cancel": "cancelled", "pause": "paused"}.get(stop, "queued")
         self.store.update_job(job["id"], status=status, pid=None, stop_request=None,
-                              finished_at=now() if status == "cancelled" else None)
-        self.store.event(job["id"], "The service restarted: the job resumes from its last checkpoint"
-                         if status == "queued" else f"The service restarted: job {status}")
+                              finished_at=now() if status == "cancelled" else None,
+                              said="The service restarted: the job resumes from its last checkpoint"
+                              if status == "queued" else f"The service restarted: job {status}")
 
     def run(self) -> None:
         while not self.stopping.wait(self.cfg.poll_seconds):
@@ -495,10 +508,10 @@ class Scheduler(threading.Thread):
             traceback.print_exc()
             self.abandon(job_id)
             reason = surprise_message(e, doing)
-            if self.store.move(job_id, ("validating_files", "queued", "running", "paused"), status="failed",
-                               finished_at=now(), pid=None, error={"code": "service_error", "message": reason,
-                                                                   "param": None}):
-                self.store.event(job_id, f"Job failed: {reason}", level="error")
+            self.store.move(job_id, ("validating_files", "queued", "running", "paused"), status="failed",
+                            finished_at=now(), pid=None, error={"code": "service_error", "message": reason,
+                                                                "param": None}, said=f"Job failed: {reason}",
+                            level="error")
 
     # The runner seam: how a training starts, is followed, stopped and found again. Here each is a child process
     # (train_dpo.py, scaleout.py or launcher.py); slurm.SlurmScheduler overrides these for SLURM jobs.
@@ -533,8 +546,8 @@ class Scheduler(threading.Thread):
             param = getattr(e, "param", "training_file")
             self.fail(job, "invalid_file", user_error_message(e, getattr(e, "filename", "training_file")), param)
             return
-        if self.store.move(job["id"], ("validating_files",), status="queued", data=data):
-            self.store.event(job["id"], "Files validated; the job is queued")
+        self.store.move(job["id"], ("validating_files",), status="queued", data=data,
+                        said="Files validated; the job is queued")
 
     def prepare_data(self, job: dict) -> str:
         """The training file validated in full (pairs), turned into pairs by the retraining rules (run logs) or
@@ -713,22 +726,24 @@ class Scheduler(threading.Thread):
         run = runs.Run(self.out, job["id"])
         status = runs.read_json((run.final if run.final.exists() else run.partial) / "status.json")
         stop = job["stop_request"]
-        self.store.update_job(job["id"], pid=None, stop_request=None)
         if rc == 0 and run.final.exists():
             return self.succeed(job, run)
         step = status.get("step")
+        # the stop asked for is cleared with the status it leads to, in one write: a service killed in between
+        # finds it still asked for (recover_job honours it), never a cancelled job back in the queue
+        ended = {"pid": None, "stop_request": None}
         if stop == "cancel":
-            self.store.update_job(job["id"], status="cancelled", finished_at=now())
-            self.store.event(job["id"], f"Job cancelled; its checkpoint (step {step}) is kept")
+            self.store.update_job(job["id"], status="cancelled", finished_at=now(), **ended,
+                                  said=f"Job cancelled; its checkpoint (step {step}) is kept")
         elif stop == "pause":
-            self.store.update_job(job["id"], status="paused")
-            self.store.event(job["id"], f"Job paused at step {step}; resume continues from its checkpoint")
+            self.store.update_job(job["id"], status="paused", **ended,
+                                  said=f"Job paused at step {step}; resume continues from its checkpoint")
         elif stop == "shutdown":
-            self.store.update_job(job["id"], status="queued")
-            self.store.event(job["id"], f"The service is stopping: checkpoint at step {step}; the job resumes "
-                             "when the service starts again")
+            self.store.update_job(job["id"], status="queued", **ended,
+                                  said=f"The service is stopping: checkpoint at step {step}; the job resumes "
+                                  "when the service starts again")
         elif rc == kit.EXIT_USAGE and "is in use by pid" in str(status.get("error", "")) + self.log_tail(job):
-            self.store.update_job(job["id"], status="queued")  # another process holds the run: try again later
+            self.store.update_job(job["id"], status="queued", **ended)  # another process holds the run: try again
         else:
             message = status.get("error") or self.log_tail(job) or f"training exited with status {rc}"
             self.fail(job, "training_failed" if rc != kit.EXIT_USAGE else "invalid_training_options", message)
@@ -744,13 +759,13 @@ class Scheduler(threading.Thread):
                    for name, path in (("step_metrics.csv", step_metrics), ("adapter.tar.gz", run.tarball),
                                       ("metrics.jsonl", run.final / "metrics.jsonl")) if path.exists()]
         self.store.update_job(job["id"], status="succeeded", finished_at=now(), trained_tokens=tokens,
-                              fine_tuned_model=job["fine_tuned_model"], result_files=results)
-        self.store.event(job["id"], f"The job has successfully completed: {job['fine_tuned_model']}")
+                              fine_tuned_model=job["fine_tuned_model"], result_files=results, pid=None,
+                              stop_request=None, said=f"The job has successfully completed: {job['fine_tuned_model']}")
 
     def fail(self, job: dict, code: str, message: str, param: str | None = None) -> None:
-        self.store.update_job(job["id"], status="failed", finished_at=now(),
-                              error={"code": code, "message": message, "param": param})
-        self.store.event(job["id"], f"Job failed: {message}", level="error")
+        self.store.update_job(job["id"], status="failed", finished_at=now(), pid=None, stop_request=None,
+                              error={"code": code, "message": message, "param": param},
+                              said=f"Job failed: {message}", level="error")
 
     def log_tail(self, job: dict, lines: int = 3) -> str:
         path = self.store.jobs_dir / job["id"] / "train.log"

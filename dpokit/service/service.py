@@ -239,12 +239,11 @@ class Service:
         (its training saves a checkpoint at the end of the step)."""
         store = self.store
         waiting = ("validating_files", "queued", "paused") if kind == "cancel" else ("validating_files", "queued")
-        if store.move(job["id"], ("running",), stop_request=kind):
-            store.event(job["id"], f"{kind.capitalize()} requested; the training saves a checkpoint and stops")
-        elif store.move(job["id"], waiting, **({"status": "cancelled", "finished_at": now()} if kind == "cancel"
-                                               else {"status": "paused"})):
-            store.event(job["id"], "Job cancelled" if kind == "cancel" else "Job paused before it started")
-        else:
+        asked = store.move(job["id"], ("running",), stop_request=kind,
+                           said=f"{kind.capitalize()} requested; the training saves a checkpoint and stops")
+        if not asked and not store.move(job["id"], waiting, **({"status": "cancelled", "finished_at": now()}
+                                                               if kind == "cancel" else {"status": "paused"}),
+                                        said="Job cancelled" if kind == "cancel" else "Job paused before it started"):
             job = store.job(job["id"])
             raise ApiError(400, f"cannot {kind} a job that is {job['status']}", "fine_tuning_job_id")
         return store.job(job["id"])

@@ -479,8 +479,8 @@ class SlurmScheduler(jobs.Scheduler):
             values = {"status": "cancelled", "finished_at": now()}
             message = f"{said} (scancel outside the service); its checkpoint (step {step}) is kept"
         if values is not None:
-            if self.store.move(job["id"], ("running",), unstopped=True, **values):
-                return self.store.event(job["id"], message, level=level)
+            if self.store.move(job["id"], ("running",), unstopped=True, said=message, level=level, **values):
+                return None
             job = self.store.job(job["id"])  # a cancel or pause came in since the job was read: it decides
         self.store.event(job["id"], said, data={"slurm_job_id": slurm_id, "slurm_state": state})
         self.reap(job, rc if rc is not None else 0 if state == "COMPLETED" else 1)
