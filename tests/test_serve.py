@@ -1,5 +1,6 @@
 """serve.py, service.py, api_*.py and jobs.py: the pure mappings, then a real service (uvicorn in a subprocess on a free port) driven by the official
 openai SDK and by nip's JSON shapes over httpx, training the bundled model for a few steps per job."""
+import contextlib
 import json
 import os
 import signal
@@ -157,6 +158,29 @@ METHODS = {"dpo": {"type": "dpo"}, "supervised": {"type": "supervised"}, "reinfo
                                         "operation": "eq", "reference": "{{item.answer}}"}}}
 
 
+def running_job(tmp_path: Path, **values) -> tuple[jobs.Store, jobs.Scheduler, str]:
+    """A store, its scheduler (no thread started) and a DPO job in it marked running, with values set too."""
+    store = jobs.Store(tmp_path / "serve")
+    scheduler = jobs.Scheduler(serve.ServeConfig(output_dir=str(tmp_path)), store)
+    train = tmp_path / "train.jsonl"
+    train.write_text(openai_pairs(4))
+    job_id = add_job(store, train, METHODS["dpo"])
+    store.update_job(job_id, status="running", **values)
+    return store, scheduler, job_id
+
+
+@contextlib.contextmanager
+def killed_at_write_of(store: jobs.Store, column: str):
+    """The body's write of the jobs table's column fails (a trigger aborts it), as a service killed just before
+    that write leaves the database; the body must raise that failure."""
+    store.execute(f"CREATE TRIGGER dies BEFORE UPDATE OF {column} ON jobs BEGIN SELECT RAISE(ABORT, 'killed'); END")
+    try:
+        with pytest.raises(sqlite3.IntegrityError, match="killed"):
+            yield
+    finally:
+        store.execute("DROP TRIGGER dies")
+
+
 def add_job(store: jobs.Store, path: Path, method: dict, name: str | None = None) -> str:
     """A job as the APIs create it (validating its training file), on an upload stored at path."""
     f = store.add_file(name or path.name, "fine-tune", path, path.stat().st_size)
@@ -234,12 +258,7 @@ def test_the_results_file_is_openais_csv_one_row_per_step_base64_encoded():
 def test_a_running_jobs_estimated_finish_is_the_trainings_own_estimate_and_its_steps_are_in_the_events(tmp_path):
     from dpokit.service import api_openai
 
-    store = jobs.Store(tmp_path / "serve")
-    scheduler = jobs.Scheduler(serve.ServeConfig(output_dir=str(tmp_path)), store)
-    train = tmp_path / "train.jsonl"
-    train.write_text(openai_pairs(4))
-    job_id = add_job(store, train, METHODS["dpo"])
-    store.update_job(job_id, status="running")
+    store, scheduler, job_id = running_job(tmp_path)
     run = tmp_path / f"{job_id}.partial"
     run.mkdir()
     rows = [{"step": 1, "epoch": 0.1, "max_steps": 10, "seconds_left": 90, "loss": 0.7},
@@ -257,21 +276,13 @@ def test_a_running_jobs_estimated_finish_is_the_trainings_own_estimate_and_its_s
 
 
 def test_a_service_dying_between_a_steps_event_and_its_job_row_says_that_step_once_when_it_comes_back(tmp_path):
-    store = jobs.Store(tmp_path / "serve")
-    scheduler = jobs.Scheduler(serve.ServeConfig(output_dir=str(tmp_path)), store)
-    train = tmp_path / "train.jsonl"
-    train.write_text(openai_pairs(4))
-    job_id = add_job(store, train, METHODS["dpo"])
-    store.update_job(job_id, status="running")
+    store, scheduler, job_id = running_job(tmp_path)
     run = tmp_path / f"{job_id}.partial"
     run.mkdir()
     rows = [{"step": s, "max_steps": 4, "seconds_left": 9, "loss": 0.7} for s in (1, 2)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    # the job row's write fails after the events were written, as a kill -9 between the two would leave it
-    store.execute("CREATE TRIGGER dies BEFORE UPDATE OF metrics_step ON jobs BEGIN SELECT RAISE(ABORT, 'killed'); END")
-    with pytest.raises(sqlite3.IntegrityError, match="killed"):
+    with killed_at_write_of(store, "metrics_step"):  # after the events were written, as a kill -9 there leaves it
         scheduler.follow_metrics(store.job(job_id))
-    store.execute("DROP TRIGGER dies")
     steps = lambda: [json.loads(e["data"])["step"] for e in store.query(  # noqa: E731
         "SELECT data FROM events WHERE job_id = ? AND type = 'metrics' ORDER BY seq", job_id)]
     assert steps() == [] and store.job(job_id)["metrics_step"] == 0
@@ -284,20 +295,12 @@ def test_a_service_dying_between_a_steps_event_and_its_job_row_says_that_step_on
 @pytest.mark.parametrize("stop, becomes", [("cancel", "cancelled"), ("pause", "paused")])
 def test_a_service_dying_as_it_reaps_a_stopped_job_keeps_the_stop_so_the_job_never_goes_back_to_the_queue(
         tmp_path, stop, becomes):
-    store = jobs.Store(tmp_path / "serve")
-    scheduler = jobs.Scheduler(serve.ServeConfig(output_dir=str(tmp_path)), store)
-    train = tmp_path / "train.jsonl"
-    train.write_text(openai_pairs(4))
-    job_id = add_job(store, train, METHODS["dpo"])
-    store.update_job(job_id, status="running", pid=12345, stop_request=stop)
+    store, scheduler, job_id = running_job(tmp_path, pid=12345, stop_request=stop)
     events = lambda: [e["message"] for e in store.query("SELECT message FROM events WHERE job_id = ? ORDER BY seq",  # noqa: E731
                                                         job_id)]
     before = events()
-    # the training stopped as asked; the write of what that makes the job fails, as a kill -9 there would leave it
-    store.execute("CREATE TRIGGER dies BEFORE UPDATE OF status ON jobs BEGIN SELECT RAISE(ABORT, 'killed'); END")
-    with pytest.raises(sqlite3.IntegrityError, match="killed"):
+    with killed_at_write_of(store, "status"):  # the training stopped as asked; what that makes the job is not written
         scheduler.reap(store.job(job_id), 0)
-    store.execute("DROP TRIGGER dies")
     job = store.job(job_id)
     assert (job["status"], job["stop_request"], job["pid"], events()) == ("running", stop, 12345, before)
     scheduler.recover_job(job)  # the service again
